@@ -1,0 +1,19 @@
+from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
+
+
+class LeasesConfig(AppConfig):
+    name = "django_leases"
+    label = "django_leases"
+    verbose_name = _("Leased jobs")
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.core import checks
+
+        from django_leases import checks as lease_checks
+        from django_leases import conf, handlers
+
+        checks.register(lease_checks.check_settings)
+        conf.connect_signals()
+        handlers.autodiscover()

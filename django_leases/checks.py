@@ -1,0 +1,163 @@
+"""System checks for `settings.DJANGO_LEASES`. Ids are stable: never renumber or reuse one."""
+
+import math
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Warning
+
+from django_leases.conf import DEFAULTS
+
+DURATIONS = (
+    "TTL",
+    "HEARTBEAT",
+    "NEAR_EXPIRY",
+    "POLL_INTERVAL",
+    "GRACE_PERIOD",
+    "BACKOFF_BASE",
+    "BACKOFF_MAX",
+    "WATCH_INTERVAL",
+    "WORKER_GONE_AFTER",
+)
+COUNTS = ("CONCURRENCY", "MAX_ATTEMPTS", "PRUNE_BATCH_SIZE")
+BOOLEANS = ("PRUNE_LEDGER", "USE_NOTIFY")
+POLICIES = ("retry", "review")
+FINAL_STATUSES = ("completed", "failed", "cancelled")
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def check_settings(**kwargs: Any) -> list[CheckMessage]:
+    """Validate `settings.DJANGO_LEASES`."""
+    user = getattr(settings, "DJANGO_LEASES", {})
+    if not isinstance(user, dict):
+        return [
+            Error(
+                f"DJANGO_LEASES must be a dict, got {type(user).__name__}.",
+                hint="Set DJANGO_LEASES = {...} with the keys documented in the README.",
+                id="django_leases.E001",
+            )
+        ]
+    messages: list[CheckMessage] = []
+    for key in sorted(set(user) - set(DEFAULTS)):
+        messages.append(
+            Warning(
+                f"DJANGO_LEASES has an unknown key {key!r}; it is ignored.",
+                hint=f"Known keys: {', '.join(DEFAULTS)}.",
+                id="django_leases.W001",
+            )
+        )
+    values = {**DEFAULTS, **user}
+    for key in DURATIONS:
+        if not _is_positive_number(values[key]):
+            messages.append(
+                Error(
+                    f"DJANGO_LEASES[{key!r}] must be a positive number of seconds, "
+                    f"got {values[key]!r}.",
+                    hint=f"The default is {DEFAULTS[key]!r}.",
+                    id="django_leases.E002",
+                )
+            )
+    for key in COUNTS:
+        value = values[key]
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            messages.append(
+                Error(
+                    f"DJANGO_LEASES[{key!r}] must be a whole number of at least 1, got {value!r}.",
+                    hint=f"The default is {DEFAULTS[key]!r}.",
+                    id="django_leases.E004",
+                )
+            )
+    for key in BOOLEANS:
+        if not isinstance(values[key], bool):
+            messages.append(
+                Error(
+                    f"DJANGO_LEASES[{key!r}] must be True or False, got {values[key]!r}.",
+                    hint=f"The default is {DEFAULTS[key]!r}.",
+                    id="django_leases.E009",
+                )
+            )
+    ttl, heartbeat = values["TTL"], values["HEARTBEAT"]
+    if _is_positive_number(ttl) and _is_positive_number(heartbeat) and heartbeat >= ttl:
+        messages.append(
+            Error(
+                f"DJANGO_LEASES['HEARTBEAT'] ({heartbeat!r}) must be shorter than "
+                f"DJANGO_LEASES['TTL'] ({ttl!r}).",
+                hint="A lease renewed no more often than it expires is lost between renewals; "
+                "use a heartbeat of about a third of the TTL.",
+                id="django_leases.E003",
+            )
+        )
+    near = values["NEAR_EXPIRY"]
+    if _is_positive_number(ttl) and _is_positive_number(near) and near >= ttl:
+        messages.append(
+            Warning(
+                f"DJANGO_LEASES['NEAR_EXPIRY'] ({near!r}) is not shorter than the TTL ({ttl!r}): "
+                "every lease will show as near expiry.",
+                hint="Use a value below TTL - HEARTBEAT, e.g. the default 20 with a TTL of 60.",
+                id="django_leases.W002",
+            )
+        )
+    base, cap = values["BACKOFF_BASE"], values["BACKOFF_MAX"]
+    if _is_positive_number(base) and _is_positive_number(cap) and cap < base:
+        messages.append(
+            Error(
+                f"DJANGO_LEASES['BACKOFF_MAX'] ({cap!r}) is smaller than BACKOFF_BASE ({base!r}).",
+                hint="BACKOFF_MAX caps the retry delay and must be at least BACKOFF_BASE.",
+                id="django_leases.E008",
+            )
+        )
+    messages.extend(_check_policies(values))
+    messages.extend(_check_retention(values["RETENTION"]))
+    return messages
+
+
+def _check_policies(values: dict[str, Any]) -> list[CheckMessage]:
+    messages: list[CheckMessage] = []
+    if values["STUCK_POLICY"] not in POLICIES:
+        messages.append(
+            Error(
+                f"DJANGO_LEASES['STUCK_POLICY'] must be one of {POLICIES}, "
+                f"got {values['STUCK_POLICY']!r}.",
+                hint="'retry' returns expired jobs to pending; 'review' holds them for an "
+                "operator when they passed a checkpoint.",
+                id="django_leases.E005",
+            )
+        )
+    by_kind = values["STUCK_POLICY_BY_KIND"]
+    if not isinstance(by_kind, dict) or any(
+        not isinstance(kind, str) or policy not in POLICIES for kind, policy in by_kind.items()
+    ):
+        messages.append(
+            Error(
+                "DJANGO_LEASES['STUCK_POLICY_BY_KIND'] must map job kinds to one of "
+                f"{POLICIES}, got {by_kind!r}.",
+                hint="For example {'capture': 'review', 'webhook': 'retry'}.",
+                id="django_leases.E006",
+            )
+        )
+    return messages
+
+
+def _check_retention(retention: Any) -> list[CheckMessage]:
+    if isinstance(retention, dict) and all(
+        status in FINAL_STATUSES and _is_positive_number(seconds)
+        for status, seconds in retention.items()
+    ):
+        return []
+    return [
+        Error(
+            "DJANGO_LEASES['RETENTION'] must map final statuses "
+            f"{FINAL_STATUSES} to positive seconds, got {retention!r}.",
+            hint="For example {'completed': 7 * 86400, 'failed': 30 * 86400}; a status left "
+            "out is never pruned.",
+            id="django_leases.E007",
+        )
+    ]

@@ -1,0 +1,109 @@
+"""Settings of django-leases: one dict, `settings.DJANGO_LEASES`, read lazily.
+
+Values are validated by the system checks in `checks.py`, never here.
+"""
+
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+
+from django_leases.exceptions import InvalidDuration
+
+DAY = 24 * 3600
+
+# Every default, in the order the README documents them.
+DEFAULTS: dict[str, Any] = {
+    # Lease length in seconds; a job whose holder stops heartbeating is claimable after this.
+    "TTL": 60.0,
+    # Seconds between two lease renewals of a worker; must be shorter than TTL.
+    "HEARTBEAT": 20.0,
+    # A lease ending within this many seconds is shown as "near expiry" in the admin.
+    "NEAR_EXPIRY": 20.0,
+    # Seconds a worker sleeps between two polls when it found nothing to claim (jittered).
+    "POLL_INTERVAL": 1.0,
+    # Jobs one worker process runs at once, each on its own thread and connection.
+    "CONCURRENCY": 1,
+    # Seconds a stopping worker lets running jobs finish before it releases them.
+    "GRACE_PERIOD": 30.0,
+    # Acquisitions a job gets before it fails for good, unless enqueue() says otherwise.
+    "MAX_ATTEMPTS": 5,
+    # First retry delay in seconds; it doubles per attempt, with full jitter.
+    "BACKOFF_BASE": 2.0,
+    # Upper bound of a retry delay in seconds.
+    "BACKOFF_MAX": 600.0,
+    # Seconds between two passes of watch_stuck_jobs (jittered).
+    "WATCH_INTERVAL": 30.0,
+    # What the watcher does with an expired lease: "retry" (back to pending) or "review".
+    "STUCK_POLICY": "retry",
+    # Per-kind overrides of STUCK_POLICY, e.g. {"capture": "review"}.
+    "STUCK_POLICY_BY_KIND": {},
+    # Seconds a finished job is kept per final status before prune_jobs deletes it.
+    "RETENTION": {"completed": 7 * DAY, "failed": 30 * DAY, "cancelled": 30 * DAY},
+    # Rows prune_jobs deletes per statement.
+    "PRUNE_BATCH_SIZE": 1000,
+    # Whether prune_jobs deletes a job's attempt ledger with it (False keeps the audit trail).
+    "PRUNE_LEDGER": True,
+    # On PostgreSQL, wake idle workers with LISTEN/NOTIFY when a job is enqueued.
+    "USE_NOTIFY": True,
+    # A worker whose registry row was not refreshed for this many seconds is presumed gone.
+    "WORKER_GONE_AFTER": 120.0,
+}
+
+
+class LeasesSettings:
+    """Read `settings.DJANGO_LEASES` lazily, falling back to `DEFAULTS`."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def user_settings(self) -> dict[str, Any]:
+        value = getattr(settings, "DJANGO_LEASES", None)
+        return value if isinstance(value, dict) else {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in DEFAULTS:
+            raise AttributeError(f"Unknown django-leases setting {name!r}")
+        if name not in self._cache:
+            self._cache[name] = self.user_settings.get(name, DEFAULTS[name])
+        return self._cache[name]
+
+    def reload(self) -> None:
+        self._cache.clear()
+
+    def stuck_policy(self, kind: str) -> str:
+        """Return the watcher policy ("retry" or "review") for jobs of `kind`."""
+        return str(self.STUCK_POLICY_BY_KIND.get(kind, self.STUCK_POLICY))
+
+
+leases_settings = LeasesSettings()
+
+
+def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == "DJANGO_LEASES":
+        leases_settings.reload()
+
+
+def connect_signals() -> None:
+    setting_changed.connect(_on_setting_changed, dispatch_uid="django_leases.conf")
+
+
+def to_seconds(value: float | timedelta, name: str = "duration") -> float:
+    """Return `value` (seconds or a `timedelta`) as positive float seconds.
+
+    Raises:
+        InvalidDuration: for anything that is not a positive, finite duration.
+    """
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise InvalidDuration(
+            f"{name} must be seconds (int or float) or a timedelta, got {value!r}"
+        )
+    if not 0 < seconds < float("inf"):
+        raise InvalidDuration(f"{name} must be positive and finite, got {value!r}")
+    return seconds

@@ -1,0 +1,25 @@
+"""Errors raised by django-leases. Every one derives from `LeaseError`."""
+
+
+class LeaseError(Exception):
+    """Base class of every django-leases error."""
+
+
+class LeaseLost(LeaseError):
+    """The holder no longer owns the job: its lease expired, was taken over or was fenced out."""
+
+
+class PermanentError(LeaseError):
+    """Raised by a handler for an error that must not be retried: the job fails at once."""
+
+
+class InvalidPayload(LeaseError, ValueError):
+    """The payload cannot be stored as JSON; nothing was written."""
+
+
+class InvalidDuration(LeaseError, ValueError):
+    """A duration argument is not positive seconds or a `timedelta`."""
+
+
+class HandlerError(LeaseError):
+    """A job handler is registered twice for one kind, or is missing for a kind."""

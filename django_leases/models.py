@@ -1,0 +1,253 @@
+"""Leased jobs: the abstract base, `PaymentJob`, the attempt ledger and the worker registry."""
+
+from typing import ClassVar
+
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils.translation import gettext_lazy as _
+
+from django_leases.querysets import (
+    AttemptQuerySet,
+    LeaseQuerySet,
+    PaymentJobQuerySet,
+    WorkerQuerySet,
+)
+
+
+class JobStatus(models.TextChoices):
+    PENDING = "pending", _("Pending")
+    """Enqueued, retried, released or requeued: claimable once `run_at` has passed."""
+    PROCESSING = "processing", _("Processing")
+    """Claimed: a worker holds the lease until `lease_until`."""
+    COMPLETED = "completed", _("Completed")
+    """The handler returned and its holder recorded the success."""
+    FAILED = "failed", _("Failed")
+    """A permanent error, or no attempts left."""
+    REVIEW = "review", _("Under review")
+    """The lease expired after a risky checkpoint: an operator or a reconcile hook decides."""
+    CANCELLED = "cancelled", _("Cancelled")
+    """Cancelled by an operator while pending; never ran to completion."""
+
+
+class AbstractLeasedJob(models.Model):
+    """The lease fields and `LeaseQuerySet`, for any project's own job table."""
+
+    Status = JobStatus
+
+    kind = models.CharField(_("kind"), max_length=100)
+    payload = models.JSONField(_("payload"), default=dict, blank=True)
+    status = models.CharField(
+        _("status"), max_length=20, choices=JobStatus.choices, default=JobStatus.PENDING
+    )
+    priority = models.SmallIntegerField(_("priority"), default=0, help_text=_("Higher runs first."))
+    run_at = models.DateTimeField(_("run at"), db_default=Now())
+    attempts = models.PositiveIntegerField(_("attempts"), default=0)
+    max_attempts = models.PositiveIntegerField(_("max attempts"), default=5)
+    lease_owner = models.CharField(_("lease owner"), max_length=255, blank=True, default="")
+    lease_until = models.DateTimeField(_("lease until"), null=True, blank=True)
+    lease_token = models.PositiveBigIntegerField(
+        _("fencing token"),
+        default=0,
+        help_text=_("Grows with every acquisition; a holder's writes must present it."),
+    )
+    heartbeat_at = models.DateTimeField(_("last heartbeat at"), null=True, blank=True)
+    checkpoint = models.CharField(_("checkpoint"), max_length=100, blank=True, default="")
+    last_error = models.TextField(_("last error"), blank=True, default="")
+    created_at = models.DateTimeField(_("created at"), db_default=Now())
+    completed_at = models.DateTimeField(
+        _("completed at"),
+        null=True,
+        blank=True,
+        help_text=_("When the job reached its final status."),
+    )
+
+    objects = LeaseQuerySet.as_manager()
+
+    # The concrete ledger model (an `AbstractJobAttempt` subclass) as "app_label.ModelName", or
+    # None for a job table without a ledger.
+    attempt_model: ClassVar[str | None] = None
+
+    class Meta:
+        abstract = True
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.pk} ({self.status})"
+
+
+def lease_indexes(prefix: str) -> list[models.Index]:
+    """Return the indexes that keep claims cheap however many finished rows pile up.
+
+    PostgreSQL and SQLite honour `condition`, so each index holds only the live rows it serves.
+    MariaDB/MySQL ignore `condition` and build the full index; `status` leads each index so that
+    the claim still reads one contiguous range of it there.
+    """
+    return [
+        # claim(): due pending jobs in claim order.
+        models.Index(
+            "status",
+            models.F("priority").desc(),
+            "run_at",
+            "id",
+            name=f"{prefix}_due_idx",
+            condition=Q(status=JobStatus.PENDING),
+        ),
+        # claim() takeovers, expired(), near_expiry() and the watcher.
+        models.Index(
+            fields=["status", "lease_until"],
+            name=f"{prefix}_lease_idx",
+            condition=Q(status=JobStatus.PROCESSING),
+        ),
+    ]
+
+
+def lease_constraints(prefix: str) -> list[models.BaseConstraint]:
+    return [
+        # A processing job always has an owner and a lease end.
+        models.CheckConstraint(
+            condition=~Q(status=JobStatus.PROCESSING)
+            | (Q(lease_until__isnull=False) & ~Q(lease_owner="")),
+            name=f"{prefix}_processing_has_lease",
+        ),
+        models.CheckConstraint(
+            condition=Q(status__in=JobStatus.values), name=f"{prefix}_status_valid"
+        ),
+        models.CheckConstraint(condition=Q(max_attempts__gte=1), name=f"{prefix}_max_attempts_min"),
+    ]
+
+
+class PaymentJob(AbstractLeasedJob):
+    """A payment job: capture, refund, webhook delivery, reconciliation."""
+
+    payment_id = models.CharField(_("payment id"), max_length=64, blank=True, default="")
+    idempotency_key = models.CharField(
+        _("idempotency key"), max_length=255, null=True, blank=True, unique=True
+    )
+
+    objects = PaymentJobQuerySet.as_manager()
+
+    attempt_model = "django_leases.JobAttempt"
+
+    class Meta:
+        verbose_name = _("payment job")
+        verbose_name_plural = _("payment jobs")
+        indexes = [
+            *lease_indexes("dl_job"),
+            models.Index(fields=["payment_id"], name="dl_job_payment_idx"),
+            # prune_jobs and the admin's "finished in the last hour".
+            models.Index(fields=["status", "completed_at"], name="dl_job_finished_idx"),
+        ]
+        constraints = lease_constraints("dl_job")
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.pk} ({self.status})"
+
+
+class AttemptOutcome(models.TextChoices):
+    RUNNING = "running", _("Running")
+    COMPLETED = "completed", _("Completed")
+    FAILED = "failed", _("Failed")
+    RETRIED = "retried", _("Failed, retry scheduled")
+    LEASE_LOST = "lease_lost", _("Lease lost (taken over after expiry)")
+    RESCUED = "rescued", _("Rescued by the watcher")
+    REVIEW = "review", _("Held for review by the watcher")
+    RELEASED = "released", _("Released by its holder")
+    REQUEUED = "requeued", _("Requeued by an operator")
+
+
+class AbstractJobAttempt(models.Model):
+    """One row per lease acquisition: the append-only attempt ledger an auditor asks for."""
+
+    Outcome = AttemptOutcome
+
+    attempt = models.PositiveIntegerField(_("attempt"))
+    token = models.PositiveBigIntegerField(_("fencing token"))
+    owner = models.CharField(_("owner"), max_length=255)
+    claimed_at = models.DateTimeField(_("claimed at"), db_default=Now())
+    last_heartbeat_at = models.DateTimeField(_("last heartbeat at"), null=True, blank=True)
+    lease_until = models.DateTimeField(_("lease until at the end"), null=True, blank=True)
+    checkpoint = models.CharField(_("last checkpoint"), max_length=100, blank=True, default="")
+    ended_at = models.DateTimeField(_("ended at"), null=True, blank=True)
+    outcome = models.CharField(
+        _("outcome"), max_length=20, choices=AttemptOutcome.choices, default=AttemptOutcome.RUNNING
+    )
+    ended_by = models.CharField(
+        _("ended by"),
+        max_length=255,
+        blank=True,
+        default="",
+        help_text=_(
+            "Who closed the attempt: its holder, a worker that took over, the watcher, an operator."
+        ),
+    )
+    fenced_at = models.DateTimeField(
+        _("fenced out at"),
+        null=True,
+        blank=True,
+        help_text=_("When the holder came back after losing the lease and was refused."),
+    )
+    error_class = models.CharField(_("error class"), max_length=255, blank=True, default="")
+    error_message = models.TextField(_("error message"), blank=True, default="")
+
+    objects = AttemptQuerySet.as_manager()
+
+    class Meta:
+        abstract = True
+
+    def __str__(self) -> str:
+        return f"attempt {self.attempt} (token {self.token}) by {self.owner}: {self.outcome}"
+
+
+class JobAttempt(AbstractJobAttempt):
+    # SET_NULL keeps the audit trail when prune_jobs deletes jobs with PRUNE_LEDGER = False;
+    # `job_ref` still names the job then.
+    job = models.ForeignKey(
+        PaymentJob,
+        verbose_name=_("job"),
+        null=True,
+        on_delete=models.SET_NULL,
+        related_name="attempt_log",
+    )
+    job_ref = models.BigIntegerField(_("job id"))
+
+    objects = AttemptQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("job attempt")
+        verbose_name_plural = _("job attempts")
+        ordering = ["-claimed_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["job_ref", "token"], name="dl_attempt_job_token_uniq"),
+        ]
+        indexes = [
+            models.Index(
+                fields=["job_ref", "ended_at"],
+                name="dl_attempt_open_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_ref} attempt {self.attempt}: {self.outcome}"
+
+
+class Worker(models.Model):
+    """A worker process, upserted by itself while it runs: who is alive, and since when."""
+
+    worker_id = models.CharField(_("worker id"), max_length=255, unique=True)
+    hostname = models.CharField(_("host"), max_length=255)
+    pid = models.PositiveIntegerField(_("process id"))
+    kinds = models.JSONField(_("kinds"), default=list)
+    concurrency = models.PositiveIntegerField(_("concurrency"), default=1)
+    started_at = models.DateTimeField(_("started at"), db_default=Now())
+    last_seen_at = models.DateTimeField(_("last seen at"), db_default=Now())
+    stopped_at = models.DateTimeField(_("stopped at"), null=True, blank=True)
+
+    objects = WorkerQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("worker")
+        verbose_name_plural = _("workers")
+        ordering = ["-last_seen_at"]
+
+    def __str__(self) -> str:
+        return self.worker_id

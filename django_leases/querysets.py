@@ -1,0 +1,834 @@
+"""Every lease write of django-leases. No other module writes lease fields.
+
+Each transition is ONE conditional UPDATE whose WHERE restates the full precondition; the row
+count it returns is the decision. Holder writes (heartbeat, checkpoint, complete, fail, release)
+always filter on id + processing + owner + fencing token, so a worker that paused past its lease
+cannot touch a job that someone else now owns. Every lease time comes from the database clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import reduce
+from operator import or_
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from django.apps import apps
+from django.db import IntegrityError, connections, models, transaction
+from django.db.models import Case, F, OuterRef, Q, Subquery, Value, When
+from django.db.models.functions import Greatest, Now
+
+from django_leases.conf import leases_settings, to_seconds
+from django_leases.exceptions import InvalidPayload, LeaseError, LeaseLost
+
+if TYPE_CHECKING:
+    from django_leases.models import AbstractJobAttempt, AbstractLeasedJob, PaymentJob
+
+J = TypeVar("J", bound="AbstractLeasedJob")
+
+PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
+    "pending",
+    "processing",
+    "completed",
+    "failed",
+    "review",
+    "cancelled",
+)
+MAX_ERROR_LENGTH = 2000
+SMALLINT = (-32768, 32767)
+
+
+def after(seconds: float) -> Any:
+    """Return the SQL expression "database now + `seconds`"."""
+    return Now() + timedelta(seconds=seconds)
+
+
+def describe_error(error: BaseException | str) -> tuple[str, str]:
+    """Return (error class, message) for the ledger: never the payload, never a traceback."""
+    if isinstance(error, BaseException):
+        cls = type(error)
+        name = (
+            cls.__qualname__
+            if cls.__module__ == "builtins"
+            else f"{cls.__module__}.{cls.__qualname__}"
+        )
+        return name, str(error)[:MAX_ERROR_LENGTH]
+    return "", str(error)[:MAX_ERROR_LENGTH]
+
+
+@dataclass(frozen=True)
+class Rescue:
+    """What the watcher did with one expired lease."""
+
+    pk: int
+    kind: str
+    previous_owner: str
+    token: int
+    attempts: int
+    action: str
+    expired_for: float
+
+
+class LeaseQuerySet(models.QuerySet[J]):
+    """Reads and lease transitions of any `AbstractLeasedJob` table."""
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def pending(self) -> LeaseQuerySet[J]:
+        return self.filter(status=PENDING)
+
+    def processing(self) -> LeaseQuerySet[J]:
+        return self.filter(status=PROCESSING)
+
+    def due(self) -> LeaseQuerySet[J]:
+        """Pending jobs whose `run_at` has passed by the database clock."""
+        return self.filter(status=PENDING, run_at__lte=Now())
+
+    def expired(self) -> LeaseQuerySet[J]:
+        """Processing jobs whose lease already ended: stuck, until a claim or the watcher acts."""
+        return self.filter(status=PROCESSING, lease_until__lt=Now())
+
+    def near_expiry(self, within: float | timedelta) -> LeaseQuerySet[J]:
+        """Processing jobs whose lease is still live but ends within `within`."""
+        seconds = to_seconds(within, "within")
+        return self.filter(
+            status=PROCESSING, lease_until__gte=Now(), lease_until__lt=after(seconds)
+        )
+
+    def healthy(self, within: float | timedelta) -> LeaseQuerySet[J]:
+        """Processing jobs whose lease ends later than `within` from now."""
+        seconds = to_seconds(within, "within")
+        return self.filter(status=PROCESSING, lease_until__gte=after(seconds))
+
+    def claimable(self, kinds: Collection[str] | None = None) -> LeaseQuerySet[J]:
+        """Due pending jobs and expired leases that still have an attempt left."""
+        qs = self.filter(
+            Q(status=PENDING, run_at__lte=Now()) | Q(status=PROCESSING, lease_until__lt=Now()),
+            attempts__lt=F("max_attempts"),
+        )
+        return qs.filter(kind__in=list(kinds)) if kinds is not None else qs
+
+    def _claimable_pass(self, kinds: Collection[str] | None, takeover: bool) -> LeaseQuerySet[J]:
+        qs = self.expired() if takeover else self.due()
+        qs = qs.filter(attempts__lt=F("max_attempts"))
+        return qs.filter(kind__in=list(kinds)) if kinds is not None else qs
+
+    def held(self, pk: int, owner: str, token: int) -> LeaseQuerySet[J]:
+        """The one row `owner` holds under `token`, or nothing: the filter of every holder write."""
+        return self.filter(pk=pk, status=PROCESSING, lease_owner=owner, lease_token=token)
+
+    # ---- acquisition -------------------------------------------------------------------------
+
+    def claim(
+        self,
+        owner: str,
+        *,
+        ttl: float | timedelta,
+        limit: int = 1,
+        kinds: Collection[str] | None = None,
+    ) -> list[J]:
+        """Claim up to `limit` claimable jobs for `owner`, oldest expired lease first, then by
+        priority (highest first), `run_at` and id.
+
+        Each claimed row gets `attempts + 1`, a new fencing token and a lease of `ttl` seconds
+        from the database clock, in the statement that decides ownership, and an open row in the
+        attempt ledger in the same transaction.
+        """
+        seconds = to_seconds(ttl, "ttl")
+        _check_owner(owner)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(f"limit must be a whole number of at least 1, got {limit!r}")
+        if kinds is not None:
+            kinds = list(kinds)
+            if not kinds:
+                return []
+        vendor = connections[self.db].vendor
+        with transaction.atomic(using=self.db):
+            if vendor == "postgresql":
+                jobs = self._claim_postgresql(owner, seconds, limit, kinds)
+            else:
+                jobs = self._claim_portable(owner, seconds, limit, kinds, vendor)
+            self._open_attempts(jobs, owner)
+        # RETURNING gives no order: hand jobs out in claim order.
+        jobs.sort(key=lambda job: (not job.taken_over, -job.priority, job.run_at, job.pk))  # type: ignore[attr-defined]
+        return jobs
+
+    def _claim_sql_parts(self, kinds: list[str] | None) -> tuple[str, str, list[Any]]:
+        connection = connections[self.db]
+        table = connection.ops.quote_name(self.model._meta.db_table)
+        if not kinds:
+            return table, "", []
+        placeholders = ", ".join(["%s"] * len(kinds))
+        return table, f"AND kind IN ({placeholders})", list(kinds)
+
+    def _claim_postgresql(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None
+    ) -> list[J]:
+        # One statement decides ownership. Each candidate set is a MATERIALIZED CTE with
+        # FOR UPDATE SKIP LOCKED: it is evaluated once, so it cannot re-run per row and lock
+        # more than LIMIT rows (the trap of `UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR
+        # UPDATE SKIP LOCKED)`, which PostgreSQL may re-execute and then over-claim). Rows
+        # locked by a concurrent claim are skipped, not waited for; a row changed by a commit
+        # before we lock it is rechecked against the CTE's WHERE (READ COMMITTED EvalPlanQual).
+        # Expired leases are taken first; `due` is only read as far as the outer LIMIT needs.
+        # Each CTE walks its own partial index, so the cost does not grow with finished rows.
+        # Tested on PostgreSQL 15.
+        table, kind_sql, kind_params = self._claim_sql_parts(kinds)
+        sql = f"""
+            WITH expired AS MATERIALIZED (
+                SELECT id FROM {table}
+                WHERE status = %s AND lease_until < STATEMENT_TIMESTAMP()
+                  AND attempts < max_attempts {kind_sql}
+                ORDER BY lease_until
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), due AS MATERIALIZED (
+                SELECT id FROM {table}
+                WHERE status = %s AND run_at <= STATEMENT_TIMESTAMP()
+                  AND attempts < max_attempts {kind_sql}
+                ORDER BY priority DESC, run_at, id
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            ), picked AS MATERIALIZED (
+                SELECT id, TRUE AS taken_over FROM expired
+                UNION ALL
+                SELECT id, FALSE AS taken_over FROM due
+                LIMIT %s
+            )
+            UPDATE {table} AS job
+            SET status = %s,
+                lease_owner = %s,
+                lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %s),
+                heartbeat_at = STATEMENT_TIMESTAMP(),
+                lease_token = job.lease_token + 1,
+                attempts = job.attempts + 1
+            FROM picked
+            WHERE job.id = picked.id
+            RETURNING job.*, picked.taken_over
+        """  # noqa: S608 - table name quoted by the backend, values are parameters
+        params = [
+            PROCESSING,
+            *kind_params,
+            limit,
+            PENDING,
+            *kind_params,
+            limit,
+            limit,
+            PROCESSING,
+            owner,
+            seconds,
+        ]
+        return list(self.raw(sql, params))
+
+    def _claim_portable(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, vendor: str
+    ) -> list[J]:
+        # Two passes, expired leases first (rare; the pass is one cheap index probe), then due
+        # jobs. Each pass's UPDATE restates the full claimable predicate.
+        jobs: list[J] = []
+        for takeover in (True, False):
+            remaining = limit - len(jobs)
+            if remaining <= 0:
+                break
+            if vendor == "sqlite":
+                batch = self._claim_pass_sqlite(owner, seconds, remaining, kinds, takeover)
+            else:
+                batch = self._claim_pass_locking(owner, seconds, remaining, kinds, takeover)
+            for job in batch:
+                job.taken_over = takeover  # type: ignore[attr-defined]
+            jobs.extend(batch)
+        return jobs
+
+    def _claim_pass_sqlite(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
+    ) -> list[J]:
+        # SQLite runs one writer at a time and evaluates the IN (... LIMIT n) subquery once
+        # into a temporary table, so this single statement claims at most `limit` rows and no
+        # two connections can claim one row. The UPDATE is the transaction's first statement,
+        # so it takes the write lock at once (waiting up to the busy timeout) instead of
+        # failing to upgrade a read lock. Needs SQLite >= 3.35 for RETURNING.
+        table, kind_sql, kind_params = self._claim_sql_parts(kinds)
+        now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
+        if takeover:
+            predicate, order, status = (
+                f"status = %s AND lease_until < {now}",
+                "lease_until",
+                PROCESSING,
+            )
+        else:
+            predicate, order, status = (
+                f"status = %s AND run_at <= {now}",
+                "priority DESC, run_at, id",
+                PENDING,
+            )
+        sql = f"""
+            UPDATE {table}
+            SET status = %s,
+                lease_owner = %s,
+                lease_until = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %s),
+                heartbeat_at = {now},
+                lease_token = lease_token + 1,
+                attempts = attempts + 1
+            WHERE id IN (
+                SELECT id FROM {table}
+                WHERE {predicate} AND attempts < max_attempts {kind_sql}
+                ORDER BY {order}
+                LIMIT %s
+            )
+            RETURNING *
+        """  # noqa: S608 - table name quoted by the backend, values are parameters
+        params = [PROCESSING, owner, f"+{seconds:.6f} seconds", status, *kind_params, limit]
+        return list(self.raw(sql, params))
+
+    def _claim_pass_locking(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
+    ) -> list[J]:
+        # MariaDB/MySQL have no UPDATE ... RETURNING and refuse a LIMIT in an IN subquery on
+        # the table being updated. So: lock candidates with FOR UPDATE SKIP LOCKED (MariaDB
+        # 10.6+, MySQL 8+), then the conditional UPDATE restating the predicate decides, then
+        # read back the rows we now own. The row locks, held to commit, make the read exact.
+        # Tested on MariaDB 10.11.
+        base = self._claimable_pass(kinds, takeover)
+        order = ("lease_until",) if takeover else ("-priority", "run_at", "id")
+        ids = list(
+            base.select_for_update(skip_locked=True)
+            .order_by(*order)
+            .values_list("pk", flat=True)[:limit]
+        )
+        if not ids:
+            return []
+        won = base.filter(pk__in=ids).update(**self._claim_values(owner, seconds))
+        if won == 0:
+            return []
+        return list(self.filter(pk__in=ids, status=PROCESSING, lease_owner=owner).order_by(*order))
+
+    @staticmethod
+    def _claim_values(owner: str, seconds: float) -> dict[str, Any]:
+        return {
+            "status": PROCESSING,
+            "lease_owner": owner,
+            "lease_until": after(seconds),
+            "heartbeat_at": Now(),
+            "lease_token": F("lease_token") + 1,
+            "attempts": F("attempts") + 1,
+        }
+
+    def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
+        """Claim the job `pk` for `owner` if it is claimable; return it, or None if not."""
+        seconds = to_seconds(ttl, "ttl")
+        _check_owner(owner)
+        with transaction.atomic(using=self.db):
+            # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or
+            # processing with an expired lease). Its row count is the decision.
+            won = self.claimable().filter(pk=pk).update(**self._claim_values(owner, seconds))
+            if not won:
+                return None
+            # We hold the row lock until commit (and SQLite's write lock), so this read is ours.
+            job = self.get(pk=pk)
+            # attempts > 1: a ledger row of an earlier holder may still be open; close it.
+            job.taken_over = job.attempts > 1  # type: ignore[attr-defined]
+            self._open_attempts([job], owner)
+        return job
+
+    # ---- holder writes ----------------------------------------------------------------------
+
+    def heartbeat(
+        self, owner: str, leases: Mapping[int, int], *, ttl: float | timedelta
+    ) -> set[int]:
+        """Renew every live lease in `leases` ({pk: token}) held by `owner`, in one statement.
+
+        Returns the pks renewed. A lease that already expired is not renewed: its holder must
+        assume somebody else owns the job now.
+        """
+        seconds = to_seconds(ttl, "ttl")
+        if not leases:
+            return set()
+        pairs = reduce(or_, (Q(pk=pk, lease_token=token) for pk, token in leases.items()))
+        live = self.filter(pairs, status=PROCESSING, lease_owner=owner, lease_until__gte=Now())
+        with transaction.atomic(using=self.db):
+            won = live.update(lease_until=after(seconds), heartbeat_at=Now())
+            if won == len(leases):
+                renewed = set(leases)
+            else:
+                # Rare: some leases were lost. The rows we renewed are locked by us and still
+                # match; the lost ones cannot match again (tokens only grow).
+                renewed = set(live.values_list("pk", flat=True))
+            if renewed:
+                self._ledger_update(
+                    {pk: leases[pk] for pk in renewed},
+                    last_heartbeat_at=Now(),
+                    lease_until=self._job_column("lease_until"),
+                )
+        return renewed
+
+    def checkpoint(self, pk: int, owner: str, token: int, step: str) -> None:
+        """Record that the holder reached `step`; the watcher's review policy reads it."""
+        if not isinstance(step, str) or not step or len(step) > 100:
+            raise ValueError(
+                f"checkpoint step must be a non-empty string of at most 100 characters, "
+                f"got {step!r}"
+            )
+        self._holder_write(pk, owner, token, None, None, checkpoint=step)
+
+    def complete(self, pk: int, owner: str, token: int) -> None:
+        """Mark the job completed. Raises `LeaseLost` if `owner` no longer holds it."""
+        self._holder_write(
+            pk, owner, token, "completed", None, status=COMPLETED, completed_at=Now(), last_error=""
+        )
+
+    def fail(
+        self,
+        pk: int,
+        owner: str,
+        token: int,
+        error: BaseException | str,
+        *,
+        retry_in: float | timedelta | None = None,
+        permanent: bool = False,
+    ) -> str:
+        """Record a failed attempt and return the job's new status.
+
+        The job goes back to pending, due in `retry_in` (database clock), while it has attempts
+        left; it fails for good when `permanent` or when it used its last attempt.
+        """
+        error_class, message = describe_error(error)
+        last_error = f"{error_class}: {message}" if error_class else message
+        final = Q(attempts__gte=F("max_attempts"))
+        if permanent:
+            status: Any = Value(FAILED)
+            completed_at: Any = Now()
+            run_at: Any = F("run_at")
+        else:
+            delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
+            status = Case(When(final, then=Value(FAILED)), default=Value(PENDING))
+            completed_at = Case(When(final, then=Now()), default=None)
+            run_at = Case(When(final, then=F("run_at")), default=after(delay) if delay else Now())
+        with transaction.atomic(using=self.db):
+            won = self.held(pk, owner, token).update(
+                status=status, completed_at=completed_at, run_at=run_at, last_error=last_error
+            )
+            if not won:
+                raise LeaseLost(f"job {pk}: lease lost before its failure could be recorded")
+            # The row is ours until commit; read back which branch the UPDATE took.
+            new_status = self.filter(pk=pk).values_list("status", flat=True).get()
+            outcome = "failed" if new_status == FAILED else "retried"
+            self._close_attempt(pk, token, outcome, by=owner, error=(error_class, message))
+        return new_status
+
+    def release(self, pk: int, owner: str, token: int) -> None:
+        """Give a job back unstarted (graceful shutdown): pending, due now.
+
+        The acquisition still counts in `attempts` (never reset), so `max_attempts` grows by one:
+        a release does not spend the job's retry budget.
+        """
+        self._holder_write(
+            pk,
+            owner,
+            token,
+            "released",
+            None,
+            status=PENDING,
+            run_at=Now(),
+            max_attempts=F("max_attempts") + 1,
+        )
+
+    def lock_held(self, pk: int, owner: str, token: int) -> None:
+        """Re-check the lease and lock the job row until the current transaction ends.
+
+        Used by `Lease.atomic()`: the row lock keeps a claim from taking the job over while the
+        handler's writes commit. Raises `LeaseLost` if `owner` no longer holds the job.
+        """
+        if not connections[self.db].in_atomic_block:
+            raise LeaseError("lock_held() must run inside transaction.atomic()")
+        # An UPDATE, not SELECT ... FOR UPDATE: it is the conditional write that takes the row
+        # lock on every backend, SQLite's database write lock included.
+        if not self.held(pk, owner, token).update(heartbeat_at=Now()):
+            raise LeaseLost(f"job {pk}: lease lost; the transaction is rolled back")
+
+    def _holder_write(
+        self,
+        pk: int,
+        owner: str,
+        token: int,
+        outcome: str | None,
+        error: tuple[str, str] | None,
+        **values: Any,
+    ) -> None:
+        try:
+            # One transaction: the job's transition and its ledger row commit together.
+            with transaction.atomic(using=self.db):
+                if not self.held(pk, owner, token).update(**values):
+                    raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
+                if outcome is not None:
+                    self._close_attempt(pk, token, outcome, by=owner, error=error)
+                elif "checkpoint" in values:
+                    self._ledger_update({pk: token}, checkpoint=values["checkpoint"])
+        except LeaseLost:
+            self.record_fenced(pk, token)
+            raise
+
+    # ---- the watcher and operators ----------------------------------------------------------
+
+    def rescue(
+        self,
+        job: AbstractLeasedJob,
+        action: str,
+        *,
+        by: str,
+        retry_in: float | timedelta | None = None,
+        reason: str = "",
+    ) -> bool:
+        """Resolve the expired lease of `job` (as read by the watcher) with `action`.
+
+        `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
+        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates the whole
+        expiry predicate and the token that was read, so a job completed, renewed, claimed or
+        rescued a moment ago is left alone. Returns whether this call won.
+        """
+        values: dict[str, Any]
+        if action == "retry":
+            delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
+            values = {"status": PENDING, "run_at": after(delay) if delay else Now()}
+            outcome = "rescued"
+        elif action == "review":
+            values = {"status": REVIEW}
+            outcome = "review"
+        elif action in (FAILED, COMPLETED):
+            values = {"status": action, "completed_at": Now()}
+            outcome = action
+        else:
+            raise ValueError(f"unknown rescue action {action!r}")
+        if reason:
+            values["last_error"] = reason[:MAX_ERROR_LENGTH]
+        with transaction.atomic(using=self.db):
+            won = self.expired().filter(pk=job.pk, lease_token=job.lease_token).update(**values)
+            if won:
+                self._close_attempt(
+                    job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
+                )
+        return bool(won)
+
+    def requeue(self, *, force: bool = False, by: str = "operator") -> int:
+        """Make the selected jobs pending and due now; return how many changed.
+
+        Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
+        live lease only with `force`, which also bumps its fencing token so that the current
+        holder is fenced out of every further write. Completed jobs are never requeued.
+        """
+        eligible = Q(status__in=[FAILED, CANCELLED, REVIEW, PENDING]) | Q(
+            status=PROCESSING, lease_until__lt=Now()
+        )
+        if force:
+            eligible |= Q(status=PROCESSING)
+        values = {
+            "status": PENDING,
+            "run_at": Now(),
+            "completed_at": None,
+            # A requeued job gets at least one more attempt, whatever it used up.
+            "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
+            "lease_token": F("lease_token") + 1,
+        }
+        return self._operator_write(eligible, values, "requeued", by)
+
+    def release_stuck(self, *, by: str = "operator") -> int:
+        """Return the selected jobs whose lease expired to pending (the watcher's retry)."""
+        return self._operator_write(
+            Q(status=PROCESSING, lease_until__lt=Now()),
+            {"status": PENDING, "run_at": Now()},
+            "rescued",
+            by,
+        )
+
+    def mark_failed(self, *, reason: str, force: bool = False, by: str = "operator") -> int:
+        """Fail the selected pending, under-review or expired jobs (any processing one with
+        `force`, fencing out its holder); return how many changed."""
+        eligible = Q(status__in=[PENDING, REVIEW]) | Q(status=PROCESSING, lease_until__lt=Now())
+        if force:
+            eligible |= Q(status=PROCESSING)
+        values = {
+            "status": FAILED,
+            "completed_at": Now(),
+            "last_error": reason[:MAX_ERROR_LENGTH],
+            "lease_token": F("lease_token") + 1,
+        }
+        return self._operator_write(eligible, values, "failed", by, reason)
+
+    def cancel(self, *, by: str = "operator") -> int:
+        """Cancel the selected pending jobs; return how many changed."""
+        return self._operator_write(
+            Q(status=PENDING), {"status": CANCELLED, "completed_at": Now()}, None, by
+        )
+
+    def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
+        """Resolve the selected jobs under review: "completed", "retry" or "failed"."""
+        values: dict[str, Any]
+        if verdict == "retry":
+            values = {
+                "status": PENDING,
+                "run_at": Now(),
+                "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
+            }
+        elif verdict in (COMPLETED, FAILED):
+            values = {"status": verdict, "completed_at": Now()}
+        else:
+            raise ValueError(f"unknown review verdict {verdict!r}")
+        return self._operator_write(Q(status=REVIEW), values, None, by)
+
+    def _operator_write(
+        self,
+        eligible: Q,
+        values: dict[str, Any],
+        outcome: str | None,
+        by: str,
+        reason: str = "",
+    ) -> int:
+        # One transaction per action: the jobs' transition and the closing of their open
+        # ledger rows commit together. Each row is updated by its own conditional UPDATE so the
+        # ledger is closed exactly for the rows whose UPDATE won.
+        changed = 0
+        with transaction.atomic(using=self.db):
+            candidates = list(self.filter(eligible).values_list("pk", "lease_token"))
+            for pk, token in candidates:
+                if self.filter(eligible, pk=pk, lease_token=token).update(**values):
+                    changed += 1
+                    if outcome is not None:
+                        self._close_attempt(
+                            pk, token, outcome, by=by, error=("", reason) if reason else None
+                        )
+        return changed
+
+    # ---- the attempt ledger ------------------------------------------------------------------
+
+    def _ledger(self) -> type[AbstractJobAttempt] | None:
+        label = self.model.attempt_model
+        return apps.get_model(label) if label else None  # type: ignore[return-value]
+
+    def _job_column(self, name: str) -> Subquery:
+        return Subquery(self.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])
+
+    def _open_attempts(self, jobs: Iterable[J], owner: str) -> None:
+        ledger = self._ledger()
+        jobs = list(jobs)
+        if ledger is None or not jobs:
+            return
+        taken = [job.pk for job in jobs if getattr(job, "taken_over", False)]
+        if taken:
+            # The previous holders of expired leases lost them to this claim.
+            ledger.objects.using(self.db).filter(job_ref__in=taken, ended_at__isnull=True).update(
+                outcome="lease_lost", ended_at=Now(), ended_by=owner
+            )
+        ledger.objects.using(self.db).bulk_create(
+            ledger(
+                job_id=job.pk,
+                job_ref=job.pk,
+                attempt=job.attempts,
+                token=job.lease_token,
+                owner=owner,
+                last_heartbeat_at=job.heartbeat_at,
+                lease_until=job.lease_until,
+                checkpoint=job.checkpoint,
+            )
+            for job in jobs
+        )
+
+    def _ledger_update(self, leases: Mapping[int, int], **values: Any) -> int:
+        ledger = self._ledger()
+        if ledger is None:
+            return 0
+        pairs = reduce(or_, (Q(job_ref=pk, token=token) for pk, token in leases.items()))
+        return ledger.objects.using(self.db).filter(pairs).update(**values)
+
+    def _close_attempt(
+        self,
+        pk: int,
+        token: int,
+        outcome: str,
+        *,
+        by: str,
+        error: tuple[str, str] | None,
+    ) -> None:
+        error_class, message = error or ("", "")
+        self._ledger_update(
+            {pk: token},
+            outcome=outcome,
+            ended_at=Now(),
+            ended_by=by,
+            checkpoint=self._job_column("checkpoint"),
+            error_class=error_class,
+            error_message=message,
+        )
+
+    def record_fenced(self, pk: int, token: int) -> None:
+        """Note in the ledger that the holder of `token` came back and was refused."""
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.objects.using(self.db).filter(
+                job_ref=pk, token=token, fenced_at__isnull=True
+            ).update(fenced_at=Now())
+
+
+class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
+    """`LeaseQuerySet` plus enqueueing of payment jobs."""
+
+    def enqueue(
+        self,
+        kind: str,
+        payload: Any = None,
+        *,
+        payment_id: str | None = None,
+        idempotency_key: str | None = None,
+        run_at: datetime | float | timedelta | None = None,
+        priority: int = 0,
+        max_attempts: int | None = None,
+    ) -> PaymentJob:
+        """Add a pending job and return it.
+
+        Enqueueing an `idempotency_key` that already exists returns the first job and creates
+        nothing. `run_at` is a datetime, or a delay (seconds or `timedelta`) from the database
+        clock; None means now. Raises `InvalidPayload` (and writes nothing) if `payload` is not
+        JSON.
+        """
+        fields = _job_fields(kind, payload, payment_id, run_at, priority, max_attempts)
+        if idempotency_key is not None:
+            if (
+                not isinstance(idempotency_key, str)
+                or not idempotency_key
+                or len(idempotency_key) > 255
+            ):
+                raise ValueError(
+                    "idempotency_key must be a non-empty string of at most 255 characters, "
+                    f"got {idempotency_key!r}"
+                )
+        with transaction.atomic(using=self.db):
+            if idempotency_key is None:
+                job = self.create(**fields)
+            else:
+                # The unique index decides between racing enqueues of one key, not a prior read:
+                # the loser's INSERT fails inside its savepoint and it returns the winner's row.
+                try:
+                    with transaction.atomic(using=self.db):
+                        job = self.create(idempotency_key=idempotency_key, **fields)
+                except IntegrityError:
+                    existing = self.filter(idempotency_key=idempotency_key).first()
+                    if existing is None:
+                        raise
+                    return existing
+            self._notify(kind)
+        return job
+
+    def _notify(self, kind: str) -> None:
+        # NOTIFY is transactional on PostgreSQL: listeners hear it when the enqueue commits.
+        connection = connections[self.db]
+        if connection.vendor == "postgresql" and leases_settings.USE_NOTIFY:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, %s)", [notify_channel(self.model), kind])
+
+
+def notify_channel(model: type[models.Model]) -> str:
+    """Return the LISTEN/NOTIFY channel on which enqueues of `model` are announced."""
+    return f"django_leases_{model._meta.db_table}"[:63]
+
+
+def _check_owner(owner: str) -> None:
+    if not isinstance(owner, str) or not owner or len(owner) > 255:
+        raise ValueError(
+            f"owner must be a non-empty string of at most 255 characters, got {owner!r}"
+        )
+
+
+def _job_fields(
+    kind: str,
+    payload: Any,
+    payment_id: str | None,
+    run_at: datetime | float | timedelta | None,
+    priority: int,
+    max_attempts: int | None,
+) -> dict[str, Any]:
+    if not isinstance(kind, str) or not kind or len(kind) > 100:
+        raise ValueError(f"kind must be a non-empty string of at most 100 characters, got {kind!r}")
+    payload = {} if payload is None else payload
+    try:
+        # allow_nan=False: NaN and Infinity are not JSON, and PostgreSQL's jsonb refuses them.
+        json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidPayload(f"payload of a {kind!r} job is not JSON-serialisable: {exc}") from exc
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or not SMALLINT[0] <= priority <= SMALLINT[1]
+    ):
+        raise ValueError(f"priority must be a whole number from -32768 to 32767, got {priority!r}")
+    if max_attempts is None:
+        max_attempts = leases_settings.MAX_ATTEMPTS
+    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+        raise ValueError(f"max_attempts must be a whole number of at least 1, got {max_attempts!r}")
+    if payment_id is not None and (not isinstance(payment_id, str) or len(payment_id) > 64):
+        raise ValueError(
+            f"payment_id must be a string of at most 64 characters, got {payment_id!r}"
+        )
+    fields: dict[str, Any] = {
+        "kind": kind,
+        "payload": payload,
+        "payment_id": payment_id or "",
+        "priority": priority,
+        "max_attempts": max_attempts,
+    }
+    if isinstance(run_at, datetime):
+        if run_at.tzinfo is None:
+            raise ValueError("run_at must be an aware datetime (USE_TZ = True)")
+        fields["run_at"] = run_at
+    elif run_at is not None:
+        fields["run_at"] = after(to_seconds(run_at, "run_at"))
+    return fields
+
+
+class AttemptQuerySet(models.QuerySet[Any]):
+    """Reads of the attempt ledger (its writes live in `LeaseQuerySet`)."""
+
+    def open(self) -> AttemptQuerySet:
+        return self.filter(ended_at__isnull=True)
+
+
+class WorkerQuerySet(models.QuerySet[Any]):
+    """The worker registry: each worker process keeps its own row fresh."""
+
+    def beat(
+        self, worker_id: str, *, hostname: str, pid: int, kinds: list[str], concurrency: int
+    ) -> None:
+        """Insert or refresh the row of `worker_id` (its `last_seen_at` from the database clock)."""
+        if not self.filter(worker_id=worker_id).update(last_seen_at=Now(), stopped_at=None):
+            try:
+                with transaction.atomic(using=self.db):
+                    self.create(
+                        worker_id=worker_id,
+                        hostname=hostname,
+                        pid=pid,
+                        kinds=kinds,
+                        concurrency=concurrency,
+                    )
+            except IntegrityError:
+                self.filter(worker_id=worker_id).update(last_seen_at=Now(), stopped_at=None)
+
+    def stopped(self, worker_id: str) -> None:
+        self.filter(worker_id=worker_id).update(stopped_at=Now())
+
+    def alive(self, within: float | timedelta | None = None) -> WorkerQuerySet:
+        """Workers seen within `within` seconds (default WORKER_GONE_AFTER) and not stopped."""
+        seconds = to_seconds(
+            within if within is not None else leases_settings.WORKER_GONE_AFTER, "within"
+        )
+        return self.filter(
+            stopped_at__isnull=True, last_seen_at__gte=Now() - timedelta(seconds=seconds)
+        )
+
+    def gone(self, within: float | timedelta | None = None) -> WorkerQuerySet:
+        """Workers that stopped, or were not seen within `within` seconds."""
+        seconds = to_seconds(
+            within if within is not None else leases_settings.WORKER_GONE_AFTER, "within"
+        )
+        return self.filter(
+            Q(stopped_at__isnull=False) | Q(last_seen_at__lt=Now() - timedelta(seconds=seconds))
+        )

@@ -1,0 +1,32 @@
+"""DATABASES from DATABASE_URL, tuned for many worker processes on each backend."""
+
+from pathlib import Path
+from typing import Any
+
+import environ
+
+
+def database_from_env(env: environ.Env, default_sqlite: Path) -> dict[str, Any]:
+    """Return the default database: DATABASE_URL, or a SQLite file next to the project."""
+    db = env.db("DATABASE_URL", default=f"sqlite:///{default_sqlite}")
+    engine = db["ENGINE"]
+    if engine.endswith("sqlite3"):
+        db.setdefault("OPTIONS", {}).update(
+            {
+                # Writers queue for the database lock instead of failing at once.
+                "timeout": 30,
+                # WAL lets readers (the admin, the watcher) run beside the single writer.
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                # Every transaction takes the write lock when it starts, so none fails halfway
+                # trying to upgrade a read lock while another process writes.
+                "transaction_mode": "IMMEDIATE",
+            }
+        )
+    elif engine.endswith("mysql"):
+        db.setdefault("OPTIONS", {}).update(
+            {"charset": "utf8mb4", "isolation_level": "read committed"}
+        )
+        db.setdefault("TEST", {}).update({"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"})
+    elif engine.endswith("postgresql"):
+        db.setdefault("OPTIONS", {})
+    return db

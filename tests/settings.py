@@ -1,0 +1,72 @@
+"""Test settings: the same suite runs on SQLite, PostgreSQL or MariaDB by DATABASE_URL."""
+
+import tempfile
+from pathlib import Path
+
+import environ
+
+from example_project.dbconfig import database_from_env
+
+env = environ.Env()
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+SECRET_KEY = "tests-only"  # noqa: S105
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_leases",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "example_project.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+# SQLite tests use a file, not memory: worker subprocesses must open the same database.
+_sqlite = Path(
+    env("LEASES_TEST_SQLITE", default=str(Path(tempfile.gettempdir()) / "leases.sqlite3"))
+)
+DATABASES = {"default": database_from_env(env, _sqlite)}
+# Worker subprocesses spawned by the tests connect to the test database by this name.
+if env("LEASES_TEST_DB_NAME", default=""):
+    DATABASES["default"]["NAME"] = env("LEASES_TEST_DB_NAME")
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    DATABASES["default"].setdefault("TEST", {})["NAME"] = str(
+        _sqlite.with_name("test_" + _sqlite.name)
+    )
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+USE_TZ = True
+TIME_ZONE = "UTC"
+STATIC_URL = "static/"
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+DJANGO_LEASES: dict[str, object] = {}
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_leases": {"handlers": ["console"], "level": "INFO", "propagate": False}},
+}
