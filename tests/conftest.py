@@ -1,0 +1,81 @@
+"""Fixtures shared by the suite: real worker subprocesses against the test database."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a child process that must use this test run's database."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "LEASES_TEST_DB_NAME": str(connection.settings_dict["NAME"]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(extra)
+    return env
+
+
+def wait_for(predicate: Callable[[], object], *, timeout: float = 30.0, interval: float = 0.05) -> object:
+    """Poll `predicate` until it returns something truthy, or fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout}s: {predicate}")
+        time.sleep(interval)
+
+
+class Processes:
+    """Child processes started by one test; all are killed at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> subprocess.Popen[str]:
+        cmd = [*(prefix or []), sys.executable, *args]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env or subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def manage(self, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+        return self.start(str(ROOT / "manage.py"), *args, **kwargs)  # type: ignore[arg-type]
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+            if proc.stdout:
+                proc.stdout.close()
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    procs = Processes()
+    yield procs
+    procs.kill_all()
