@@ -52,7 +52,7 @@ class Lease:
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         model = type(self.job)
-        return model._default_manager.db_manager(router.db_for_write(model)).all()  # type: ignore[return-value]
+        return model._default_manager.db_manager(router.db_for_write(model)).all()
 
     def heartbeat(self) -> None:
         """Renew the lease now for another TTL; raise `LeaseLost` if it was lost."""

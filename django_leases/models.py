@@ -124,9 +124,10 @@ class PaymentJob(AbstractLeasedJob):
         _("idempotency key"), max_length=255, null=True, blank=True, unique=True
     )
 
-    objects = PaymentJobQuerySet.as_manager()
+    # A subclass's manager narrows the base's; django-stubs reads it as a ClassVar override.
+    objects = PaymentJobQuerySet.as_manager()  # type: ignore[misc]
 
-    attempt_model = "django_leases.JobAttempt"
+    attempt_model: ClassVar[str | None] = "django_leases.JobAttempt"
 
     class Meta:
         verbose_name = _("payment job")
@@ -156,10 +157,15 @@ class AttemptOutcome(models.TextChoices):
 
 
 class AbstractJobAttempt(models.Model):
-    """One row per lease acquisition: the append-only attempt ledger an auditor asks for."""
+    """One row per lease acquisition: the append-only attempt ledger an auditor asks for.
+
+    A concrete ledger adds a nullable foreign key named `job` to its job table.
+    """
 
     Outcome = AttemptOutcome
 
+    # The job's id, kept when the job itself is pruned and `job` becomes NULL.
+    job_ref = models.BigIntegerField(_("job id"))
     attempt = models.PositiveIntegerField(_("attempt"))
     token = models.PositiveBigIntegerField(_("fencing token"))
     owner = models.CharField(_("owner"), max_length=255)
@@ -208,9 +214,6 @@ class JobAttempt(AbstractJobAttempt):
         on_delete=models.SET_NULL,
         related_name="attempt_log",
     )
-    job_ref = models.BigIntegerField(_("job id"))
-
-    objects = AttemptQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("job attempt")

@@ -359,7 +359,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             if renewed:
                 self._ledger_update(
                     {pk: leases[pk] for pk in renewed},
-                    last_heartbeat_at=Now(),
+                    last_heartbeat_at=self._job_column("heartbeat_at"),
                     lease_until=self._job_column("lease_until"),
                 )
         return renewed
@@ -604,7 +604,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     def _ledger(self) -> type[AbstractJobAttempt] | None:
         label = self.model.attempt_model
-        return apps.get_model(label) if label else None  # type: ignore[return-value]
+        return apps.get_model(label) if label else None
 
     def _job_column(self, name: str) -> Subquery:
         return Subquery(self.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])
@@ -622,7 +622,8 @@ class LeaseQuerySet(models.QuerySet[J]):
             )
         ledger.objects.using(self.db).bulk_create(
             ledger(
-                job_id=job.pk,
+                # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
+                **{"job_id": job.pk},
                 job_ref=job.pk,
                 attempt=job.attempts,
                 token=job.lease_token,

@@ -27,7 +27,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def wait_for(predicate: Callable[[], object], *, timeout: float = 30.0, interval: float = 0.05) -> object:
+def wait_for(
+    predicate: Callable[[], object], *, timeout: float = 30.0, interval: float = 0.05
+) -> object:
     """Poll `predicate` until it returns something truthy, or fail at the deadline."""
     deadline = time.monotonic() + timeout
     while True:
@@ -45,7 +47,9 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> subprocess.Popen[str]:
+    def start(
+        self, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None
+    ) -> subprocess.Popen[str]:
         cmd = [*(prefix or []), sys.executable, *args]
         proc = subprocess.Popen(
             cmd,

@@ -1,0 +1,512 @@
+"""The lease layer against a real database: every transition and its lost-lease path."""
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.db.models import F
+from django.db.models.functions import Now
+from django.test.utils import CaptureQueriesContext
+
+from django_leases.exceptions import InvalidDuration, InvalidPayload, LeaseLost
+from django_leases.models import JobAttempt, PaymentJob
+
+pytestmark = pytest.mark.django_db
+
+Status = PaymentJob.Status
+
+
+def expire(job: PaymentJob, seconds: float = 5) -> None:
+    """Make the job's lease end `seconds` ago, by the database clock."""
+    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=seconds))
+
+
+def claim_one(owner: str = "w1", **kwargs: object) -> PaymentJob:
+    (job,) = PaymentJob.objects.claim(owner, ttl=60, **kwargs)  # type: ignore[arg-type]
+    return job
+
+
+def statements(ctx: CaptureQueriesContext) -> list[str]:
+    """The SQL statements captured, without transaction and savepoint bookkeeping."""
+    bookkeeping = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK")
+    return [q["sql"] for q in ctx.captured_queries if not q["sql"].startswith(bookkeeping)]
+
+
+def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
+    return list(
+        JobAttempt.objects.filter(job_ref=job.pk)
+        .order_by("token")
+        .values_list("attempt", "token", "owner", "outcome")
+    )
+
+
+# ---- enqueue --------------------------------------------------------------------------------
+
+
+def test_enqueue__creates_pending_job_due_now() -> None:
+    job = PaymentJob.objects.enqueue("capture", {"amount": 1250}, payment_id="pay_1")
+    job.refresh_from_db()
+    assert (job.status, job.kind, job.payload, job.payment_id) == (
+        Status.PENDING,
+        "capture",
+        {"amount": 1250},
+        "pay_1",
+    )
+    assert job.attempts == 0 and job.max_attempts == 5 and job.lease_token == 0
+    assert PaymentJob.objects.due().filter(pk=job.pk).exists()
+
+
+def test_enqueue__same_idempotency_key_returns_first_job() -> None:
+    first = PaymentJob.objects.enqueue("capture", {"n": 1}, idempotency_key="cap-1")
+    second = PaymentJob.objects.enqueue("capture", {"n": 2}, idempotency_key="cap-1")
+    assert second.pk == first.pk
+    assert second.payload == {"n": 1}
+    assert PaymentJob.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    "payload", [{"amount": Decimal("12.50")}, {"when": object()}, {"x": float("nan")}, {1, 2}]
+)
+def test_enqueue__bad_payload_raises_and_writes_nothing(payload: object) -> None:
+    with pytest.raises(InvalidPayload, match="not JSON-serialisable"):
+        PaymentJob.objects.enqueue("capture", payload, idempotency_key="k")
+    assert PaymentJob.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kind": ""}, "kind must be"),
+        ({"kind": "x" * 101}, "kind must be"),
+        ({"kind": "a", "priority": 40000}, "priority"),
+        ({"kind": "a", "max_attempts": 0}, "max_attempts"),
+        ({"kind": "a", "idempotency_key": ""}, "idempotency_key"),
+        ({"kind": "a", "run_at": -1}, "run_at"),
+    ],
+)
+def test_enqueue__bad_arguments_raise_clear_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PaymentJob.objects.enqueue(**kwargs)  # type: ignore[arg-type]
+    assert PaymentJob.objects.count() == 0
+
+
+def test_enqueue__run_at_delay_uses_database_clock() -> None:
+    job = PaymentJob.objects.enqueue("capture", run_at=timedelta(hours=1))
+    assert not PaymentJob.objects.due().filter(pk=job.pk).exists()
+    assert PaymentJob.objects.claim("w1", ttl=60) == []
+
+
+# ---- claim ----------------------------------------------------------------------------------
+
+
+def test_claim__takes_job_and_counts_attempt_in_same_update() -> None:
+    job = PaymentJob.objects.enqueue("capture")
+    claimed = claim_one("worker-a")
+    assert claimed.pk == job.pk
+    job.refresh_from_db()
+    assert job.status == Status.PROCESSING
+    assert job.lease_owner == "worker-a"
+    assert job.attempts == 1 and job.lease_token == 1
+    assert job.lease_until is not None and job.heartbeat_at is not None
+    assert (job.lease_until - job.heartbeat_at).total_seconds() == pytest.approx(60, abs=0.01)
+    assert ledger(job) == [(1, 1, "worker-a", "running")]
+
+
+def test_claim__live_lease_is_not_claimable() -> None:
+    PaymentJob.objects.enqueue("capture")
+    claim_one("w1")
+    assert PaymentJob.objects.claim("w2", ttl=60) == []
+
+
+def test_claim__expired_lease_is_taken_over_with_new_token() -> None:
+    PaymentJob.objects.enqueue("capture")
+    first = claim_one("w1")
+    expire(first)
+    second = claim_one("w2")
+    assert second.pk == first.pk
+    assert (second.attempts, second.lease_token, second.lease_owner) == (2, 2, "w2")
+    assert ledger(second) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
+
+
+def test_claim__respects_limit_priority_and_order() -> None:
+    low = PaymentJob.objects.enqueue("a", priority=0)
+    high = PaymentJob.objects.enqueue("a", priority=5)
+    mid = PaymentJob.objects.enqueue("a", priority=1)
+    claimed = PaymentJob.objects.claim("w1", ttl=60, limit=2)
+    assert [job.pk for job in claimed] == [high.pk, mid.pk]
+    assert [job.pk for job in PaymentJob.objects.claim("w1", ttl=60, limit=5)] == [low.pk]
+
+
+def test_claim__expired_leases_come_before_pending_jobs() -> None:
+    PaymentJob.objects.enqueue("a", priority=9)
+    old = PaymentJob.objects.enqueue("a", priority=10)
+    expire(claim_one("w1"))
+    claimed = PaymentJob.objects.claim("w2", ttl=60, limit=2)
+    assert [job.pk for job in claimed][0] == old.pk
+    assert len(claimed) == 2
+
+
+def test_claim__only_given_kinds() -> None:
+    PaymentJob.objects.enqueue("capture")
+    refund = PaymentJob.objects.enqueue("refund")
+    assert [j.pk for j in PaymentJob.objects.claim("w1", ttl=60, limit=5, kinds=["refund"])] == [
+        refund.pk
+    ]
+    assert PaymentJob.objects.claim("w1", ttl=60, kinds=[]) == []
+    assert PaymentJob.objects.filter(kind="capture", status=Status.PENDING).count() == 1
+
+
+def test_claim__job_without_attempts_left_is_not_claimable() -> None:
+    PaymentJob.objects.enqueue("capture", max_attempts=1)
+    expire(claim_one("w1"))
+    assert PaymentJob.objects.claim("w2", ttl=60) == []
+    assert PaymentJob.objects.expired().count() == 1
+
+
+@pytest.mark.parametrize("ttl", [0, -1, "60", None, float("inf"), True])
+def test_claim__bad_ttl_raises_before_any_write(ttl: object) -> None:
+    PaymentJob.objects.enqueue("capture")
+    with pytest.raises(InvalidDuration):
+        PaymentJob.objects.claim("w1", ttl=ttl)  # type: ignore[arg-type]
+    assert PaymentJob.objects.filter(status=Status.PENDING).count() == 1
+
+
+def test_claim__accepts_timedelta_and_float_ttl() -> None:
+    PaymentJob.objects.enqueue("a")
+    PaymentJob.objects.enqueue("a")
+    a = PaymentJob.objects.claim("w1", ttl=timedelta(seconds=90))[0]
+    b = PaymentJob.objects.claim("w1", ttl=0.5)[0]
+    for job, seconds in ((a, 90), (b, 0.5)):
+        job.refresh_from_db()
+        assert (job.lease_until - job.heartbeat_at).total_seconds() == pytest.approx(
+            seconds, abs=0.01
+        )
+
+
+def test_claim__query_count_is_pinned() -> None:
+    for _ in range(3):
+        PaymentJob.objects.enqueue("a")
+    # PostgreSQL: the claim statement + the ledger insert. SQLite: one UPDATE per pass (expired,
+    # due) + the insert. MariaDB: an empty locking SELECT for expired leases, then SELECT ...
+    # FOR UPDATE SKIP LOCKED, UPDATE and read-back for due jobs, + the insert.
+    expected = {"postgresql": 2, "sqlite": 3, "mysql": 5}[connection.vendor]
+    with CaptureQueriesContext(connection) as ctx:
+        jobs = PaymentJob.objects.claim("w1", ttl=60, limit=3)
+    assert len(jobs) == 3
+    assert len(statements(ctx)) == expected, statements(ctx)
+
+
+def test_claim_job__claims_only_a_claimable_job() -> None:
+    job = PaymentJob.objects.enqueue("capture")
+    won = PaymentJob.objects.claim_job(job.pk, "w1", ttl=60)
+    assert won is not None and won.attempts == 1 and won.lease_owner == "w1"
+    assert PaymentJob.objects.claim_job(job.pk, "w2", ttl=60) is None
+    expire(won)
+    again = PaymentJob.objects.claim_job(job.pk, "w2", ttl=60)
+    assert again is not None and again.lease_token == 2
+    assert ledger(job) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
+
+
+def test_claim_job__future_job_is_not_claimable() -> None:
+    job = PaymentJob.objects.enqueue("capture", run_at=3600)
+    assert PaymentJob.objects.claim_job(job.pk, "w1", ttl=60) is None
+
+
+# ---- holder writes --------------------------------------------------------------------------
+
+
+def test_heartbeat__renews_many_leases_in_one_statement() -> None:
+    for _ in range(3):
+        PaymentJob.objects.enqueue("a")
+    jobs = PaymentJob.objects.claim("w1", ttl=5, limit=3)
+    leases = {job.pk: job.lease_token for job in jobs}
+    with CaptureQueriesContext(connection) as ctx:
+        renewed = PaymentJob.objects.heartbeat("w1", leases, ttl=120)
+    # One UPDATE of the jobs, one of their ledger rows.
+    assert len(statements(ctx)) == 2, statements(ctx)
+    assert renewed == set(leases)
+    for job in PaymentJob.objects.filter(pk__in=leases):
+        assert (job.lease_until - job.heartbeat_at).total_seconds() == pytest.approx(120, abs=0.01)
+    assert set(JobAttempt.objects.values_list("last_heartbeat_at", flat=True)) == set(
+        PaymentJob.objects.values_list("heartbeat_at", flat=True)
+    )
+
+
+def test_heartbeat__refuses_after_takeover() -> None:
+    PaymentJob.objects.enqueue("a")
+    PaymentJob.objects.enqueue("a")
+    mine, theirs = PaymentJob.objects.claim("w1", ttl=60, limit=2)
+    expire(theirs)
+    taken = claim_one("w2")
+    assert taken.pk == theirs.pk
+    renewed = PaymentJob.objects.heartbeat(
+        "w1", {mine.pk: mine.lease_token, theirs.pk: theirs.lease_token}, ttl=60
+    )
+    assert renewed == {mine.pk}
+    theirs.refresh_from_db()
+    assert (theirs.lease_owner, theirs.lease_token) == ("w2", 2)
+
+
+def test_heartbeat__refuses_an_expired_lease() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    assert PaymentJob.objects.heartbeat("w1", {job.pk: job.lease_token}, ttl=60) == set()
+    assert PaymentJob.objects.expired().filter(pk=job.pk).exists()
+
+
+def test_complete__marks_completed_and_closes_ledger() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    job.refresh_from_db()
+    assert job.status == Status.COMPLETED and job.completed_at is not None
+    assert job.lease_owner == "w1" and job.attempts == 1
+    assert ledger(job) == [(1, 1, "w1", "completed")]
+    assert JobAttempt.objects.get(job_ref=job.pk).ended_at is not None
+
+
+def test_complete__refuses_after_takeover_and_records_fenced_out() -> None:
+    PaymentJob.objects.enqueue("a")
+    zombie = claim_one("w1")
+    expire(zombie)
+    owner = claim_one("w2")
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(zombie.pk, "w1", zombie.lease_token)
+    job = PaymentJob.objects.get(pk=zombie.pk)
+    assert (job.status, job.lease_owner, job.lease_token) == (Status.PROCESSING, "w2", 2)
+    old = JobAttempt.objects.get(job_ref=job.pk, token=1)
+    assert old.outcome == "lease_lost" and old.fenced_at is not None
+    PaymentJob.objects.complete(owner.pk, "w2", owner.lease_token)
+    assert ledger(job) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "completed")]
+
+
+def test_complete__refuses_wrong_owner_with_same_token() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "someone-else", job.lease_token)
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING
+
+
+def test_complete__after_completion_is_refused() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+
+
+def test_checkpoint__records_step_and_refuses_after_takeover() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    PaymentJob.objects.checkpoint(job.pk, "w1", job.lease_token, "psp_called")
+    assert PaymentJob.objects.get(pk=job.pk).checkpoint == "psp_called"
+    assert JobAttempt.objects.get(job_ref=job.pk).checkpoint == "psp_called"
+    expire(job)
+    claim_one("w2")
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.checkpoint(job.pk, "w1", job.lease_token, "captured")
+    assert PaymentJob.objects.get(pk=job.pk).checkpoint == "psp_called"
+
+
+def test_fail__retries_with_backoff_then_fails_at_max_attempts() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=2)
+    job = claim_one("w1")
+    assert (
+        PaymentJob.objects.fail(job.pk, "w1", job.lease_token, RuntimeError("psp 502"), retry_in=30)
+        == Status.PENDING
+    )
+    job.refresh_from_db()
+    assert job.last_error == "RuntimeError: psp 502"
+    assert not PaymentJob.objects.due().filter(pk=job.pk).exists()
+    PaymentJob.objects.filter(pk=job.pk).update(run_at=Now())
+    job = claim_one("w1")
+    assert job.attempts == 2
+    assert (
+        PaymentJob.objects.fail(job.pk, "w1", job.lease_token, ValueError("again")) == Status.FAILED
+    )
+    job.refresh_from_db()
+    assert job.status == Status.FAILED and job.completed_at is not None
+    assert ledger(job) == [(1, 1, "w1", "retried"), (2, 2, "w1", "failed")]
+    row = JobAttempt.objects.get(job_ref=job.pk, token=2)
+    assert (row.error_class, row.error_message) == ("ValueError", "again")
+
+
+def test_fail__permanent_fails_at_once() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=5)
+    job = claim_one("w1")
+    assert (
+        PaymentJob.objects.fail(job.pk, "w1", job.lease_token, "declined", permanent=True)
+        == Status.FAILED
+    )
+    assert PaymentJob.objects.get(pk=job.pk).attempts == 1
+
+
+def test_fail__refuses_after_takeover() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    claim_one("w2")
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.fail(job.pk, "w1", job.lease_token, RuntimeError("x"))
+    assert PaymentJob.objects.get(pk=job.pk).last_error == ""
+
+
+def test_release__returns_job_without_spending_an_attempt() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=1)
+    job = claim_one("w1")
+    PaymentJob.objects.release(job.pk, "w1", job.lease_token)
+    job.refresh_from_db()
+    assert (job.status, job.attempts, job.max_attempts) == (Status.PENDING, 1, 2)
+    again = claim_one("w2")
+    assert again.attempts == 2
+    assert ledger(job) == [(1, 1, "w1", "released"), (2, 2, "w2", "running")]
+
+
+def test_release__refuses_after_takeover() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    claim_one("w2")
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.release(job.pk, "w1", job.lease_token)
+    assert PaymentJob.objects.get(pk=job.pk).lease_owner == "w2"
+
+
+# ---- operator reads -------------------------------------------------------------------------
+
+
+def test_expired_and_near_expiry__split_processing_jobs_by_time_left() -> None:
+    for _ in range(3):
+        PaymentJob.objects.enqueue("a")
+    stale, near, healthy = PaymentJob.objects.claim("w1", ttl=600, limit=3)
+    expire(stale)
+    PaymentJob.objects.filter(pk=near.pk).update(lease_until=Now() + timedelta(seconds=10))
+    assert list(PaymentJob.objects.expired().values_list("pk", flat=True)) == [stale.pk]
+    assert list(PaymentJob.objects.near_expiry(20).values_list("pk", flat=True)) == [near.pk]
+    assert (
+        list(PaymentJob.objects.near_expiry(timedelta(seconds=5)).values_list("pk", flat=True))
+        == []
+    )
+    assert list(PaymentJob.objects.healthy(20).values_list("pk", flat=True)) == [healthy.pk]
+
+
+# ---- the watcher's rescue -------------------------------------------------------------------
+
+
+def test_rescue__returns_expired_job_to_pending_without_an_attempt() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    stale = PaymentJob.objects.expired().get()
+    assert PaymentJob.objects.rescue(stale, "retry", by="watcher") is True
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == (Status.PENDING, 1)
+    assert ledger(job) == [(1, 1, "w1", "rescued")]
+    assert PaymentJob.objects.rescue(stale, "retry", by="watcher-2") is False
+
+
+def test_rescue__never_resurrects_a_completed_job() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    stale = PaymentJob.objects.expired().get()
+    # The holder completes between the watcher's read and its write.
+    PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    assert PaymentJob.objects.rescue(stale, "retry", by="watcher") is False
+    job.refresh_from_db()
+    assert job.status == Status.COMPLETED
+    assert ledger(job) == [(1, 1, "w1", "completed")]
+
+
+def test_rescue__never_touches_a_job_taken_over_since_the_read() -> None:
+    PaymentJob.objects.enqueue("a")
+    expire(claim_one("w1"))
+    stale = PaymentJob.objects.expired().get()
+    claim_one("w2")
+    assert PaymentJob.objects.rescue(stale, "retry", by="watcher") is False
+    assert PaymentJob.objects.get(pk=stale.pk).lease_owner == "w2"
+
+
+def test_rescue__review_and_failed_actions() -> None:
+    PaymentJob.objects.enqueue("a")
+    PaymentJob.objects.enqueue("a")
+    a, b = PaymentJob.objects.claim("w1", ttl=60, limit=2)
+    expire(a)
+    expire(b)
+    assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=a.pk), "review", by="watcher")
+    assert PaymentJob.objects.rescue(
+        PaymentJob.objects.get(pk=b.pk), "failed", by="watcher", reason="no attempts left"
+    )
+    assert PaymentJob.objects.get(pk=a.pk).status == Status.REVIEW
+    failed = PaymentJob.objects.get(pk=b.pk)
+    assert (failed.status, failed.last_error) == (Status.FAILED, "no attempts left")
+    assert ledger(a)[0][3] == "review" and ledger(b)[0][3] == "failed"
+
+
+# ---- operator writes ------------------------------------------------------------------------
+
+
+def test_requeue__refuses_a_healthy_lease_unless_forced() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 0
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING
+    assert PaymentJob.objects.filter(pk=job.pk).requeue(force=True) == 1
+    requeued = PaymentJob.objects.get(pk=job.pk)
+    assert requeued.status == Status.PENDING and requeued.lease_token == 2
+    # The fenced-out holder can write nothing any more.
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    assert ledger(job) == [(1, 1, "w1", "requeued")]
+
+
+def test_requeue__failed_job_gets_another_attempt() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=1)
+    job = claim_one("w1")
+    PaymentJob.objects.fail(job.pk, "w1", job.lease_token, "x")
+    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 1
+    again = claim_one("w2")
+    assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
+
+
+def test_release_stuck__only_expired_leases() -> None:
+    PaymentJob.objects.enqueue("a")
+    PaymentJob.objects.enqueue("a")
+    stuck, live = PaymentJob.objects.claim("w1", ttl=60, limit=2)
+    expire(stuck)
+    assert PaymentJob.objects.all().release_stuck() == 1
+    assert PaymentJob.objects.get(pk=stuck.pk).status == Status.PENDING
+    assert PaymentJob.objects.get(pk=live.pk).status == Status.PROCESSING
+
+
+def test_mark_failed_cancel_and_resolve_review() -> None:
+    pending = PaymentJob.objects.enqueue("a")
+    other = PaymentJob.objects.enqueue("a")
+    live = claim_one("w1", kinds=["a"])
+    assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops") == 0
+    assert PaymentJob.objects.filter(pk=pending.pk).cancel() == (1 if live.pk != pending.pk else 0)
+    PaymentJob.objects.filter(pk=other.pk).update(status=Status.REVIEW)
+    assert PaymentJob.objects.filter(pk=other.pk).resolve_review("completed") == 1
+    assert PaymentJob.objects.get(pk=other.pk).status == Status.COMPLETED
+    with pytest.raises(ValueError, match="verdict"):
+        PaymentJob.objects.all().resolve_review("maybe")
+
+
+def test_attempts_never_reset_and_ledger_agrees() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=10)
+    for n in range(1, 5):
+        job = claim_one(f"w{n}")
+        assert job.attempts == n
+        if n % 2:
+            expire(job)
+        else:
+            PaymentJob.objects.fail(job.pk, job.lease_owner, job.lease_token, "x")
+            PaymentJob.objects.filter(pk=job.pk).update(run_at=Now())
+    job.refresh_from_db()
+    rows = ledger(job)
+    assert job.attempts == len(rows) == 4
+    assert [r[0] for r in rows] == [1, 2, 3, 4] and [r[1] for r in rows] == [1, 2, 3, 4]
+    assert PaymentJob.objects.filter(attempts=F("lease_token")).count() == 1
