@@ -18,6 +18,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=1)
     parser.add_argument("--mode", choices=["claim", "claim_job"], default="claim")
     parser.add_argument("--start-at", type=float, default=0.0, help="epoch seconds to start at")
+    parser.add_argument(
+        "--step", type=float, default=0.004, help="claim_job: seconds between two jobs' races"
+    )
     args = parser.parse_args()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
@@ -38,11 +41,15 @@ def main() -> None:
                 jobs.complete(job.pk, args.owner, job.lease_token)
                 won.append(job.pk)
     else:
-        for pk in ids:
+        # Every process reaches job i at start + i * step by the wall clock, so each job is a
+        # race, not just the first one.
+        for i, pk in enumerate(ids):
+            time.sleep(max(0.0, args.start_at + i * args.step - time.time()))
             job = jobs.claim_job(pk, args.owner, ttl=300)
             if job is not None:
                 won.append(job.pk)
-    print(json.dumps({"owner": args.owner, "won": won, "largest_batch": largest}))  # noqa: T201
+    summary = {"owner": args.owner, "won": won, "tried": len(ids), "largest_batch": largest}
+    print(json.dumps(summary))  # noqa: T201
 
 
 if __name__ == "__main__":

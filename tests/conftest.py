@@ -1,6 +1,7 @@
 """Fixtures shared by the suite: real worker subprocesses against the test database."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -39,6 +40,23 @@ def wait_for(
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout}s: {predicate}")
         time.sleep(interval)
+
+
+def read_until(proc: "subprocess.Popen[str]", text: str, *, timeout: float = 30.0) -> str:
+    """Read the process's output line by line until a line contains `text`."""
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if text in line:
+                return "".join(seen)
+            if not line and proc.poll() is not None:
+                break
+    pytest.fail(f"{text!r} not seen in the output within {timeout}s: {''.join(seen)}")
 
 
 class Processes:

@@ -4,6 +4,16 @@ import time
 
 from django_leases import PermanentError, job_handler
 
+from .models import Charge
+
+
+def duration(job, lease) -> float:
+    """Seconds this attempt should take: payload "durations" per attempt, or "seconds"."""
+    durations = job.payload.get("durations")
+    if durations:
+        return float(durations[min(lease.attempt, len(durations)) - 1])
+    return float(job.payload.get("seconds", 0))
+
 
 @job_handler("noop")
 def noop(job, lease):
@@ -12,10 +22,8 @@ def noop(job, lease):
 
 @job_handler("sleep")
 def sleep(job, lease):
-    deadline = time.monotonic() + float(job.payload.get("seconds", 1))
-    while time.monotonic() < deadline:
-        lease.check()
-        time.sleep(0.05)
+    """Sleep without looking at the lease, like a blocking PSP call."""
+    time.sleep(duration(job, lease))
 
 
 @job_handler("boom")
@@ -26,3 +34,11 @@ def boom(job, lease):
 @job_handler("permanent")
 def permanent(job, lease):
     raise PermanentError("card declined")
+
+
+@job_handler("charge")
+def charge(job, lease):
+    """Sleep, then record a charge and complete the job in one transaction."""
+    time.sleep(duration(job, lease))
+    with lease.atomic():
+        Charge.objects.create(job_ref=job.pk, token=lease.token, owner=lease.owner)

@@ -1,0 +1,67 @@
+"""LISTEN/NOTIFY wake-ups on PostgreSQL: an idle worker starts an enqueued job at once.
+
+Polling stays the fallback: on other databases, with USE_NOTIFY off, and whenever the listening
+connection is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from django.db import connections
+
+from django_leases.conf import leases_settings
+from django_leases.querysets import notify_channel
+
+logger = logging.getLogger("django_leases.worker")
+
+# Connection parameters Django adds for its own cursors; a plain listening connection needs none.
+DJANGO_ONLY_PARAMS = {"context", "cursor_factory", "prepare_threshold", "server_side_binding"}
+
+
+class Listener:
+    """A dedicated autocommit connection that LISTENs on the enqueue channel of one table."""
+
+    def __init__(self, params: dict[str, Any], channel: str) -> None:
+        self._params = params
+        self._channel = channel
+        self._conn: Any = None
+
+    @classmethod
+    def for_model(cls, model: type[Any], using: str) -> Listener | None:
+        """Return a listener for `model`'s table, or None where NOTIFY is not available."""
+        connection = connections[using]
+        if connection.vendor != "postgresql" or not leases_settings.USE_NOTIFY:
+            return None
+        params = {
+            key: value
+            for key, value in connection.get_connection_params().items()
+            if key not in DJANGO_ONLY_PARAMS
+        }
+        return cls(params, notify_channel(model))
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for an enqueue notification; return whether one came."""
+        import psycopg
+        from psycopg import sql
+
+        try:
+            if self._conn is None:
+                self._conn = psycopg.connect(autocommit=True, **self._params)
+                self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            for _ in self._conn.notifies(timeout=timeout, stop_after=1):
+                return True
+        except psycopg.Error as exc:
+            logger.warning("LISTEN connection failed (%s); polling until it is back", exc)
+            self.close()
+            time.sleep(timeout)
+        return False
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None

@@ -1,0 +1,76 @@
+"""Argument types shared by the management commands: each raises a one-line error."""
+
+import argparse
+import logging
+import math
+import re
+import sys
+from typing import Any, NoReturn
+
+from django.core.management.base import CommandError, CommandParser
+
+WORKER_ID = re.compile(r"^[\w.:@/-]{1,255}$")
+
+
+def positive_seconds(value: str) -> float:
+    """Parse seconds: a positive, finite number, fractions allowed ("0.5")."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be a positive number of seconds")
+    return seconds
+
+
+def non_negative_seconds(value: str) -> float:
+    """Parse seconds that may be zero (e.g. a grace period)."""
+    if value.strip() in ("0", "0.0"):
+        return 0.0
+    return positive_seconds(value)
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
+    return number
+
+
+def worker_id(value: str) -> str:
+    if not WORKER_ID.match(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a valid worker id (1-255 letters, digits or . _ : @ / -)"
+        )
+    return value
+
+
+def configure_logging(logger_name: str, verbosity: int) -> None:
+    """Map --verbosity 0/1/2+ to WARNING/INFO/DEBUG on the django_leases loggers."""
+    level = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
+    logger = logging.getLogger("django_leases")
+    logger.setLevel(level)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        logger.addHandler(handler)
+    logging.getLogger(logger_name).setLevel(level)
+
+
+class OneLineErrorsMixin:
+    """Report bad command-line options as one line on stderr and exit 1, without the usage."""
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser: CommandParser = super().create_parser(prog_name, subcommand, **kwargs)  # type: ignore[misc]
+
+        def error(message: str) -> NoReturn:
+            if not parser.called_from_command_line:
+                raise CommandError(f"Error: {message}")
+            sys.stderr.write(f"CommandError: {subcommand}: {message}\n")
+            sys.exit(1)
+
+        parser.error = error  # type: ignore[method-assign]
+        return parser

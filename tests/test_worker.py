@@ -1,0 +1,334 @@
+"""`run_lease_worker` end to end: real worker processes against the real test database."""
+
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+from django.db import OperationalError, connection
+from django.db.models.functions import Now
+
+from django_leases.models import JobAttempt, PaymentJob
+from django_leases.worker import LeaseWorker
+from tests.testapp.models import Charge
+
+from .conftest import Processes, read_until, wait_for
+
+pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
+
+Status = PaymentJob.Status
+FAST = ("--poll-interval", "0.1")
+
+
+def worker(processes: Processes, name: str, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+    return processes.manage(
+        "run_lease_worker", "--worker-id", name, *FAST, *args, "-v", "2", **kwargs
+    )  # type: ignore[arg-type]
+
+
+def fresh(job: PaymentJob) -> PaymentJob:
+    """Re-read the job, reconnecting if the database connection was cut under us."""
+    try:
+        return PaymentJob.objects.get(pk=job.pk)
+    except OperationalError:
+        connection.close()
+        return PaymentJob.objects.get(pk=job.pk)
+
+
+def held_by(job: PaymentJob, owner: str, token: int | None = None) -> bool:
+    job = fresh(job)
+    return (
+        job.status == Status.PROCESSING
+        and job.lease_owner == owner
+        and (token is None or job.lease_token == token)
+    )
+
+
+def ledger(job: PaymentJob) -> list[tuple[int, str, str]]:
+    return list(
+        JobAttempt.objects.filter(job_ref=job.pk)
+        .order_by("token")
+        .values_list("token", "owner", "outcome")
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
+def test_worker__burst_runs_every_job_and_exits_zero(processes: Processes) -> None:
+    ok = [PaymentJob.objects.enqueue("noop") for _ in range(20)]
+    retried = PaymentJob.objects.enqueue("boom", {"message": "psp 502"}, max_attempts=3)
+    failed = PaymentJob.objects.enqueue("boom", max_attempts=1)
+    declined = PaymentJob.objects.enqueue("permanent")
+    unknown = PaymentJob.objects.enqueue("no-such-kind")
+
+    proc = worker(processes, "burst-1", "--burst", "--concurrency", "3")
+    out = finish(proc)
+
+    assert proc.returncode == 0, out
+    assert (
+        PaymentJob.objects.filter(pk__in=[j.pk for j in ok], status=Status.COMPLETED).count() == 20
+    )
+    retried = fresh(retried)
+    assert (retried.status, retried.attempts) == (Status.PENDING, 1)
+    assert retried.last_error == "RuntimeError: psp 502"
+    assert PaymentJob.objects.filter(pk=retried.pk, run_at__gt=Now()).exists()
+    assert fresh(failed).status == Status.FAILED
+    declined = fresh(declined)
+    assert (declined.status, declined.attempts, declined.last_error) == (
+        Status.FAILED,
+        1,
+        "django_leases.exceptions.PermanentError: card declined",
+    )
+    assert fresh(unknown).status == Status.PENDING and fresh(unknown).attempts == 0
+    assert ledger(retried) == [(1, "burst-1", "retried")]
+    assert JobAttempt.objects.get(job_ref=failed.pk).error_class == "RuntimeError"
+    assert "claimed=23 completed=20 retried=1 failed=2" in out
+    assert f"claimed job_id={ok[0].pk} kind=noop attempt=1 token=1 owner=burst-1" in out
+
+
+def test_worker__max_jobs_stops_after_that_many(processes: Processes) -> None:
+    for _ in range(5):
+        PaymentJob.objects.enqueue("noop")
+    proc = worker(processes, "capped", "--max-jobs", "2")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert PaymentJob.objects.filter(status=Status.COMPLETED).count() == 2
+    assert PaymentJob.objects.filter(status=Status.PENDING).count() == 3
+
+
+def test_worker__sigkill_mid_job_is_rescued_after_ttl(processes: Processes) -> None:
+    job = PaymentJob.objects.enqueue("sleep", {"durations": [60, 0]})
+    victim = worker(processes, "victim", "--ttl", "2", "--heartbeat", "0.5")
+    wait_for(lambda: held_by(job, "victim"))
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+
+    worker(processes, "rescuer", "--ttl", "2", "--heartbeat", "0.5")
+    wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=60)
+
+    job = fresh(job)
+    assert (job.attempts, job.lease_token, job.lease_owner) == (2, 2, "rescuer")
+    assert ledger(job) == [(1, "victim", "lease_lost"), (2, "rescuer", "completed")]
+
+
+def test_worker__paused_past_its_lease_writes_nothing(processes: Processes) -> None:
+    # Attempt 1 takes 4 s; attempt 2 (the new owner's) takes 4 s too, so the zombie resumes
+    # while the new owner is still running.
+    job = PaymentJob.objects.enqueue("sleep", {"durations": [4, 4]})
+    zombie = worker(processes, "zombie", "--ttl", "1.5", "--heartbeat", "0.3")
+    wait_for(lambda: held_by(job, "zombie"))
+    os.killpg(zombie.pid, signal.SIGSTOP)
+    wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
+
+    worker(processes, "owner", "--ttl", "1.5", "--heartbeat", "0.3")
+    wait_for(lambda: held_by(job, "owner", token=2))
+    os.killpg(zombie.pid, signal.SIGCONT)
+
+    # The zombie notices: its heartbeat is refused, or its completion is.
+    wait_for(
+        lambda: JobAttempt.objects.filter(job_ref=job.pk, token=1, fenced_at__isnull=False).exists()
+    )
+    assert held_by(job, "owner", token=2)
+    wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=30)
+    job = fresh(job)
+    assert (job.lease_owner, job.lease_token, job.attempts) == ("owner", 2, 2)
+    assert ledger(job) == [(1, "zombie", "lease_lost"), (2, "owner", "completed")]
+    assert zombie.poll() is None, "the zombie must keep running, not crash"
+
+
+def test_worker__long_job_with_heartbeats_is_never_claimed_twice(processes: Processes) -> None:
+    job = PaymentJob.objects.enqueue("sleep", {"seconds": 10})  # 5 x the TTL
+    worker(processes, "long", "--ttl", "2", "--heartbeat", "0.4")
+    wait_for(lambda: held_by(job, "long"))
+    pollers = [
+        worker(processes, f"poller-{n}", "--ttl", "2", "--heartbeat", "0.4") for n in range(2)
+    ]
+
+    wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=60)
+    job = fresh(job)
+    assert (job.attempts, job.lease_token, job.lease_owner) == (1, 1, "long")
+    assert ledger(job) == [(1, "long", "completed")]
+    assert all(p.poll() is None for p in pollers)
+
+
+ON_SQLITE = os.environ.get("DATABASE_URL", "sqlite").split(":")[0] == "sqlite"
+
+
+@pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (Debian package)")
+@pytest.mark.skipif(
+    ON_SQLITE,
+    reason="SQLite has no server clock: its now() is read by each calling process, so a "
+    "process with a faked clock brings its own; SQLite is for one host, whose processes share "
+    "one clock",
+)
+def test_worker__clock_thirty_seconds_ahead_steals_nothing(processes: Processes) -> None:
+    job = PaymentJob.objects.enqueue("sleep", {"seconds": 8})
+    worker(processes, "honest", "--ttl", "3", "--heartbeat", "0.5", "--kind", "sleep")
+    wait_for(lambda: held_by(job, "honest"))
+    skewed = worker(
+        processes, "skewed", "--ttl", "3", "--heartbeat", "0.5", prefix=["faketime", "-f", "+30s"]
+    )
+    # The skewed worker is alive and claims what is free...
+    other = PaymentJob.objects.enqueue("noop")
+    wait_for(lambda: fresh(other).status == Status.COMPLETED, timeout=30)
+    assert fresh(other).lease_owner == "skewed"
+    # ...but not the live lease, even though by its clock that lease ended 27 s ago.
+    wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=30)
+    job = fresh(job)
+    assert (job.attempts, job.lease_owner) == (1, "honest")
+    assert skewed.poll() is None
+
+
+def cut_database_connections() -> None:
+    """Kill every other session on the test database: a restart as the workers see it."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        else:
+            cursor.execute(
+                "SELECT id FROM information_schema.processlist WHERE db = DATABASE() "
+                "AND id <> CONNECTION_ID()"
+            )
+            for (pid,) in cursor.fetchall():
+                cursor.execute(f"KILL {int(pid)}")
+
+
+def restart_postgresql() -> None:
+    version = os.listdir("/etc/postgresql")[0]
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "restart"], check=True
+    )
+    connection.close()
+
+
+@pytest.mark.skipif(
+    ON_SQLITE,
+    reason="SQLite is a file inside the worker's process: it has no server to go away",
+)
+def test_worker__survives_the_database_going_away(processes: Processes) -> None:
+    jobs = [PaymentJob.objects.enqueue("sleep", {"seconds": 0.3}) for _ in range(30)]
+    workers = [
+        worker(processes, f"w{n}", "--concurrency", "2", "--ttl", "5", "--heartbeat", "1")
+        for n in range(2)
+    ]
+    wait_for(lambda: PaymentJob.objects.filter(status=Status.COMPLETED).count() >= 4)
+
+    if connection.vendor == "postgresql" and os.environ.get("LEASES_TEST_PG_RESTART"):
+        restart_postgresql()
+    else:
+        cut_database_connections()
+    wait_for(lambda: PaymentJob.objects.filter(status=Status.COMPLETED).count() >= 12, timeout=60)
+    cut_database_connections()
+
+    def all_done() -> bool:
+        try:
+            return PaymentJob.objects.filter(status=Status.COMPLETED).count() == len(jobs)
+        except OperationalError:
+            connection.close()
+            return False
+
+    wait_for(all_done, timeout=120)
+    assert all(w.poll() is None for w in workers), "a worker exited on an outage"
+    assert not PaymentJob.objects.exclude(status=Status.COMPLETED).exists()
+
+
+def test_worker__sigterm_lets_running_jobs_finish_and_exits_zero(processes: Processes) -> None:
+    running = [PaymentJob.objects.enqueue("sleep", {"seconds": 1.5}, priority=1) for _ in range(2)]
+    waiting = [PaymentJob.objects.enqueue("noop") for _ in range(3)]
+    proc = worker(processes, "graceful", "--concurrency", "2", "--grace-period", "20")
+    wait_for(lambda: all(held_by(job, "graceful") for job in running))
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+
+    assert proc.returncode == 0, out
+    assert all(fresh(job).status == Status.COMPLETED for job in running)
+    assert all((fresh(job).status, fresh(job).attempts) == (Status.PENDING, 0) for job in waiting)
+    assert "worker graceful stopped: claimed=2 completed=2" in out
+
+
+def test_worker__sigterm_past_grace_period_abandons_to_lease_expiry(processes: Processes) -> None:
+    job = PaymentJob.objects.enqueue("sleep", {"seconds": 60})
+    proc = worker(
+        processes, "impatient", "--grace-period", "0.5", "--ttl", "30", "--heartbeat", "5"
+    )
+    wait_for(lambda: held_by(job, "impatient"))
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc, timeout=30)
+
+    assert proc.returncode == 0, out
+    assert f"abandoned job_id={job.pk}" in out
+    # Not released under a handler that may still run: the lease runs out instead.
+    assert held_by(job, "impatient")
+
+
+def test_worker__second_signal_exits_at_once(processes: Processes) -> None:
+    job = PaymentJob.objects.enqueue("sleep", {"seconds": 60})
+    proc = worker(processes, "hasty", "--grace-period", "60")
+    wait_for(lambda: held_by(job, "hasty"))
+    proc.send_signal(signal.SIGTERM)
+    # Signals do not queue: wait until the first one was handled before sending the second.
+    read_until(proc, "stop requested")
+    proc.send_signal(signal.SIGTERM)
+    finish(proc, timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+
+
+def test_worker__unstarted_jobs_are_released_on_stop() -> None:
+    job = PaymentJob.objects.enqueue("noop")
+    lease_worker = LeaseWorker(worker_id="in-process", concurrency=1, ttl=30, heartbeat=5)
+    assert lease_worker.run_once() == 1  # claimed, not yet started: no slot runs yet
+    lease_worker.stop()
+    stats = lease_worker.run()
+
+    job = fresh(job)
+    assert (job.status, job.attempts, job.max_attempts) == (Status.PENDING, 1, 6)
+    assert ledger(job) == [(1, "in-process", "released")]
+    assert (stats.claimed, stats.released, stats.completed) == (1, 1, 0)
+
+
+def test_worker__lease_atomic_rolls_back_the_zombies_writes(processes: Processes) -> None:
+    job = PaymentJob.objects.enqueue("charge", {"durations": [3, 2]})
+    zombie = worker(processes, "zombie", "--ttl", "1.5", "--heartbeat", "0.3")
+    wait_for(lambda: held_by(job, "zombie"))
+    os.killpg(zombie.pid, signal.SIGSTOP)
+    wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
+    worker(processes, "owner", "--ttl", "1.5", "--heartbeat", "0.3")
+    wait_for(lambda: held_by(job, "owner", token=2))
+    os.killpg(zombie.pid, signal.SIGCONT)
+
+    wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=30)
+    wait_for(
+        lambda: JobAttempt.objects.filter(job_ref=job.pk, token=1, fenced_at__isnull=False).exists()
+    )
+    assert list(Charge.objects.values_list("job_ref", "token", "owner")) == [(job.pk, 2, "owner")]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ttl", "0"], "must be a positive number of seconds"),
+        (["--ttl", "-3"], "must be a positive number of seconds"),
+        (["--ttl", "10", "--heartbeat", "10"], "heartbeat (10s) must be shorter than ttl (10s)"),
+        (["--heartbeat", "abc"], "'abc' is not a number of seconds"),
+        (["--concurrency", "0"], "must be at least 1"),
+        (["--kind", "nope"], "no handler for job kind(s) nope"),
+        (["--worker-id", "has space"], "not a valid worker id"),
+    ],
+)
+def test_worker__bad_options_fail_with_one_line_before_any_claim(
+    processes: Processes, args: list[str], message: str
+) -> None:
+    job = PaymentJob.objects.enqueue("noop")
+    proc = processes.manage("run_lease_worker", "--burst", *args)
+    out = finish(proc, timeout=30)
+    assert proc.returncode == 1
+    assert message in out
+    assert "Traceback" not in out and len(out.strip().splitlines()) == 1
+    assert fresh(job).attempts == 0
