@@ -105,16 +105,22 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     def claimable(self, kinds: Collection[str] | None = None) -> LeaseQuerySet[J]:
         """Due pending jobs and expired leases that still have an attempt left."""
+        guard, _, _ = takeover_guard()
         qs = self.filter(
-            Q(status=PENDING, run_at__lte=Now()) | Q(status=PROCESSING, lease_until__lt=Now()),
+            Q(status=PENDING, run_at__lte=Now())
+            | (Q(status=PROCESSING, lease_until__lt=Now()) & guard),
             attempts__lt=F("max_attempts"),
         )
         return qs.filter(kind__in=list(kinds)) if kinds is not None else qs
 
     def _claimable_pass(self, kinds: Collection[str] | None, takeover: bool) -> LeaseQuerySet[J]:
-        qs = self.expired() if takeover else self.due()
+        qs = self.expired().filter(takeover_guard()[0]) if takeover else self.due()
         qs = qs.filter(attempts__lt=F("max_attempts"))
         return qs.filter(kind__in=list(kinds)) if kinds is not None else qs
+
+    def orphaned(self, owners: Collection[str]) -> LeaseQuerySet[J]:
+        """Processing jobs with a live lease whose owner is one of `owners` (workers known gone)."""
+        return self.filter(status=PROCESSING, lease_until__gte=Now(), lease_owner__in=list(owners))
 
     def held(self, pk: int, owner: str, token: int) -> LeaseQuerySet[J]:
         """The one row `owner` holds under `token`, or nothing: the filter of every holder write."""
@@ -177,11 +183,12 @@ class LeaseQuerySet(models.QuerySet[J]):
         # Each CTE walks its own partial index, so the cost does not grow with finished rows.
         # Tested on PostgreSQL 15.
         table, kind_sql, kind_params = self._claim_sql_parts(kinds)
+        _, guard_sql, guard_params = takeover_guard()
         sql = f"""
             WITH expired AS MATERIALIZED (
                 SELECT id FROM {table}
                 WHERE status = %s AND lease_until < STATEMENT_TIMESTAMP()
-                  AND attempts < max_attempts {kind_sql}
+                  AND attempts < max_attempts {kind_sql} {guard_sql}
                 ORDER BY lease_until
                 LIMIT %s
                 FOR UPDATE SKIP LOCKED
@@ -212,6 +219,7 @@ class LeaseQuerySet(models.QuerySet[J]):
         params = [
             PROCESSING,
             *kind_params,
+            *guard_params,
             limit,
             PENDING,
             *kind_params,
@@ -251,6 +259,8 @@ class LeaseQuerySet(models.QuerySet[J]):
         # so it takes the write lock at once (waiting up to the busy timeout) instead of
         # failing to upgrade a read lock. Needs SQLite >= 3.35 for RETURNING.
         table, kind_sql, kind_params = self._claim_sql_parts(kinds)
+        guard_sql = ""
+        guard_params: list[Any] = []
         now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
         if takeover:
             predicate, order, status = (
@@ -258,6 +268,7 @@ class LeaseQuerySet(models.QuerySet[J]):
                 "lease_until",
                 PROCESSING,
             )
+            _, guard_sql, guard_params = takeover_guard()
         else:
             predicate, order, status = (
                 f"status = %s AND run_at <= {now}",
@@ -274,13 +285,21 @@ class LeaseQuerySet(models.QuerySet[J]):
                 attempts = attempts + 1
             WHERE id IN (
                 SELECT id FROM {table}
-                WHERE {predicate} AND attempts < max_attempts {kind_sql}
+                WHERE {predicate} AND attempts < max_attempts {kind_sql} {guard_sql}
                 ORDER BY {order}
                 LIMIT %s
             )
             RETURNING *
         """  # noqa: S608 - table name quoted by the backend, values are parameters
-        params = [PROCESSING, owner, f"+{seconds:.6f} seconds", status, *kind_params, limit]
+        params = [
+            PROCESSING,
+            owner,
+            f"+{seconds:.6f} seconds",
+            status,
+            *kind_params,
+            *guard_params,
+            limit,
+        ]
         return list(self.raw(sql, params))
 
     def _claim_pass_locking(
@@ -480,13 +499,16 @@ class LeaseQuerySet(models.QuerySet[J]):
         by: str,
         retry_in: float | timedelta | None = None,
         reason: str = "",
+        orphaned: bool = False,
     ) -> bool:
         """Resolve the expired lease of `job` (as read by the watcher) with `action`.
 
         `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
         "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates the whole
         expiry predicate and the token that was read, so a job completed, renewed, claimed or
-        rescued a moment ago is left alone. Returns whether this call won.
+        rescued a moment ago is left alone. With `orphaned`, the lease may still be live but its
+        owner is known gone (see `orphaned()`): the UPDATE then restates that owner instead of
+        the expiry. Returns whether this call won.
         """
         values: dict[str, Any]
         if action == "retry":
@@ -504,7 +526,12 @@ class LeaseQuerySet(models.QuerySet[J]):
         if reason:
             values["last_error"] = reason[:MAX_ERROR_LENGTH]
         with transaction.atomic(using=self.db):
-            won = self.expired().filter(pk=job.pk, lease_token=job.lease_token).update(**values)
+            stale = (
+                self.processing().filter(lease_owner=job.lease_owner)
+                if orphaned
+                else self.expired()
+            )
+            won = stale.filter(pk=job.pk, lease_token=job.lease_token).update(**values)
             if won:
                 self._close_attempt(
                     job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
@@ -726,6 +753,35 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
         if connection.vendor == "postgresql" and leases_settings.USE_NOTIFY:
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_notify(%s, %s)", [notify_channel(self.model), kind])
+
+
+def takeover_guard() -> tuple[Q, str, list[Any]]:
+    """Return the filter (as a Q and as SQL) of expired leases a claim may take over.
+
+    A job of a kind under the "review" stuck policy that reached a checkpoint may have done its
+    risky external step (a PSP call): it is left for the watcher to hold for review, never
+    re-run blindly by whichever worker polls first.
+    """
+    by_kind: dict[str, str] = leases_settings.STUCK_POLICY_BY_KIND
+    if leases_settings.STUCK_POLICY == "retry":
+        review = sorted(kind for kind, policy in by_kind.items() if policy == "review")
+        if not review:
+            return Q(), "", []
+        placeholders = ", ".join(["%s"] * len(review))
+        return (
+            ~Q(kind__in=review) | Q(checkpoint=""),
+            f"AND NOT (kind IN ({placeholders}) AND checkpoint <> '')",
+            review,
+        )
+    retry = sorted(kind for kind, policy in by_kind.items() if policy == "retry")
+    if not retry:
+        return Q(checkpoint=""), "AND checkpoint = ''", []
+    placeholders = ", ".join(["%s"] * len(retry))
+    return (
+        Q(kind__in=retry) | Q(checkpoint=""),
+        f"AND (kind IN ({placeholders}) OR checkpoint = '')",
+        retry,
+    )
 
 
 def notify_channel(model: type[models.Model]) -> str:

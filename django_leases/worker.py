@@ -142,6 +142,7 @@ class LeaseWorker:
             self.ttl,
             self.heartbeat_interval,
         )
+        self._register()
         self._start_threads()
         listener = Listener.for_model(self.model, self.using)
         try:
@@ -385,24 +386,28 @@ class LeaseWorker:
     # ---- heartbeat --------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
-        from django_leases.models import Worker
-
         try:
             while not self._stopped.wait(timeout=self.heartbeat_interval):
                 close_old_connections()
                 self._renew()
-                try:
-                    Worker.objects.using(self.using).beat(
-                        self.worker_id,
-                        hostname=socket.gethostname(),
-                        pid=os.getpid(),
-                        kinds=self.kinds,
-                        concurrency=self.concurrency,
-                    )
-                except TRANSIENT:
-                    close_old_connections()
+                self._register()
         finally:
             connections.close_all()
+
+    def _register(self) -> None:
+        """Upsert this worker's registry row, so the watcher and the admin know it is alive."""
+        from django_leases.models import Worker
+
+        try:
+            Worker.objects.using(self.using).beat(
+                self.worker_id,
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+                kinds=self.kinds,
+                concurrency=self.concurrency,
+            )
+        except TRANSIENT:
+            close_old_connections()
 
     def _renew(self) -> None:
         with self._leases_lock:

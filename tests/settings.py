@@ -63,7 +63,8 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-DJANGO_LEASES: dict[str, object] = {}
+# Worker and watcher subprocesses of a test get its settings through the environment.
+DJANGO_LEASES: dict[str, object] = env.json("LEASES_TEST_SETTINGS", default={})
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

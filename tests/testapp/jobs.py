@@ -42,3 +42,20 @@ def charge(job, lease):
     time.sleep(duration(job, lease))
     with lease.atomic():
         Charge.objects.create(job_ref=job.pk, token=lease.token, owner=lease.owner)
+
+
+@job_handler("risky")
+def risky(job, lease):
+    """Reach the risky checkpoint, then take as long as the payload says."""
+    lease.checkpoint("psp_called")
+    time.sleep(duration(job, lease))
+
+
+def ask_the_psp(job):
+    return job.payload.get("psp_says", "completed")
+
+
+@job_handler("risky_reconciled", reconcile=ask_the_psp)
+def risky_reconciled(job, lease):
+    lease.checkpoint("psp_called")
+    time.sleep(duration(job, lease))

@@ -1,0 +1,179 @@
+"""`StuckWatcher`: finds expired leases and resolves each by the kind's policy.
+
+A lease that expired does not rescue itself. The watcher makes expiry visible (one log line per
+job), counted (the attempt ledger) and policy-driven, even for kinds no worker is polling.
+Each rescue is one conditional UPDATE in `LeaseQuerySet.rescue()`, so several watchers at once
+are safe. It parses no arguments and prints nothing; `watch_stuck_jobs` drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import router
+from django.db.models import F
+from django.db.models.functions import Now
+
+from django_leases.backoff import retry_delay
+from django_leases.conf import leases_settings
+from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
+
+logger = logging.getLogger("django_leases.watcher")
+
+
+@dataclass(frozen=True)
+class Action:
+    """What the watcher did with one job."""
+
+    pk: int
+    kind: str
+    previous_owner: str
+    token: int
+    attempts: int
+    expired_for: float | None
+    action: str
+    reason: str
+
+    def describe(self) -> str:
+        past = f"{self.expired_for:.1f}s" if self.expired_for is not None else "-"
+        return (
+            f"job_id={self.pk} kind={self.kind} previous_owner={self.previous_owner} "
+            f"attempts={self.attempts} token={self.token} expired_for={past} action={self.action}"
+            + (f" reason={self.reason!r}" if self.reason else "")
+        )
+
+
+class StuckWatcher:
+    """One pass at a time: rescue expired and orphaned leases, reconcile jobs under review."""
+
+    def __init__(
+        self, *, model: type[Any] | None = None, watcher_id: str = "watcher", batch_size: int = 500
+    ) -> None:
+        if model is None:
+            from django_leases.models import PaymentJob
+
+            model = PaymentJob
+        self.model = model
+        self.watcher_id = watcher_id
+        self.batch_size = batch_size
+        self.using = router.db_for_write(model)
+
+    def _jobs(self) -> Any:
+        return self.model._default_manager.db_manager(self.using)
+
+    def run_once(self) -> list[Action]:
+        """Run one pass and return what it did, job by job."""
+        actions = self._rescue(orphaned=False)
+        actions += self._rescue(orphaned=True)
+        actions += self._reconcile_reviews()
+        return actions
+
+    @staticmethod
+    def summary(actions: list[Action]) -> str:
+        counts = Counter(action.action for action in actions)
+        detail = ", ".join(f"{name}={count}" for name, count in sorted(counts.items()))
+        return f"{len(actions)} job(s) acted on" + (f": {detail}" if detail else "")
+
+    # ---- expired and orphaned leases ---------------------------------------------------------
+
+    def _rescue(self, *, orphaned: bool) -> list[Action]:
+        jobs = self._jobs()
+        if orphaned:
+            from django_leases.models import Worker
+
+            gone = list(Worker.objects.using(self.using).gone().values_list("worker_id", flat=True))
+            if not gone:
+                return []
+            candidates = jobs.orphaned(gone)
+        else:
+            candidates = jobs.expired()
+        candidates = candidates.annotate(past=Now() - F("lease_until")).order_by("lease_until")
+        actions = []
+        for job in candidates[: self.batch_size]:
+            action, reason = self._decide(job, orphaned)
+            delay = retry_delay(job.attempts) if action == "retry" else None
+            if not jobs.rescue(
+                job, action, by=self.watcher_id, retry_in=delay, reason=reason, orphaned=orphaned
+            ):
+                logger.info("skipped job_id=%s: completed, renewed or rescued meanwhile", job.pk)
+                continue
+            past = job.past.total_seconds() if job.past is not None and not orphaned else None
+            done = Action(
+                job.pk,
+                job.kind,
+                job.lease_owner,
+                job.lease_token,
+                job.attempts,
+                past,
+                action,
+                reason,
+            )
+            logger.info("rescued %s", done.describe())
+            actions.append(done)
+        return actions
+
+    def _decide(self, job: Any, orphaned: bool) -> tuple[str, str]:
+        why = "its worker is gone" if orphaned else "its lease expired"
+        if job.checkpoint and leases_settings.stuck_policy(job.kind) == "review":
+            return "review", (
+                f"{why} after checkpoint {job.checkpoint!r}: the external step may have happened"
+            )
+        if job.attempts >= job.max_attempts:
+            return "failed", (
+                f"{why} on attempt {job.attempts} of {job.max_attempts}; no attempts left "
+                f"(last owner {job.lease_owner})"
+            )
+        return "retry", ""
+
+    # ---- reconcile hooks -------------------------------------------------------------------
+
+    def _reconcile_reviews(self) -> list[Action]:
+        hooked = [kind for kind in registered_kinds() if get_handler(kind).reconcile is not None]
+        if not hooked:
+            return []
+        jobs = self._jobs()
+        actions = []
+        for job in jobs.filter(status="review", kind__in=hooked).order_by("pk")[: self.batch_size]:
+            verdict = self._ask(job)
+            if verdict is None:
+                continue
+            if not jobs.filter(pk=job.pk).resolve_review(verdict, by=self.watcher_id):
+                continue
+            done = Action(
+                job.pk,
+                job.kind,
+                job.lease_owner,
+                job.lease_token,
+                job.attempts,
+                None,
+                f"reconciled-{verdict}",
+                "reconcile hook",
+            )
+            logger.info("reconciled %s", done.describe())
+            actions.append(done)
+        return actions
+
+    def _ask(self, job: Any) -> str | None:
+        hook = get_handler(job.kind).reconcile
+        if hook is None:
+            return None
+        try:
+            verdict = hook(job)
+        except Exception:
+            logger.exception(
+                "reconcile hook failed job_id=%s kind=%s; it stays under review", job.pk, job.kind
+            )
+            return None
+        if verdict not in RECONCILE_VERDICTS:
+            logger.error(
+                "reconcile hook of kind %s returned %r for job_id=%s; expected one of %s",
+                job.kind,
+                verdict,
+                job.pk,
+                ", ".join(RECONCILE_VERDICTS),
+            )
+            return None
+        return str(verdict)
