@@ -54,6 +54,9 @@ class AbstractLeasedJob(models.Model):
     heartbeat_at = models.DateTimeField(_("last heartbeat at"), null=True, blank=True)
     checkpoint = models.CharField(_("checkpoint"), max_length=100, blank=True, default="")
     last_error = models.TextField(_("last error"), blank=True, default="")
+    result = models.JSONField(
+        _("result"), null=True, blank=True, help_text=_("What the handler returned, if it asked.")
+    )
     created_at = models.DateTimeField(_("created at"), db_default=Now())
     completed_at = models.DateTimeField(
         _("completed at"),

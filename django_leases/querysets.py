@@ -392,11 +392,15 @@ class LeaseQuerySet(models.QuerySet[J]):
             )
         self._holder_write(pk, owner, token, None, None, checkpoint=step)
 
-    def complete(self, pk: int, owner: str, token: int) -> None:
-        """Mark the job completed. Raises `LeaseLost` if `owner` no longer holds it."""
-        self._holder_write(
-            pk, owner, token, "completed", None, status=COMPLETED, completed_at=Now(), last_error=""
-        )
+    def complete(self, pk: int, owner: str, token: int, *, result: Any = None) -> None:
+        """Mark the job completed, storing `result` (JSON) if given.
+
+        Raises `LeaseLost` if `owner` no longer holds the job.
+        """
+        values: dict[str, Any] = {"status": COMPLETED, "completed_at": Now(), "last_error": ""}
+        if result is not None:
+            values["result"] = result
+        self._holder_write(pk, owner, token, "completed", None, **values)
 
     def fail(
         self,

@@ -3,6 +3,7 @@
 import tempfile
 from pathlib import Path
 
+import django
 import environ
 
 from example_project.dbconfig import database_from_env
@@ -23,6 +24,15 @@ INSTALLED_APPS = [
     "django_leases",
     "tests.testapp",
 ]
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")  # the backport of Django 6's Tasks framework
+TASKS = {
+    "default": {
+        "BACKEND": "django_leases.backends.LeaseBackend",
+        "QUEUES": ["default", "emails"],
+        "OPTIONS": {"MAX_ATTEMPTS": 2},
+    }
+}
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
