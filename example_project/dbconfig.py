@@ -8,7 +8,8 @@ import environ
 
 def database_from_env(env: environ.Env, default_sqlite: Path) -> dict[str, Any]:
     """Return the default database: DATABASE_URL, or a SQLite file next to the project."""
-    db = env.db("DATABASE_URL", default=f"sqlite:///{default_sqlite}")
+    url = env.str("DATABASE_URL", default="") or f"sqlite:///{default_sqlite}"
+    db = env.db_url_config(url)
     engine = db["ENGINE"]
     if engine.endswith("sqlite3"):
         db.setdefault("OPTIONS", {}).update(
