@@ -9,15 +9,17 @@ cannot touch a job that someone else now owns. Every lease time comes from the d
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Mapping
+import random
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import reduce
+from functools import reduce, wraps
 from operator import or_
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.apps import apps
-from django.db import IntegrityError, connections, models, transaction
+from django.db import IntegrityError, OperationalError, connections, models, transaction
 from django.db.models import Case, F, OuterRef, Q, Subquery, Value, When
 from django.db.models.functions import Greatest, Now
 
@@ -38,6 +40,7 @@ PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
     "cancelled",
 )
 MAX_ERROR_LENGTH = 2000
+DEADLOCK_RETRIES = 5
 SMALLINT = (-32768, 32767)
 
 
@@ -70,6 +73,45 @@ class Rescue:
     attempts: int
     action: str
     expired_for: float
+
+
+def deadlocked(exc: OperationalError, vendor: str) -> bool:
+    """Whether the database rolled the transaction back to break a deadlock or lock wait."""
+    if vendor == "mysql":
+        # 1213: deadlock found; 1205: lock wait timeout. InnoDB rolls the transaction back.
+        return bool(exc.args) and exc.args[0] in (1205, 1213)
+    if vendor == "postgresql":
+        return getattr(exc.__cause__, "sqlstate", None) in ("40001", "40P01")
+    return False
+
+
+F_ = TypeVar("F_", bound=Callable[..., Any])
+
+
+def retry_deadlocks(method: F_) -> F_:
+    """Run a lease transition again when the database aborted it to break a deadlock.
+
+    InnoDB picks deadlock victims among concurrent claims and completions even when every
+    statement is correct. The victim's transaction was rolled back whole, and every transition
+    here is a conditional UPDATE, so running it again is safe. Inside a caller's transaction
+    nothing can be retried: the error propagates.
+    """
+
+    @wraps(method)
+    def wrapper(self: LeaseQuerySet[Any], *args: Any, **kwargs: Any) -> Any:
+        connection = connections[self.db]
+        nested = connection.in_atomic_block
+        attempt = 1
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except OperationalError as exc:
+                if nested or attempt >= DEADLOCK_RETRIES or not deadlocked(exc, connection.vendor):
+                    raise
+            time.sleep(random.uniform(0.005, 0.05) * attempt)  # noqa: S311 - jitter
+            attempt += 1
+
+    return wrapper  # type: ignore[return-value]
 
 
 class LeaseQuerySet(models.QuerySet[J]):
@@ -128,6 +170,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     # ---- acquisition -------------------------------------------------------------------------
 
+    @retry_deadlocks
     def claim(
         self,
         owner: str,
@@ -335,6 +378,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             "attempts": F("attempts") + 1,
         }
 
+    @retry_deadlocks
     def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
         """Claim the job `pk` for `owner` if it is claimable; return it, or None if not."""
         seconds = to_seconds(ttl, "ttl")
@@ -354,6 +398,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     # ---- holder writes ----------------------------------------------------------------------
 
+    @retry_deadlocks
     def heartbeat(
         self, owner: str, leases: Mapping[int, int], *, ttl: float | timedelta
     ) -> set[int]:
@@ -402,6 +447,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             values["result"] = result
         self._holder_write(pk, owner, token, "completed", None, **values)
 
+    @retry_deadlocks
     def fail(
         self,
         pk: int,
@@ -471,6 +517,7 @@ class LeaseQuerySet(models.QuerySet[J]):
         if not self.held(pk, owner, token).update(heartbeat_at=Now()):
             raise LeaseLost(f"job {pk}: lease lost; the transaction is rolled back")
 
+    @retry_deadlocks
     def _holder_write(
         self,
         pk: int,
@@ -495,6 +542,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     # ---- the watcher and operators ----------------------------------------------------------
 
+    @retry_deadlocks
     def rescue(
         self,
         job: AbstractLeasedJob,
@@ -608,6 +656,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             raise ValueError(f"unknown review verdict {verdict!r}")
         return self._operator_write(Q(status=REVIEW), values, None, by)
 
+    @retry_deadlocks
     def _operator_write(
         self,
         eligible: Q,

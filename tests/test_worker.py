@@ -13,7 +13,7 @@ from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
 
-from .conftest import Processes, read_until, wait_for
+from .conftest import ON_SQLITE, Processes, read_until, wait_for
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -153,9 +153,6 @@ def test_worker__long_job_with_heartbeats_is_never_claimed_twice(processes: Proc
     assert (job.attempts, job.lease_token, job.lease_owner) == (1, 1, "long")
     assert ledger(job) == [(1, "long", "completed")]
     assert all(p.poll() is None for p in pollers)
-
-
-ON_SQLITE = os.environ.get("DATABASE_URL", "sqlite").split(":")[0] == "sqlite"
 
 
 @pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (Debian package)")
