@@ -59,6 +59,7 @@ TEMPLATES = [
 _sqlite = Path(
     env("LEASES_TEST_SQLITE", default=str(Path(tempfile.gettempdir()) / "leases.sqlite3"))
 )
+_sqlite.parent.mkdir(parents=True, exist_ok=True)
 DATABASES = {"default": database_from_env(env, _sqlite)}
 # Worker subprocesses spawned by the tests connect to the test database by this name.
 if env("LEASES_TEST_DB_NAME", default=""):

@@ -245,8 +245,10 @@ def test_worker__sigterm_lets_running_jobs_finish_and_exits_zero(processes: Proc
     out = finish(proc)
 
     assert proc.returncode == 0, out
-    assert all(fresh(job).status == Status.COMPLETED for job in running)
-    assert all((fresh(job).status, fresh(job).attempts) == (Status.PENDING, 0) for job in waiting)
+    assert [fresh(job).status for job in running] == [Status.COMPLETED] * 2, out
+    assert [(fresh(job).status, fresh(job).attempts) for job in waiting] == [
+        (Status.PENDING, 0)
+    ] * 3, out
     assert "worker graceful stopped: claimed=2 completed=2" in out
 
 
