@@ -145,6 +145,15 @@ class LeaseQuerySet(models.QuerySet[J]):
         seconds = to_seconds(within, "within")
         return self.filter(status=PROCESSING, lease_until__gte=after(seconds))
 
+    def finished_within(self, within: float | timedelta) -> LeaseQuerySet[J]:
+        """Jobs that reached a final status (completed, failed, cancelled) within the last
+        `within`, by the database clock; a range of the (status, completed_at) index."""
+        seconds = to_seconds(within, "within")
+        return self.filter(
+            status__in=[COMPLETED, FAILED, CANCELLED],
+            completed_at__gte=Now() - timedelta(seconds=seconds),
+        )
+
     def claimable(self, kinds: Collection[str] | None = None) -> LeaseQuerySet[J]:
         """Due pending jobs and expired leases that still have an attempt left."""
         guard, _, _ = takeover_guard()
