@@ -184,6 +184,8 @@ class AttemptInline(ReadOnlyMixin, admin.TabularInline):
         "checkpoint",
         "error",
         "fenced_at",
+        "resolution",
+        "resolved_by",
     )
     # Tokens only grow: the highest is the latest acquisition.
     ordering = ("-token",)

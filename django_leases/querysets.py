@@ -622,10 +622,17 @@ class LeaseQuerySet(models.QuerySet[J]):
         return self._operator_write(eligible, values, "requeued", by)
 
     def release_stuck(self, *, by: str = "operator") -> int:
-        """Return the selected jobs whose lease expired to pending (the watcher's retry)."""
+        """Return the selected jobs whose lease expired to pending (the watcher's retry).
+
+        A job that used its last attempt gets one more, or it would sit pending unclaimable.
+        """
         return self._operator_write(
             Q(status=PROCESSING, lease_until__lt=Now()),
-            {"status": PENDING, "run_at": Now()},
+            {
+                "status": PENDING,
+                "run_at": Now(),
+                "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
+            },
             "rescued",
             by,
         )
@@ -646,12 +653,14 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     def cancel(self, *, by: str = "operator") -> int:
         """Cancel the selected pending jobs; return how many changed."""
-        return self._operator_write(
-            Q(status=PENDING), {"status": CANCELLED, "completed_at": Now()}, None, by
-        )
+        values = {"status": CANCELLED, "completed_at": Now(), "last_error": f"cancelled by {by}"}
+        return self._operator_write(Q(status=PENDING), values, None, by)
 
     def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
-        """Resolve the selected jobs under review: "completed", "retry" or "failed"."""
+        """Resolve the selected jobs under review: "completed", "retry" or "failed".
+
+        The verdict and who gave it are recorded on the ledger row that put the job under review.
+        """
         values: dict[str, Any]
         if verdict == "retry":
             values = {
@@ -663,7 +672,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             values = {"status": verdict, "completed_at": Now()}
         else:
             raise ValueError(f"unknown review verdict {verdict!r}")
-        return self._operator_write(Q(status=REVIEW), values, None, by)
+        return self._operator_write(Q(status=REVIEW), values, None, by, resolution=verdict)
 
     @retry_deadlocks
     def _operator_write(
@@ -673,6 +682,8 @@ class LeaseQuerySet(models.QuerySet[J]):
         outcome: str | None,
         by: str,
         reason: str = "",
+        *,
+        resolution: str = "",
     ) -> int:
         # One transaction per action: the jobs' transition and the closing of their open
         # ledger rows commit together. Each row is updated by its own conditional UPDATE so the
@@ -686,6 +697,10 @@ class LeaseQuerySet(models.QuerySet[J]):
                     if outcome is not None:
                         self._close_attempt(
                             pk, token, outcome, by=by, error=("", reason) if reason else None
+                        )
+                    if resolution:
+                        self._ledger_update(
+                            {pk: token}, resolution=resolution, resolved_by=by, resolved_at=Now()
                         )
         return changed
 
