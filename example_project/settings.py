@@ -53,6 +53,10 @@ WSGI_APPLICATION = "example_project.wsgi.application"
 
 DATABASES = {"default": database_from_env(env, BASE_DIR / "db.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+if DATABASES["default"]["ENGINE"].endswith("mysql"):
+    # MariaDB/MySQL build the lease indexes without their WHERE condition (status leads each
+    # index, so claims still read one range); Django 6 warns about that on every command.
+    SILENCED_SYSTEM_CHECKS = ["models.W037"]
 
 USE_TZ = True
 TIME_ZONE = "UTC"
