@@ -87,11 +87,9 @@ def lease_indexes(prefix: str) -> list[models.Index]:
     """
     return [
         # claim(): due pending jobs in claim order.
+        # Plain fields, not expressions: MariaDB/MySQL skip expression indexes altogether.
         models.Index(
-            "status",
-            models.F("priority").desc(),
-            "run_at",
-            "id",
+            fields=["status", "-priority", "run_at", "id"],
             name=f"{prefix}_due_idx",
             condition=Q(status=JobStatus.PENDING),
         ),
