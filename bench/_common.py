@@ -20,13 +20,14 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "BENCH-RESULT "
 READY, GO = "BENCH-READY", "GO"
@@ -76,8 +77,20 @@ def vendor_list(text: str) -> list[str]:
     return vendors
 
 
-def add_database_arguments(parser: argparse.ArgumentParser, *, databases: str | None) -> None:
-    """Add --pg-url, --mysql-url, --keep-logs and, given default `databases`, --databases."""
+def add_common_arguments(
+    parser: argparse.ArgumentParser, *, databases: str | None, timeout: float
+) -> None:
+    """Add --ttl, --timeout, --pg-url, --mysql-url, --keep-logs and, given default
+    `databases`, --databases."""
+    parser.add_argument(
+        "--ttl", type=positive_float, default=60.0, help="lease seconds (default: %(default)r)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=timeout,
+        help="seconds one measurement may take before it is abandoned (default: %(default)r)",
+    )
     if databases is not None:
         parser.add_argument(
             "--databases",
@@ -106,6 +119,27 @@ def add_database_arguments(parser: argparse.ArgumentParser, *, databases: str | 
 
 def server_urls(args: argparse.Namespace) -> dict[str, str]:
     return {"postgresql": args.pg_url, "mysql": args.mysql_url, "sqlite": ""}
+
+
+def each_database(
+    args: argparse.Namespace,
+    purpose: str,
+    measure: Callable[[BenchDB], list[T]],
+    skipped: dict[str, str],
+) -> list[T]:
+    """Call `measure` with a throw-away database on each of `args.databases` that can be
+    reached, dropping each before the next is made; note the others in `skipped`, with why.
+    Return the concatenated results."""
+    urls = server_urls(args)
+    results: list[T] = []
+    for vendor in args.databases:
+        reason = check_server(vendor, urls[vendor])
+        if reason:
+            skipped[vendor] = reason
+            continue
+        with temp_database(vendor, urls[vendor], purpose) as db:
+            results += measure(db)
+    return results
 
 
 # ---- throw-away databases --------------------------------------------------------------------

@@ -57,7 +57,7 @@ def measure(
             )
             for _ in range(claimers)
         ]
-        results = procs.release_barrier(children, "claimer")
+        results = procs.release_barrier(children, "claimer", timeout=args.timeout)
         ms = [t for r in results for t in r["ms"]]
         window = max(r["ended"] for r in results) - min(r["started"] for r in results)
         rows.append(
@@ -74,16 +74,8 @@ def measure(
 
 
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
-    rows: list[list[str]] = []
     skipped: dict[str, str] = {}
-    urls = common.server_urls(args)
-    for vendor in args.databases:
-        reason = common.check_server(vendor, urls[vendor])
-        if reason:
-            skipped[vendor] = reason
-            continue
-        with common.temp_database(vendor, urls[vendor], "latency") as db:
-            rows += measure(args, db, procs)
+    rows = common.each_database(args, "latency", lambda db: measure(args, db, procs), skipped)
     common.print_table(
         f"claim() latency in ms, limit={args.limit}, {args.claims} timed claims per claimer",
         HEADERS,
@@ -115,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--limit", type=common.positive_int, default=1, help="claim(limit=...) (default: 1)"
     )
-    parser.add_argument("--ttl", type=common.positive_float, default=60.0, help="lease seconds")
-    common.add_database_arguments(parser, databases="postgresql,sqlite,mysql")
+    common.add_common_arguments(parser, databases="postgresql,sqlite,mysql", timeout=600)
     args = parser.parse_args(argv)
     return common.run_main(run, args)
 

@@ -344,14 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="claim(limit=...) of the django-leases queryset loop (default: %(default)r)",
     )
-    parser.add_argument("--ttl", type=common.positive_float, default=60.0, help="lease seconds")
-    parser.add_argument(
-        "--timeout",
-        type=common.positive_float,
-        default=300.0,
-        help="seconds one drain may take before it is reported as timed out (default: %(default)r)",
-    )
-    common.add_database_arguments(parser, databases=None)
+    common.add_common_arguments(parser, databases=None, timeout=300)
     args = parser.parse_args(argv)
     return common.run_main(run, args)
 
