@@ -409,12 +409,15 @@ def read_result(out: str, proc: subprocess.Popen[str], target: str) -> Any:
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into KeyboardInterrupt, so `finally` blocks clean up."""
+    """Turn SIGINT, SIGTERM and SIGHUP into KeyboardInterrupt, so `finally` blocks clean up
+    (SIGINT too: a shell starts background jobs with it ignored)."""
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {
+        sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
     try:
         yield
     finally:

@@ -14,6 +14,14 @@ from example_project.settings import INSTALLED_APPS as BASE_APPS
 DEBUG = False
 WORKERS = int(os.environ.get("BENCH_WORKERS", "4"))
 
+# Worker loops call close_old_connections() each round (run_lease_worker, db_worker, django-q2),
+# which with Django's default CONN_MAX_AGE = 0 means a new connection per round. Long-running
+# workers are deployed with persistent connections, so that is the default here; the
+# BENCH_CONN_MAX_AGE environment variable ("none" = forever, or seconds) changes it.
+_max_age = os.environ.get("BENCH_CONN_MAX_AGE", "none")
+DATABASES["default"]["CONN_MAX_AGE"] = None if _max_age.lower() == "none" else int(_max_age)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+
 # App -> the module that must be importable for it to be installed. The peers are compared on
 # PostgreSQL only (procrastinate's migrations need it), so they are left out on other databases.
 ON_POSTGRESQL = DATABASES["default"]["ENGINE"].endswith("postgresql")

@@ -189,7 +189,9 @@ def drain(
     has_command: bool,
 ) -> Drain:
     """Start `system`'s workers and time them until every job is finished or the timeout."""
-    env = common.child_env(db, BENCH_WORKERS=str(args.workers))
+    env = common.child_env(
+        db, BENCH_WORKERS=str(args.workers), BENCH_CONN_MAX_AGE=args.conn_max_age
+    )
     conn = db.connect()
     workers: list[subprocess.Popen[str]] = []
     try:
@@ -273,7 +275,7 @@ def report(
 ) -> None:
     print(
         f"\nthroughput: {args.jobs} no-op jobs, {args.workers} worker processes, "
-        f"{args.rounds} interleaved rounds, PostgreSQL"
+        f"{args.rounds} interleaved rounds, PostgreSQL, workers' CONN_MAX_AGE={args.conn_max_age}"
     )
     print(f"django-leases measured as: {mode}")
     base: dict[str, float] = {}
@@ -323,6 +325,12 @@ def report(
     )
 
 
+def conn_max_age(text: str) -> str:
+    if text.lower() != "none" and not (text.isdigit()):
+        raise argparse.ArgumentTypeError(f"'none' or whole seconds, got {text!r}")
+    return text.lower()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=common.positive_int, default=5000, help="jobs per run")
@@ -343,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         type=common.positive_int,
         default=1,
         help="claim(limit=...) of the django-leases queryset loop (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--conn-max-age",
+        type=conn_max_age,
+        default="none",
+        help="CONN_MAX_AGE of every worker: 'none' (persistent connections) or seconds; 0 is "
+        "Django's default, a new connection each worker round (default: %(default)s)",
     )
     common.add_common_arguments(parser, databases=None, timeout=300)
     args = parser.parse_args(argv)
