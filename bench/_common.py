@@ -42,6 +42,13 @@ DEFAULT_URLS = {
 # ---- command line ----------------------------------------------------------------------------
 
 
+def make_parser(doc: str | None) -> argparse.ArgumentParser:
+    """Return an argument parser whose --help shows the script's whole docstring."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:

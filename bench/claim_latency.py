@@ -91,9 +91,12 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument(
-        "--claims", type=common.positive_int, default=500, help="timed claims per claimer"
+        "--claims",
+        type=common.positive_int,
+        default=500,
+        help="timed claims per claimer (default: %(default)r)",
     )
     parser.add_argument(
         "--warmup", type=int, default=20, help="untimed claims per claimer first (default: 20)"

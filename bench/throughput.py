@@ -332,19 +332,28 @@ def conn_max_age(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=common.positive_int, default=5000, help="jobs per run")
+    parser = common.make_parser(__doc__)
     parser.add_argument(
-        "--workers", type=common.positive_int, default=4, help="worker processes per system"
+        "--jobs", type=common.positive_int, default=5000, help="jobs per run (default: %(default)r)"
     )
     parser.add_argument(
-        "--rounds", type=common.positive_int, default=3, help="interleaved rounds per system"
+        "--workers",
+        type=common.positive_int,
+        default=4,
+        help="worker processes per system (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=common.positive_int,
+        default=3,
+        help="interleaved rounds per system (default: %(default)r)",
     )
     parser.add_argument(
         "--systems",
         type=lambda text: [s.strip() for s in text.split(",")],
         default=[s.name.split()[0] for s in SYSTEMS],
-        help="comma-separated subset of: %(default)s",
+        help=f"comma-separated subset of {','.join(s.name.split()[0] for s in SYSTEMS)} "
+        "(default: all)",
     )
     parser.add_argument(
         "--batch",
