@@ -56,7 +56,9 @@ def leases_workers(args: argparse.Namespace, has_command: bool) -> list[list[str
             )
             for i in range(args.workers)
         ]
-    loop = common.child_command("bench.throughput:leases_loop", batch=args.batch, ttl=args.ttl)
+    loop = common.child_command(
+        "bench.throughput:leases_loop", batch=args.batch, ttl=args.ttl, ledger=args.ledger
+    )
     return [loop] * args.workers
 
 
@@ -148,10 +150,16 @@ def enqueue(system: str, jobs: int, tables: list[str]) -> dict[str, Any]:
     return {"seconds": seconds}
 
 
-def leases_loop(batch: int, ttl: float) -> dict[str, Any]:
-    """Claim `batch` jobs, complete each, until nothing is claimable (the worker stand-in)."""
+def leases_loop(batch: int, ttl: float, ledger: bool) -> dict[str, Any]:
+    """Claim `batch` jobs, complete each, until nothing is claimable (the worker stand-in).
+
+    Without `ledger`, the attempt ledger is switched off, to see what it costs.
+    """
     from bench.jobs import noop
     from django_leases.models import PaymentJob
+
+    if not ledger:
+        PaymentJob.attempt_model = None
 
     owner = common.owner_name("loop")
     done = 0
@@ -243,8 +251,10 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
             "run_lease_worker --concurrency 1"
             if has_command
             else f"queryset loop, claim(limit={args.batch}) + complete() per job "
-            "(run_lease_worker not found)"
+            f"{'' if args.ledger else 'WITHOUT the attempt ledger '}(run_lease_worker not found)"
         )
+        if has_command and not args.ledger:
+            raise SystemExit("--no-ledger only applies to the queryset loop")
         for round_no in range(args.rounds):
             order = systems[round_no % len(systems) :] + systems[: round_no % len(systems)]
             for system in order:
@@ -360,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         type=common.positive_int,
         default=1,
         help="claim(limit=...) of the django-leases queryset loop (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--no-ledger",
+        dest="ledger",
+        action="store_false",
+        help="switch the attempt ledger off in the queryset loop, to see what it costs",
     )
     parser.add_argument(
         "--conn-max-age",
