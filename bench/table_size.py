@@ -25,15 +25,6 @@ from bench import _common as common
 LOADER = "bench-loader"
 CHUNK = 100_000
 LONG_AGO = "'2000-01-01 00:00:00'"
-JOB_COLUMNS = (
-    "kind, payload, status, priority, run_at, attempts, max_attempts, lease_owner, lease_until, "
-    "lease_token, heartbeat_at, checkpoint, last_error, created_at, completed_at, payment_id, "
-    "idempotency_key"
-)
-LEDGER_COLUMNS = (
-    "job_id, job_ref, attempt, token, owner, claimed_at, last_heartbeat_at, lease_until, "
-    "checkpoint, ended_at, outcome, ended_by, fenced_at, error_class, error_message"
-)
 
 
 # ---- Django side -----------------------------------------------------------------------------
@@ -55,25 +46,47 @@ def _series(vendor: str, count: int) -> tuple[str, str]:
     )
 
 
+def _copy_sql(model: Any, source: str, where: str, values: dict[str, str]) -> str:
+    """Return INSERT ... SELECT copying the `source` row(s) of `model`'s table, with `values`
+    (column -> SQL) replacing columns. Columns come from the model, so new fields need no change
+    here."""
+    from django.db import connection
+
+    quote = connection.ops.quote_name
+    columns = [f.column for f in model._meta.concrete_fields if not f.primary_key]
+    selected = ", ".join(values.get(c, f"t.{quote(c)}") for c in columns)
+    return (
+        f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(map(quote, columns))}) "
+        f"SELECT {selected} FROM {quote(model._meta.db_table)} t, {source} WHERE {where}"
+    )
+
+
 def load_finished(count: int, churn: bool) -> None:
-    """Add `count` finished jobs and their ledger rows, in chunks of CHUNK rows."""
+    """Add `count` finished jobs and their ledger rows, in chunks of CHUNK rows.
+
+    Each is a copy of one job (and its ledger row) that went through enqueue(), claim_job() and
+    complete(), so every column holds what the app itself writes.
+    """
     from django.db import connection, transaction
 
-    from django_leases.models import PaymentJob
+    from django_leases.models import JobAttempt, PaymentJob
 
-    vendor = connection.vendor
-    payload = "'{}'::jsonb" if vendor == "postgresql" else "'{}'"
+    manager = PaymentJob.objects
+    template = manager.claim_job(manager.enqueue("noop").pk, LOADER, ttl=60)
+    if template is None:
+        raise RuntimeError("could not claim the template job")
+    manager.complete(template.pk, LOADER, template.lease_token)
+    attempt = JobAttempt.objects.get(job_ref=template.pk)
     status = "'pending'" if churn else "'completed'"
+    job_values = {"status": status, "lease_owner": f"'{LOADER}'", "run_at": LONG_AGO}
+    job_values |= {"lease_until": LONG_AGO, "created_at": LONG_AGO, "completed_at": LONG_AGO}
     for first in range(0, count, CHUNK):
-        size = min(CHUNK, count - first)
-        prefix, source = _series(vendor, size)
+        prefix, source = _series(connection.vendor, min(CHUNK, count - first))
         with transaction.atomic():
-            last = PaymentJob.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+            last = manager.order_by("-pk").values_list("pk", flat=True).first() or 0
             common.execute(
-                f"{prefix} INSERT INTO {common.JOB_TABLE} ({JOB_COLUMNS}) "
-                f"SELECT 'noop', {payload}, {status}, 0, {LONG_AGO}, 1, 5, '{LOADER}', "
-                f"{LONG_AGO}, 1, {LONG_AGO}, '', '', {LONG_AGO}, {LONG_AGO}, '', NULL "
-                f"FROM {source}"
+                f"{prefix} {_copy_sql(PaymentJob, source, 't.id = %s', job_values)}",
+                [template.pk],
             )
             if churn:
                 # As claim() and complete() do: each step leaves the row version that the
@@ -85,12 +98,16 @@ def load_finished(count: int, churn: bool) -> None:
                         [step, LOADER, last],
                     )
             common.execute(
-                f"INSERT INTO {common.LEDGER_TABLE} ({LEDGER_COLUMNS}) "
-                f"SELECT id, id, 1, 1, '{LOADER}', {LONG_AGO}, {LONG_AGO}, {LONG_AGO}, '', "
-                f"{LONG_AGO}, 'completed', '{LOADER}', NULL, '', '' "
-                f"FROM {common.JOB_TABLE} WHERE lease_owner = %s AND id > %s",
-                [LOADER, last],
+                _copy_sql(
+                    JobAttempt,
+                    f"{common.JOB_TABLE} j",
+                    "t.id = %s AND j.lease_owner = %s AND j.id > %s",
+                    {"job_id": "j.id", "job_ref": "j.id"},
+                ),
+                [attempt.pk, LOADER, last],
             )
+    attempt.delete()
+    manager.filter(pk=template.pk).delete()
 
 
 def settle(churn: bool, index_cleanup: bool) -> None:
