@@ -1,0 +1,119 @@
+"""Latency of one `PaymentJob.objects.claim()` call, alone and with concurrent claimers.
+
+For each reachable database (PostgreSQL, SQLite, MariaDB/MySQL) and each claimer count, a fresh
+table gets enough pending jobs, then every claimer process (released together) times its claim()
+calls one by one: the whole call, i.e. the claiming statement, the attempt-ledger insert and the
+commit. Each claimed job is completed outside the timed region, as a worker would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from bench import _common as common
+
+HEADERS = ["database", "claimers", "claims", "p50", "p95", "p99", "max", "jobs/s", "empty"]
+
+
+def claimer(claims: int, warmup: int, limit: int, ttl: float) -> dict[str, Any]:
+    """Warm up, wait for the parent's GO, then time `claims` claim() calls."""
+    owner = common.owner_name("claimer")
+    common.claim_timings(warmup, limit=limit, ttl=ttl, owner=owner)
+    common.wait_for_go()
+    started = time.time()
+    result = common.claim_timings(claims, limit=limit, ttl=ttl, owner=owner)
+    return {**result, "started": started, "ended": time.time()}
+
+
+def prepare(jobs: int) -> dict[str, Any]:
+    """Empty the job tables and add `jobs` pending jobs."""
+    common.empty_tables(common.LEDGER_TABLE, common.JOB_TABLE)
+    common.seed_pending(jobs)
+    common.analyze(common.JOB_TABLE, common.LEDGER_TABLE)
+    return {"vendor": common.vendor()}
+
+
+def measure(
+    args: argparse.Namespace, db: common.BenchDB, procs: common.Processes
+) -> list[list[str]]:
+    rows = []
+    procs.call(db, "bench._common:migrate")
+    for claimers in args.claimers:
+        # Every claim takes `limit` jobs; leave headroom so no claimer ever finds none.
+        per_claimer = (args.claims + args.warmup) * args.limit
+        procs.call(db, "bench.claim_latency:prepare", jobs=per_claimer * claimers + 100)
+        common.note(f"{db.vendor}: {claimers} claimer(s) x {args.claims} claims ...")
+        children = [
+            procs.start_barrier(
+                db,
+                "bench.claim_latency:claimer",
+                claims=args.claims,
+                warmup=args.warmup,
+                limit=args.limit,
+                ttl=args.ttl,
+            )
+            for _ in range(claimers)
+        ]
+        results = procs.release_barrier(children, "claimer", timeout=args.timeout)
+        ms = [t for r in results for t in r["ms"]]
+        window = max(r["ended"] for r in results) - min(r["started"] for r in results)
+        rows.append(
+            [
+                db.vendor,
+                str(claimers),
+                str(len(ms)),
+                *common.latency_summary(ms),
+                f"{sum(r['jobs'] for r in results) / window:.0f}",
+                str(sum(r["empty"] for r in results)),
+            ]
+        )
+    return rows
+
+
+def run(args: argparse.Namespace, procs: common.Processes) -> None:
+    skipped: dict[str, str] = {}
+    rows = common.each_database(args, "latency", lambda db: measure(args, db, procs), skipped)
+    common.print_table(
+        f"claim() latency in ms, limit={args.limit}, {args.claims} timed claims per claimer",
+        HEADERS,
+        rows,
+    )
+    common.print_skipped(skipped)
+    print(
+        "\njobs/s: jobs claimed by all claimers together over the timed window (the completes "
+        "between claims are in the window, not in the latencies).\nempty: claims that "
+        "returned no job although pending jobs were left (the table always holds more than "
+        "are claimed): should be 0."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.make_parser(__doc__)
+    parser.add_argument(
+        "--claims",
+        type=common.positive_int,
+        default=500,
+        help="timed claims per claimer (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="untimed claims per claimer first (default: 20)"
+    )
+    parser.add_argument(
+        "--claimers",
+        type=common.int_list,
+        default=[1, 4],
+        help="comma-separated concurrent claimer counts (default: 1,4)",
+    )
+    parser.add_argument(
+        "--limit", type=common.positive_int, default=1, help="claim(limit=...) (default: 1)"
+    )
+    common.add_common_arguments(parser, databases="postgresql,sqlite,mysql", timeout=600)
+    args = parser.parse_args(argv)
+    return common.run_main(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

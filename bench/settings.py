@@ -1,0 +1,59 @@
+"""Django settings of the benchmarks: the example project, plus each peer queue that is installed.
+
+Every system runs with DEBUG off (no query log) and logging at WARNING, so none of them pays for
+per-job log lines that the others do not write.
+"""
+
+import os
+from importlib.util import find_spec
+
+from example_project.settings import *  # noqa: F403
+from example_project.settings import DATABASES
+from example_project.settings import INSTALLED_APPS as BASE_APPS
+
+DEBUG = False
+WORKERS = int(os.environ.get("BENCH_WORKERS", "4"))
+
+# Worker loops call close_old_connections() each round (run_lease_worker, db_worker, django-q2),
+# which with Django's default CONN_MAX_AGE = 0 means a new connection per round. Long-running
+# workers are deployed with persistent connections, so that is the default here; the
+# BENCH_CONN_MAX_AGE environment variable ("none" = forever, or seconds) changes it.
+_max_age = os.environ.get("BENCH_CONN_MAX_AGE", "none")
+DATABASES["default"]["CONN_MAX_AGE"] = None if _max_age.lower() == "none" else int(_max_age)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+
+# App -> the module that must be importable for it to be installed. The peers are compared on
+# PostgreSQL only (procrastinate's migrations need it), so they are left out on other databases.
+ON_POSTGRESQL = DATABASES["default"]["ENGINE"].endswith("postgresql")
+PEER_APPS = {
+    "procrastinate.contrib.django": "procrastinate",
+    "django_q": "django_q",
+    "django_tasks": "django_tasks_db",
+    "django_tasks_db": "django_tasks_db",
+}
+INSTALLED_APPS = [
+    *BASE_APPS,
+    *(app for app, module in PEER_APPS.items() if ON_POSTGRESQL and find_spec(module)),
+    "bench",
+]
+
+TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
+
+# django-q2 with its ORM broker: one cluster of WORKERS worker processes. save_limit=0 keeps
+# every success row (the drain is measured on them) instead of pruning to the last 250.
+Q_CLUSTER = {
+    "name": "bench",
+    "orm": "default",
+    "workers": WORKERS,
+    "save_limit": 0,
+    "timeout": 60,
+    "retry": 120,
+    "log_level": "WARNING",
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+}

@@ -1,0 +1,368 @@
+"""Claim cost against the number of finished jobs in the table.
+
+The table is grown in steps (by default 0, 100k and 1M completed jobs, each with its attempt
+ledger row, bulk-loaded in SQL), and at each step the same number of pending jobs is added and
+claimed one claim() at a time. If the partial indexes do their work, the latency and, on
+PostgreSQL, the buffers that `EXPLAIN (ANALYZE, BUFFERS)` reports for the claiming statement stay
+flat as finished rows pile up. The claim statement's plan is printed once, at the largest size.
+
+By default the finished rows are inserted as completed and the table is vacuumed as autovacuum
+would (`--index-cleanup` forces the index cleanup that VACUUM skips on a big table with few dead
+rows). `--churn` instead inserts them pending and takes them through processing
+to completed with UPDATEs, as workers do, and measures before any vacuum: both partial indexes
+still hold their dead entries (autovacuum is off for the table on PostgreSQL during the run, so
+the state is reproducible).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from bench import _common as common
+
+LOADER = "bench-loader"
+CHUNK = 100_000
+LONG_AGO = "'2000-01-01 00:00:00'"
+
+
+# ---- Django side -----------------------------------------------------------------------------
+
+
+def _series(vendor: str, count: int) -> tuple[str, str]:
+    """Return (prefix, FROM source) that yield `count` rows on `vendor`."""
+    if vendor == "postgresql":
+        return "", f"generate_series(1, {count})"
+    if vendor == "mysql":
+        from django.db import connection
+
+        if not connection.mysql_is_mariadb:
+            raise RuntimeError("bulk loading on MySQL needs MariaDB's SEQUENCE engine")
+        return "", f"seq_1_to_{count}"
+    return (
+        f"WITH RECURSIVE seq(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM seq WHERE n < {count})",
+        ("seq"),
+    )
+
+
+def _copy_sql(model: Any, source: str, where: str, values: dict[str, str]) -> str:
+    """Return INSERT ... SELECT copying the `source` row(s) of `model`'s table, with `values`
+    (column -> SQL) replacing columns. Columns come from the model, so new fields need no change
+    here."""
+    from django.db import connection
+
+    quote = connection.ops.quote_name
+    columns = [f.column for f in model._meta.concrete_fields if not f.primary_key]
+    selected = ", ".join(values.get(c, f"t.{quote(c)}") for c in columns)
+    return (
+        f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(map(quote, columns))}) "
+        f"SELECT {selected} FROM {quote(model._meta.db_table)} t, {source} WHERE {where}"
+    )
+
+
+def load_finished(count: int, churn: bool) -> None:
+    """Add `count` finished jobs and their ledger rows, in chunks of CHUNK rows.
+
+    Each is a copy of one job (and its ledger row) that went through enqueue(), claim_job() and
+    complete(), so every column holds what the app itself writes.
+    """
+    from django.db import connection, transaction
+
+    from django_leases.models import JobAttempt, PaymentJob
+
+    manager = PaymentJob.objects
+    template = manager.claim_job(manager.enqueue("noop").pk, LOADER, ttl=60)
+    if template is None:
+        raise RuntimeError("could not claim the template job")
+    manager.complete(template.pk, LOADER, template.lease_token)
+    attempt = JobAttempt.objects.get(job_ref=template.pk)
+    status = "'pending'" if churn else "'completed'"
+    job_values = {"status": status, "lease_owner": f"'{LOADER}'", "run_at": LONG_AGO}
+    job_values |= {"lease_until": LONG_AGO, "created_at": LONG_AGO, "completed_at": LONG_AGO}
+    for first in range(0, count, CHUNK):
+        prefix, source = _series(connection.vendor, min(CHUNK, count - first))
+        with transaction.atomic():
+            last = manager.order_by("-pk").values_list("pk", flat=True).first() or 0
+            common.execute(
+                f"{prefix} {_copy_sql(PaymentJob, source, 't.id = %s', job_values)}",
+                [template.pk],
+            )
+            if churn:
+                # As claim() and complete() do: each step leaves the row version that the
+                # previous status's partial index points to behind, dead.
+                for step in ("processing", "completed"):
+                    common.execute(
+                        f"UPDATE {common.JOB_TABLE} SET status = %s "
+                        f"WHERE lease_owner = %s AND id > %s",
+                        [step, LOADER, last],
+                    )
+            common.execute(
+                _copy_sql(
+                    JobAttempt,
+                    f"{common.JOB_TABLE} j",
+                    "t.id = %s AND j.lease_owner = %s AND j.id > %s",
+                    {"job_id": "j.id", "job_ref": "j.id"},
+                ),
+                [attempt.pk, LOADER, last],
+            )
+    attempt.delete()
+    manager.filter(pk=template.pk).delete()
+
+
+def settle(churn: bool, index_cleanup: bool) -> None:
+    """Refresh statistics; also VACUUM on PostgreSQL unless the dead rows are the point.
+
+    A plain VACUUM, like autovacuum, skips index cleanup when the dead rows sit on under 2% of
+    the heap's pages (PostgreSQL 14+), which leaves their entries in the partial indexes;
+    `index_cleanup` forces it.
+    """
+    from django.db import connection
+
+    tables = (common.JOB_TABLE, common.LEDGER_TABLE)
+    options = "ANALYZE, INDEX_CLEANUP ON" if index_cleanup else "ANALYZE"
+    if connection.vendor == "postgresql" and not churn:
+        for table in tables:
+            common.execute(f"VACUUM ({options}) {table}")
+    else:
+        common.analyze(*tables)
+
+
+def capture_claim_sql(owner: str, ttl: float) -> list[tuple[str, list[Any]]]:
+    """Run one claim() and return the statements it sent (SQL and parameters)."""
+    from django.db import connection
+
+    from django_leases.models import PaymentJob
+
+    statements: list[tuple[str, list[Any]]] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        statements.append((sql, list(params or [])))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(record):
+        jobs = PaymentJob.objects.claim(owner, ttl=ttl)
+    for job in jobs:
+        PaymentJob.objects.complete(job.pk, owner, job.lease_token)
+    return statements
+
+
+def explain_claim(owner: str, ttl: float) -> dict[str, Any]:
+    """EXPLAIN the statement of claim() that picks the jobs, on this database's terms.
+
+    PostgreSQL: EXPLAIN (ANALYZE, BUFFERS) of the claiming UPDATE, rolled back. MariaDB:
+    ANALYZE of the locking SELECT (rows it really read), rolled back. SQLite: EXPLAIN QUERY PLAN
+    of the claiming UPDATE.
+    """
+    import json
+
+    from django.db import connection, transaction
+
+    vendor = connection.vendor
+    statements = capture_claim_sql(owner, ttl)
+    if vendor == "postgresql":
+        sql, params = next(s for s in statements if "FOR UPDATE SKIP LOCKED" in s[0])
+        prefixes = ["EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ", "EXPLAIN (ANALYZE, BUFFERS) "]
+    elif vendor == "mysql":
+        # The first locking SELECT looks at expired leases, the second at due jobs.
+        sql, params = [s for s in statements if "SKIP LOCKED" in s[0]][-1]
+        prefixes = ["ANALYZE FORMAT=JSON ", "ANALYZE "]
+    else:
+        sql, params = [s for s in statements if s[0].lstrip().startswith("UPDATE")][-1]
+        prefixes = ["", "EXPLAIN QUERY PLAN "]
+    outputs = []
+    for prefix in prefixes:
+        if not prefix:
+            outputs.append(None)
+            continue
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(prefix + sql, params)
+            outputs.append(cursor.fetchall())
+            transaction.set_rollback(True)
+    result: dict[str, Any] = {
+        "sql": sql,
+        "plan": "\n".join(" ".join(map(str, r)) for r in outputs[1]),
+    }
+    if vendor == "postgresql":
+        plan = outputs[0][0][0]
+        plan = plan if isinstance(plan, list) else json.loads(plan)
+        top = plan[0]["Plan"]
+        result["buffers"] = _pg_buffers(top)
+        for cte in ("expired", "due"):
+            result[f"{cte}_buffers"] = _pg_buffers(_pg_node(top, f"CTE {cte}") or {})
+        result["exec_ms"] = plan[0]["Execution Time"]
+    elif vendor == "mysql":
+        analyzed = json.loads(outputs[0][0][0])
+        result["rows_read"] = _mariadb_rows(analyzed)
+    return result
+
+
+def _pg_node(node: dict[str, Any], subplan: str) -> dict[str, Any] | None:
+    """Return the plan node named `subplan` (e.g. "CTE due") below `node`."""
+    if node.get("Subplan Name") == subplan:
+        return node
+    for child in node.get("Plans", []):
+        found = _pg_node(child, subplan)
+        if found:
+            return found
+    return None
+
+
+def _pg_buffers(node: dict[str, Any]) -> int:
+    return node.get("Shared Hit Blocks", 0) + node.get("Shared Read Blocks", 0)
+
+
+def _mariadb_rows(node: Any) -> float:
+    """Sum the rows MariaDB's ANALYZE says each table access really read (r_rows x r_loops)."""
+    if isinstance(node, dict):
+        own = node.get("r_rows", 0) * node.get("r_loops", 1) if "table_name" in node else 0
+        return own + sum(_mariadb_rows(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(_mariadb_rows(v) for v in node)
+    return 0
+
+
+def measure_sizes(
+    sizes: list[int],
+    pending: int,
+    claims: int,
+    warmup: int,
+    ttl: float,
+    churn: bool,
+    index_cleanup: bool,
+) -> list[dict[str, Any]]:
+    """Grow the table through `sizes` finished jobs; at each size time `claims` claims."""
+    from django.db import connection
+
+    from django_leases.models import JobAttempt, PaymentJob
+
+    common.migrate()
+    if connection.vendor == "postgresql" and churn:
+        common.execute(f"ALTER TABLE {common.JOB_TABLE} SET (autovacuum_enabled = false)")
+    owner = common.owner_name("size")
+    loaded, steps = 0, []
+    for size in sorted(sizes):
+        # Drop the jobs of the previous step, so only the loaded finished rows remain.
+        JobAttempt.objects.exclude(owner=LOADER).delete()
+        PaymentJob.objects.exclude(lease_owner=LOADER).delete()
+        common.note(f"  {connection.vendor}: loading {size - loaded} finished jobs ...")
+        load_finished(size - loaded, churn)
+        loaded = size
+        common.seed_pending(pending)
+        settle(churn, index_cleanup)
+        # Once on the settled table, once after the timed claims left their dead versions.
+        fresh = explain_claim(owner, ttl).get("buffers")
+        common.claim_timings(warmup, limit=1, ttl=ttl, owner=owner)
+        timed = common.claim_timings(claims, limit=1, ttl=ttl, owner=owner)
+        steps.append({"size": size, **timed, **explain_claim(owner, ttl), "fresh_buffers": fresh})
+    return steps
+
+
+# ---- orchestration ---------------------------------------------------------------------------
+
+
+def measure(
+    args: argparse.Namespace, db: common.BenchDB, procs: common.Processes
+) -> list[tuple[str, dict[str, Any]]]:
+    """Run `measure_sizes` on `db`; return (vendor, step) pairs."""
+    common.note(f"{db.vendor}: sizes {args.sizes} ...")
+    steps = procs.call(
+        db,
+        "bench.table_size:measure_sizes",
+        timeout=args.timeout,
+        sizes=args.sizes,
+        pending=args.claims + args.warmup + 10 + args.pending,
+        claims=args.claims,
+        warmup=args.warmup,
+        ttl=args.ttl,
+        churn=args.churn,
+        index_cleanup=args.index_cleanup,
+    )
+    return [(db.vendor, step) for step in steps]
+
+
+def run(args: argparse.Namespace, procs: common.Processes) -> None:
+    headers = ["database", "finished rows", "p50 ms", "p95 ms", "p99 ms", "max ms", "empty"]
+    headers += ["buffers 1st", "buffers", "expired CTE", "due CTE", "explain ms", "rows read"]
+    skipped: dict[str, str] = {}
+    steps = common.each_database(args, "size", lambda db: measure(args, db, procs), skipped)
+    rows = [
+        [
+            vendor,
+            f"{step['size']:,}",
+            *common.latency_summary(step["ms"]),
+            str(step["empty"]),
+            str(step.get("fresh_buffers") or "-"),
+            str(step.get("buffers", "-")),
+            str(step.get("expired_buffers", "-")),
+            str(step.get("due_buffers", "-")),
+            f"{step['exec_ms']:.2f}" if "exec_ms" in step else "-",
+            f"{step['rows_read']:.0f}" if "rows_read" in step else "-",
+        ]
+        for vendor, step in steps
+    ]
+    plans = dict(steps)  # the last, largest size of each database wins
+    state = "churned, not vacuumed" if args.churn else "inserted completed, vacuumed or analyzed"
+    state += ", INDEX_CLEANUP ON" if args.index_cleanup and not args.churn else ""
+    common.print_table(
+        f"claim(limit=1) against finished rows ({state}); {args.claims} timed claims per size",
+        headers,
+        rows,
+    )
+    common.print_skipped(skipped)
+    print(
+        "\nbuffers: shared buffers (hit + read) of the claiming UPDATE in EXPLAIN (ANALYZE, "
+        "BUFFERS) on PostgreSQL after the timed claims, of which the CTEs looking for expired "
+        "leases and due jobs read 'expired CTE' and 'due CTE'; 'buffers 1st': the same before "
+        "any claim at that size; explain ms: its execution time.\nrows read: "
+        "rows MariaDB's ANALYZE says the due-jobs SELECT read."
+    )
+    for vendor, step in plans.items():
+        print(f"\n{vendor}: the claim statement at {step['size']:,} finished rows:")
+        print(" ".join(step["sql"].split()))
+        print(f"\n{vendor}: its plan:\n{step['plan']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.make_parser(__doc__)
+    parser.add_argument(
+        "--sizes",
+        type=common.int_list,
+        default=[0, 100_000, 1_000_000],
+        help="comma-separated finished-row counts, k and M allowed (default: 0,100k,1M)",
+    )
+    parser.add_argument(
+        "--claims",
+        type=common.positive_int,
+        default=300,
+        help="timed claims per size (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="untimed claims per size first (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--pending",
+        type=int,
+        default=1000,
+        help="pending jobs left in the table beyond those claimed (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--churn",
+        action="store_true",
+        help="finish the loaded rows by UPDATEs and measure before any vacuum (see above)",
+    )
+    parser.add_argument(
+        "--index-cleanup",
+        action="store_true",
+        help="VACUUM (INDEX_CLEANUP ON) instead of a plain VACUUM between sizes (PostgreSQL)",
+    )
+    common.add_common_arguments(parser, databases="postgresql", timeout=1800)
+    args = parser.parse_args(argv)
+    return common.run_main(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Jobs per second with no-op handlers: django-leases against its database-backed peers.
+
+Every system drains the same number of jobs on the same throw-away PostgreSQL database with the
+same number of worker processes, each started with its own worker command as real processes.
+Enqueueing is not timed: the clock runs from the start of the workers until a poll of the
+database sees every job finished. Rounds are interleaved (each round rotates the order) and the
+median and spread over the rounds are reported, with each peer's ratio to django-leases.
+
+While `run_lease_worker` is not available, django-leases is measured as the queryset-level loop
+(claim a batch, complete each job) in the same number of processes; the output says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.util import find_spec
+from typing import Any
+
+from bench import _common as common
+
+POLL_INTERVAL = 0.05
+
+
+@dataclass(frozen=True)
+class System:
+    """One queue under test: how to enqueue, start its workers and see that it is done."""
+
+    name: str
+    requires: tuple[str, ...]
+    tables: tuple[str, ...]
+    # Returns (succeeded, finished) counts.
+    poll_sql: str
+    workers: Callable[[argparse.Namespace, bool], list[list[str]]]
+
+    def missing(self) -> list[str]:
+        return [module for module in self.requires if find_spec(module) is None]
+
+
+def leases_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    if has_command:
+        return [
+            common.django_command(
+                "run_lease_worker",
+                "--kind=noop",
+                "--burst",
+                "--concurrency=1",
+                f"--ttl={args.ttl}",
+                f"--worker-id=bench-{i}",
+                "--verbosity=0",
+            )
+            for i in range(args.workers)
+        ]
+    loop = common.child_command(
+        "bench.throughput:leases_loop", batch=args.batch, ttl=args.ttl, ledger=args.ledger
+    )
+    return [loop] * args.workers
+
+
+def procrastinate_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    argv = common.django_command("procrastinate", "worker", "--concurrency=1", "--one-shot")
+    return [argv] * args.workers
+
+
+def tasks_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    argv = common.django_command(
+        "db_worker", "--batch", "--no-startup-delay", "--no-reload", "--verbosity=0"
+    )
+    return [argv] * args.workers
+
+
+def q2_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    # One cluster with Q_CLUSTER["workers"] = --workers worker processes (BENCH_WORKERS).
+    return [common.django_command("qcluster")]
+
+
+SYSTEMS = [
+    System(
+        "django-leases",
+        ("django_leases",),
+        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        f"SELECT count(*) FILTER (WHERE status = 'completed'), "
+        f"count(*) FILTER (WHERE status IN ('completed', 'failed', 'review')) "
+        f"FROM {common.JOB_TABLE}",
+        leases_workers,
+    ),
+    System(
+        "procrastinate",
+        ("procrastinate",),
+        ("procrastinate_jobs", "procrastinate_events", "procrastinate_workers"),
+        "SELECT count(*) FILTER (WHERE status = 'succeeded'), "
+        "count(*) FILTER (WHERE status IN ('succeeded', 'failed', 'aborted')) "
+        "FROM procrastinate_jobs",
+        procrastinate_workers,
+    ),
+    System(
+        "django-tasks (database)",
+        ("django_tasks", "django_tasks_db"),
+        ("django_tasks_database_dbtaskresult",),
+        "SELECT count(*) FILTER (WHERE status = 'SUCCESSFUL'), "
+        "count(*) FILTER (WHERE status IN ('SUCCESSFUL', 'FAILED')) "
+        "FROM django_tasks_database_dbtaskresult",
+        tasks_workers,
+    ),
+    System(
+        "django-q2 (ORM broker)",
+        ("django_q",),
+        ("django_q_ormq", "django_q_task"),
+        "SELECT count(*) FILTER (WHERE success), count(*) FROM django_q_task",
+        q2_workers,
+    ),
+]
+
+
+# ---- Django side -------------------------------------------------------------------------------
+
+
+def enqueue(system: str, jobs: int, tables: list[str]) -> dict[str, Any]:
+    """Empty `system`'s tables, enqueue `jobs` no-op jobs through its API, refresh statistics."""
+    from django.db import transaction
+
+    common.empty_tables(*tables)
+    start = time.perf_counter()
+    if system == "django-leases":
+        common.seed_pending(jobs)
+    elif system == "procrastinate":
+        from bench.tasks import noop_procrastinate
+
+        for first in range(0, jobs, 1000):
+            noop_procrastinate.batch_defer(*({} for _ in range(first, min(first + 1000, jobs))))
+    elif system.startswith("django-tasks"):
+        from bench.tasks import noop_task
+
+        with transaction.atomic():
+            for _ in range(jobs):
+                noop_task.enqueue()
+    else:
+        from django_q.tasks import async_task
+
+        with transaction.atomic():
+            for _ in range(jobs):
+                async_task("bench.tasks.noop_q")
+    seconds = time.perf_counter() - start
+    common.analyze(*tables)
+    return {"seconds": seconds}
+
+
+def leases_loop(batch: int, ttl: float, ledger: bool) -> dict[str, Any]:
+    """Claim `batch` jobs, complete each, until nothing is claimable (the worker stand-in).
+
+    Without `ledger`, the attempt ledger is switched off, to see what it costs.
+    """
+    from bench.jobs import noop
+    from django_leases.models import PaymentJob
+
+    if not ledger:
+        PaymentJob.attempt_model = None
+
+    owner = common.owner_name("loop")
+    done = 0
+    while jobs := PaymentJob.objects.claim(owner, ttl=ttl, limit=batch, kinds=["noop"]):
+        for job in jobs:
+            noop(job, None)
+            PaymentJob.objects.complete(job.pk, owner, job.lease_token)
+            done += 1
+    return {"done": done}
+
+
+def has_worker_command() -> dict[str, Any]:
+    from django.core.management import get_commands
+
+    return {"found": "run_lease_worker" in get_commands()}
+
+
+# ---- orchestration ---------------------------------------------------------------------------
+
+
+@dataclass
+class Drain:
+    seconds: float
+    steady_rate: float  # jobs/s from the first poll that saw a finished job to the last
+    succeeded: int
+    finished: int
+    timed_out: bool
+
+
+def drain(
+    system: System,
+    args: argparse.Namespace,
+    db: common.BenchDB,
+    procs: common.Processes,
+    has_command: bool,
+) -> Drain:
+    """Start `system`'s workers and time them until every job is finished or the timeout."""
+    env = common.child_env(
+        db, BENCH_WORKERS=str(args.workers), BENCH_CONN_MAX_AGE=args.conn_max_age
+    )
+    conn = db.connect()
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        started = time.monotonic()
+        workers = [
+            procs.spawn(argv, env, f"{system.name.split()[0]}-worker", pipes=False)
+            for argv in system.workers(args, has_command)
+        ]
+        first = None
+        succeeded = finished = 0
+        while (now := time.monotonic()) - started < args.timeout:
+            succeeded, finished = db.row(conn, system.poll_sql)
+            if finished and first is None:
+                first = (now, finished)
+            if finished >= args.jobs:
+                break
+            if all(w.poll() is not None for w in workers) and finished < args.jobs:
+                raise common.ChildError(f"{system.name} workers exited early", workers[0])
+            time.sleep(POLL_INTERVAL)
+        elapsed = time.monotonic() - started
+    finally:
+        conn.close()
+        for worker in workers:
+            procs.stop(worker)
+    first_at, first_count = first or (started, 0)
+    steady_time = started + elapsed - first_at
+    return Drain(
+        seconds=elapsed,
+        steady_rate=(finished - first_count) / steady_time if steady_time > 0 else 0.0,
+        succeeded=succeeded,
+        finished=finished,
+        timed_out=finished < args.jobs,
+    )
+
+
+def run(args: argparse.Namespace, procs: common.Processes) -> None:
+    reason = common.check_server("postgresql", args.pg_url)
+    if reason:
+        raise SystemExit(f"PostgreSQL is needed for this benchmark: {reason}")
+    wanted = [s for s in SYSTEMS if s.name.split()[0] in args.systems]
+    skipped = {s.name: f"not installed ({', '.join(s.missing())})" for s in wanted if s.missing()}
+    systems = [s for s in wanted if s.name not in skipped]
+    results: dict[str, list[Drain]] = {s.name: [] for s in systems}
+    with common.temp_database("postgresql", args.pg_url, "throughput") as db:
+        common.note(f"migrating {db.name} ...")
+        procs.call(db, "bench._common:migrate")
+        has_command = procs.call(db, "bench.throughput:has_worker_command")["found"]
+        mode = (
+            "run_lease_worker --concurrency 1"
+            if has_command
+            else f"queryset loop, claim(limit={args.batch}) + complete() per job "
+            f"{'' if args.ledger else 'WITHOUT the attempt ledger '}(run_lease_worker not found)"
+        )
+        if has_command and not args.ledger:
+            raise SystemExit("--no-ledger only applies to the queryset loop")
+        for round_no in range(args.rounds):
+            order = systems[round_no % len(systems) :] + systems[: round_no % len(systems)]
+            for system in order:
+                common.note(f"round {round_no + 1}/{args.rounds}: {system.name}: enqueue ...")
+                procs.call(
+                    db,
+                    "bench.throughput:enqueue",
+                    system=system.name,
+                    jobs=args.jobs,
+                    tables=list(system.tables),
+                )
+                result = drain(system, args, db, procs, has_command)
+                results[system.name].append(result)
+                common.note(
+                    f"  drained {result.finished}/{args.jobs} in {result.seconds:.2f}s "
+                    f"({args.jobs / result.seconds:.0f} jobs/s)"
+                    + (" TIMEOUT" if result.timed_out else "")
+                )
+    report(args, systems, results, skipped, mode)
+
+
+def report(
+    args: argparse.Namespace,
+    systems: list[System],
+    results: dict[str, list[Drain]],
+    skipped: dict[str, str],
+    mode: str,
+) -> None:
+    print(
+        f"\nthroughput: {args.jobs} no-op jobs, {args.workers} worker processes, "
+        f"{args.rounds} interleaved rounds, PostgreSQL, workers' CONN_MAX_AGE={args.conn_max_age}"
+    )
+    print(f"django-leases measured as: {mode}")
+    base: dict[str, float] = {}
+    rows = []
+    for system in systems:
+        drains = results[system.name]
+        wall = [args.jobs / d.seconds for d in drains if not d.timed_out]
+        steady = [d.steady_rate for d in drains if not d.timed_out]
+        failures = sum(d.finished - d.succeeded for d in drains)
+        timeouts = sum(d.timed_out for d in drains)
+        if not wall:
+            rows.append([system.name, "timed out", "", "", "", "", "", ""])
+            continue
+        median, steady_median = statistics.median(wall), statistics.median(steady)
+        if system.name == "django-leases":
+            base = {"wall": median, "steady": steady_median}
+        rows.append(
+            [
+                system.name,
+                f"{median:.0f}",
+                common.spread(wall),
+                f"{min(wall):.0f}-{max(wall):.0f}",
+                f"{median / base['wall']:.2f}x" if base else "-",
+                f"{steady_median:.0f}",
+                f"{steady_median / base['steady']:.2f}x" if base else "-",
+                f"{failures} failed, {timeouts} timeouts" if failures or timeouts else "ok",
+            ]
+        )
+    common.print_table(
+        "jobs/s from worker start to last job done (median of rounds), and after the first job",
+        [
+            "system",
+            "jobs/s",
+            "spread",
+            "min-max",
+            "vs leases",
+            "steady jobs/s",
+            "vs leases",
+            "status",
+        ],
+        rows,
+    )
+    common.print_skipped(skipped)
+    print(
+        "\n'vs leases' = peer / django-leases (above 1.00x: the peer is faster). "
+        "'steady' leaves out worker start-up (clock from the first finished job)."
+    )
+
+
+def conn_max_age(text: str) -> str:
+    if text.lower() != "none" and not (text.isdigit()):
+        raise argparse.ArgumentTypeError(f"'none' or whole seconds, got {text!r}")
+    return text.lower()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.make_parser(__doc__)
+    parser.add_argument(
+        "--jobs", type=common.positive_int, default=5000, help="jobs per run (default: %(default)r)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=common.positive_int,
+        default=4,
+        help="worker processes per system (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=common.positive_int,
+        default=3,
+        help="interleaved rounds per system (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--systems",
+        type=lambda text: [s.strip() for s in text.split(",")],
+        default=[s.name.split()[0] for s in SYSTEMS],
+        help=f"comma-separated subset of {','.join(s.name.split()[0] for s in SYSTEMS)} "
+        "(default: all)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=common.positive_int,
+        default=1,
+        help="claim(limit=...) of the django-leases queryset loop (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--no-ledger",
+        dest="ledger",
+        action="store_false",
+        help="switch the attempt ledger off in the queryset loop, to see what it costs",
+    )
+    parser.add_argument(
+        "--conn-max-age",
+        type=conn_max_age,
+        default="none",
+        help="CONN_MAX_AGE of every worker: 'none' (persistent connections) or seconds; 0 is "
+        "Django's default, a new connection each worker round (default: %(default)s)",
+    )
+    common.add_common_arguments(parser, databases=None, timeout=300)
+    args = parser.parse_args(argv)
+    return common.run_main(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
