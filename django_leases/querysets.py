@@ -114,6 +114,49 @@ def retry_deadlocks(method: F_) -> F_:
     return wrapper  # type: ignore[return-value]
 
 
+# The ledger columns the PostgreSQL fast paths write: a ledger model with other fields (a
+# project's own AbstractJobAttempt subclass that adds some) takes the ORM path instead.
+LEDGER_FIELDS = {
+    "id", "job", "job_ref", "attempt", "token", "owner", "claimed_at", "last_heartbeat_at",
+    "lease_until", "checkpoint", "ended_at", "outcome", "ended_by", "fenced_at", "error_class",
+    "error_message", "resolution", "resolved_by", "resolved_at",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LedgerSQL:
+    """Quoted names of the attempt ledger, for statements that write it in raw SQL."""
+
+    table: str
+    columns: dict[str, str]
+
+    def __getattr__(self, name: str) -> str:
+        try:
+            return self.columns[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def insert_columns(self) -> str:
+        names = ("job", "job_ref", "attempt", "token", "owner", "claimed_at",
+                 "last_heartbeat_at", "lease_until", "checkpoint", "outcome", "ended_by",
+                 "error_class", "error_message", "resolution", "resolved_by")  # fmt: skip
+        return ", ".join(self.columns[name] for name in names)
+
+    @property
+    def insert_values(self) -> str:
+        """The values of `insert_columns`, read from the `claimed` CTE (the new leases)."""
+        return (
+            "claimed.id, claimed.id, claimed.attempts, claimed.lease_token, %s, "
+            "STATEMENT_TIMESTAMP(), claimed.heartbeat_at, claimed.lease_until, "
+            "claimed.checkpoint, %s, '', '', '', '', ''"
+        )
+
+    @staticmethod
+    def insert_params(owner: str) -> list[Any]:
+        return [owner, "running"]
+
+
 class LeaseQuerySet(models.QuerySet[J]):
     """Reads and lease transitions of any `AbstractLeasedJob` table."""
 
@@ -204,12 +247,16 @@ class LeaseQuerySet(models.QuerySet[J]):
             if not kinds:
                 return []
         vendor = connections[self.db].vendor
-        with transaction.atomic(using=self.db):
-            if vendor == "postgresql":
-                jobs = self._claim_postgresql(owner, seconds, limit, kinds)
-            else:
-                jobs = self._claim_portable(owner, seconds, limit, kinds, vendor)
-            self._open_attempts(jobs, owner)
+        if vendor == "postgresql" and self._ledger_sql() is not None:
+            # One statement claims and writes the ledger: atomic without a transaction block.
+            jobs = self._claim_postgresql(owner, seconds, limit, kinds, with_ledger=True)
+        else:
+            with transaction.atomic(using=self.db):
+                if vendor == "postgresql":
+                    jobs = self._claim_postgresql(owner, seconds, limit, kinds)
+                else:
+                    jobs = self._claim_portable(owner, seconds, limit, kinds, vendor)
+                self._open_attempts(jobs, owner)
         # RETURNING gives no order: hand jobs out in claim order.
         jobs.sort(key=lambda job: (not job.taken_over, -job.priority, job.run_at, job.pk))  # type: ignore[attr-defined]
         return jobs
@@ -223,7 +270,13 @@ class LeaseQuerySet(models.QuerySet[J]):
         return table, f"AND kind IN ({placeholders})", list(kinds)
 
     def _claim_postgresql(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None
+        self,
+        owner: str,
+        seconds: float,
+        limit: int,
+        kinds: list[str] | None,
+        *,
+        with_ledger: bool = False,
     ) -> list[J]:
         # One statement decides ownership. Each candidate set is a MATERIALIZED CTE with
         # FOR UPDATE SKIP LOCKED: it is evaluated once, so it cannot re-run per row and lock
@@ -236,6 +289,56 @@ class LeaseQuerySet(models.QuerySet[J]):
         # Tested on PostgreSQL 15.
         table, kind_sql, kind_params = self._claim_sql_parts(kinds)
         _, guard_sql, guard_params = takeover_guard()
+        update = f"""
+            UPDATE {table} AS job
+            SET status = %s,
+                lease_owner = %s,
+                lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %s),
+                heartbeat_at = STATEMENT_TIMESTAMP(),
+                lease_token = job.lease_token + 1,
+                attempts = job.attempts + 1
+            FROM picked
+            WHERE job.id = picked.id
+            RETURNING job.*, picked.taken_over
+        """  # noqa: S608 - table name quoted by the backend, values are parameters
+        params: list[Any] = [
+            PROCESSING,
+            *kind_params,
+            *guard_params,
+            limit,
+            PENDING,
+            *kind_params,
+            limit,
+            limit,
+            PROCESSING,
+            owner,
+            seconds,
+        ]
+        ledger = self._ledger_sql() if with_ledger else None
+        if ledger is None:
+            main = update
+        else:
+            # The ledger writes ride in the same statement as data-modifying CTEs: the open row
+            # of each new attempt, and the closing of the rows of holders whose expired lease
+            # this claim took over. All parts run on one snapshot, so the UPDATE cannot see
+            # (and close) the rows the INSERT adds.
+            main = f"""
+            , claimed AS ({update}
+            ), lost AS (
+                UPDATE {ledger.table} AS a
+                SET {ledger.outcome} = %s,
+                    {ledger.ended_at} = STATEMENT_TIMESTAMP(),
+                    {ledger.ended_by} = %s
+                FROM claimed
+                WHERE claimed.taken_over AND a.{ledger.job_ref} = claimed.id
+                  AND a.{ledger.ended_at} IS NULL
+            ), opened AS (
+                INSERT INTO {ledger.table} ({ledger.insert_columns})
+                SELECT {ledger.insert_values} FROM claimed
+            )
+            SELECT * FROM claimed
+            """  # noqa: S608 - names quoted by the backend, values are parameters
+            params += ["lease_lost", owner, *ledger.insert_params(owner)]
         sql = f"""
             WITH expired AS MATERIALIZED (
                 SELECT id FROM {table}
@@ -256,31 +359,8 @@ class LeaseQuerySet(models.QuerySet[J]):
                 UNION ALL
                 SELECT id, FALSE AS taken_over FROM due
                 LIMIT %s
-            )
-            UPDATE {table} AS job
-            SET status = %s,
-                lease_owner = %s,
-                lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %s),
-                heartbeat_at = STATEMENT_TIMESTAMP(),
-                lease_token = job.lease_token + 1,
-                attempts = job.attempts + 1
-            FROM picked
-            WHERE job.id = picked.id
-            RETURNING job.*, picked.taken_over
-        """  # noqa: S608 - table name quoted by the backend, values are parameters
-        params = [
-            PROCESSING,
-            *kind_params,
-            *guard_params,
-            limit,
-            PENDING,
-            *kind_params,
-            limit,
-            limit,
-            PROCESSING,
-            owner,
-            seconds,
-        ]
+            ){main}
+        """  # noqa: S608 - table and column names quoted by the backend, values are parameters
         return list(self.raw(sql, params))
 
     def _claim_portable(
@@ -322,8 +402,10 @@ class LeaseQuerySet(models.QuerySet[J]):
             )
             _, guard_sql, guard_params = takeover_guard()
         else:
+            # `+run_at`: once ANALYZE has run, SQLite would rather range-scan run_at and sort
+            # every due job; the unary plus keeps it walking the due index in claim order.
             predicate, order, status = (
-                f"status = %s AND run_at <= {now}",
+                f"status = %s AND +run_at <= {now}",
                 "priority DESC, run_at, id",
                 PENDING,
             )
@@ -451,10 +533,46 @@ class LeaseQuerySet(models.QuerySet[J]):
 
         Raises `LeaseLost` if `owner` no longer holds the job.
         """
+        ledger = self._ledger_sql() if connections[self.db].vendor == "postgresql" else None
+        if ledger is not None and result is None:
+            self._complete_postgresql(pk, owner, token, ledger)
+            return
         values: dict[str, Any] = {"status": COMPLETED, "completed_at": Now(), "last_error": ""}
         if result is not None:
             values["result"] = result
         self._holder_write(pk, owner, token, "completed", None, **values)
+
+    @retry_deadlocks
+    def _complete_postgresql(self, pk: int, owner: str, token: int, ledger: LedgerSQL) -> None:
+        # The hot path of every job: the conditional UPDATE of the job and the closing of its
+        # ledger row in one statement (a data-modifying CTE), so one round trip and no
+        # transaction block. The ledger row is closed only if the job's UPDATE won.
+        table = connections[self.db].ops.quote_name(self.model._meta.db_table)
+        sql = f"""
+            WITH done AS (
+                UPDATE {table}
+                SET status = %s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
+                WHERE id = %s AND status = %s AND lease_owner = %s AND lease_token = %s
+                RETURNING id, lease_token, checkpoint
+            ), closed AS (
+                UPDATE {ledger.table} AS a
+                SET {ledger.outcome} = %s,
+                    {ledger.ended_at} = STATEMENT_TIMESTAMP(),
+                    {ledger.ended_by} = %s,
+                    {ledger.checkpoint} = done.checkpoint,
+                    {ledger.error_class} = '',
+                    {ledger.error_message} = ''
+                FROM done
+                WHERE a.{ledger.job_ref} = done.id AND a.{ledger.token} = done.lease_token
+            )
+            SELECT count(*) FROM done
+        """  # noqa: S608 - table and column names quoted by the backend, values are parameters
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(sql, [COMPLETED, pk, PROCESSING, owner, token, "completed", owner])
+            (won,) = cursor.fetchone()
+        if not won:
+            self.record_fenced(pk, token)
+            raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
 
     @retry_deadlocks
     def fail(
@@ -709,6 +827,20 @@ class LeaseQuerySet(models.QuerySet[J]):
     def _ledger(self) -> type[AbstractJobAttempt] | None:
         label = self.model.attempt_model
         return apps.get_model(label) if label else None
+
+    def _ledger_sql(self) -> LedgerSQL | None:
+        """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
+        ledger = self._ledger()
+        if ledger is None:
+            return None
+        fields = {field.name: field for field in ledger._meta.concrete_fields}
+        if set(fields) != LEDGER_FIELDS:
+            return None
+        quote = connections[self.db].ops.quote_name
+        return LedgerSQL(
+            table=quote(ledger._meta.db_table),
+            columns={name: quote(str(field.column)) for name, field in fields.items()},
+        )
 
     def _job_column(self, name: str) -> Subquery:
         return Subquery(self.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])
