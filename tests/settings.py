@@ -22,6 +22,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_leases",
     "tests.testapp",
+    # The payment demo (`manage.py demo`), which tests/test_demo.py runs on the test database.
+    "example_project.payments",
 ]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
