@@ -1,6 +1,6 @@
 """The payment demo: real worker and watcher processes, a crash, a frozen worker, an audit.
 
-`manage.py demo` drives `run_demo()`. It migrates the database, adds a few hundred payments with
+`manage.py demo` runs `Demo.run()`. It migrates the database, adds a few hundred payments with
 their jobs, starts `run_lease_worker` processes and a `watch_stuck_jobs` process, then on purpose
 SIGKILLs one worker in the middle of a PSP call and freezes another (SIGSTOP) for longer than
 its leases, so that it wakes up as a zombie. It shows the jobs settle, then holds the fake PSP's
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from django.core.management import call_command
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.db.models import Count, F, Max, QuerySet
 from rich import box
 from rich.console import Console
@@ -43,6 +43,18 @@ KINDS = ("capture", "refund", "reconcile")
 OPEN = ("pending", "processing", "review")
 CURRENCIES = ("EUR", "USD", "GBP", "CHF")
 ADMIN = "http://127.0.0.1:8000/admin/django_leases/paymentjob/"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: unwind, so that the demo stops its children on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class DatabaseUnreachableError(Exception):
+    """The demo's database cannot be reached (or does not exist)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +226,7 @@ class View:
 
 
 class Demo:
-    """One run of the demo. `run()` returns its report; `stopping` is True once it cleans up."""
+    """One run of the demo: `run()` returns its report; `interrupt()` cuts it short."""
 
     def __init__(self, options: Options, console: Console) -> None:
         self.options = options
@@ -222,6 +234,8 @@ class Demo:
         self.children: list[Child] = []
         self.events: list[str] = []
         self.stopping = False
+        self._spawning = False
+        self._deferred: int | None = None
         self.logs = Path(tempfile.mkdtemp(prefix="leases-demo-"))
         self._workers_started = 0
         # The accidents, in order: "crash", "freeze", "frozen", "thawed", then "done".
@@ -289,9 +303,25 @@ class Demo:
             "FAKE_PSP_STALL_SECONDS": str(2 * self.options.ttl),
         }
 
+    def interrupt(self, signum: int) -> None:
+        """Stop the run (from a signal handler), unless it is already stopping its children."""
+        if self.stopping:
+            return
+        if self._spawning:
+            self._deferred = signum
+            return
+        raise Interrupted(signum)
+
     def _start(self, name: str, *args: str) -> Child:
-        child = Child(name, list(args), self._child_env(), self.logs)
-        self.children.append(child)
+        # A signal between the fork and the append would leave a child nobody stops: it waits.
+        self._spawning = True
+        try:
+            child = Child(name, list(args), self._child_env(), self.logs)
+            self.children.append(child)
+        finally:
+            self._spawning = False
+        if self._deferred is not None:
+            raise Interrupted(self._deferred)
         return child
 
     def start_worker(self) -> Child:
@@ -316,7 +346,10 @@ class Demo:
 
     def run(self) -> Report:
         started = time.monotonic()
-        call_command("migrate", interactive=False, verbosity=0)
+        try:
+            call_command("migrate", interactive=False, verbosity=0)
+        except OperationalError as exc:
+            raise DatabaseUnreachableError(f"cannot reach the database: {exc}".strip()) from exc
         self.say(self.intro())
         scope = self.seed()
         view = View(self.console, self.options.jobs)
@@ -380,10 +413,13 @@ class Demo:
     ) -> None:
         """Crash one worker mid-PSP-call, then freeze another past its leases, then thaw it."""
         now = time.monotonic()
-        if self._step == "crash" and (done >= 0.15 or idle):
+        if self._step == "crash" and idle:
+            self._record(view, "every job settled before a worker could be killed")
+            self._step = "done"
+        elif self._step == "crash" and done >= 0.15:
             victim = workers[0]
             held = self._held(scope, victim.name)
-            if any(job.checkpoint for job in held) or idle or done >= 0.5:
+            if any(job.checkpoint for job in held) or done >= 0.5:
                 self._kill(victim, held, view)
                 workers.remove(victim)
                 workers.append(self.start_worker())

@@ -14,15 +14,14 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from rich.console import Console
 
 from django_leases.management.commands._options import OneLineErrorsMixin, positive_seconds
-from example_project.payments.demo import MANAGE_PY, Demo, Options, render
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived: unwind, so that the demo stops its children."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+from example_project.payments.demo import (
+    MANAGE_PY,
+    DatabaseUnreachableError,
+    Demo,
+    Interrupted,
+    Options,
+    render,
+)
 
 
 def count(low: int, high: int) -> Any:
@@ -100,6 +99,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
         previous = self._install_signal_handlers(demo)
         try:
             report = demo.run()
+        except DatabaseUnreachableError as exc:
+            raise CommandError(str(exc).replace("\n", " ")) from None
         except Interrupted as exc:
             self.stderr.write(f"interrupted by {exc}: every worker and watcher was stopped")
             sys.exit(128 + exc.signum)
@@ -115,9 +116,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             return {}
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            # While the demo stops its children, a second Ctrl-C must not cut that short.
-            if not demo.stopping:
-                raise Interrupted(signum)
+            demo.interrupt(signum)
 
         previous: dict[int, Any] = {}
         for signum in (signal.SIGINT, signal.SIGTERM):
