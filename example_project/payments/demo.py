@@ -542,7 +542,11 @@ def render(report: Report, console: Console, database_url: str | None) -> None:
     payments = ", ".join(f"{status} {n}" for status, n in sorted(report.payments.items()))
     table.add_row("payments", str(report.payments.total()), payments)
     table.add_row("jobs completed", str(jobs["completed"]), "")
-    table.add_row("jobs failed", str(jobs["failed"]), "PermanentError: the PSP rejected them")
+    table.add_row(
+        "jobs failed",
+        str(jobs["failed"]),
+        "PermanentError (the PSP rejected the capture), or no attempt left",
+    )
     open_jobs = sum(jobs[status] for status in OPEN)
     if open_jobs:
         table.add_row("jobs still open", str(open_jobs), "pending, processing or under review")
