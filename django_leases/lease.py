@@ -66,8 +66,9 @@ class Lease:
         self.check()
         self._guard(lambda: self._jobs().checkpoint(self.pk, self.owner, self.token, step))
 
-    def complete(self) -> None:
-        self._guard(lambda: self._jobs().complete(self.pk, self.owner, self.token))
+    def complete(self, result: Any = None) -> None:
+        """Complete the job now (storing `result`, if given); the worker then writes nothing."""
+        self._guard(lambda: self._jobs().complete(self.pk, self.owner, self.token, result=result))
         self.finished = True
 
     def fail(

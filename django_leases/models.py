@@ -54,6 +54,9 @@ class AbstractLeasedJob(models.Model):
     heartbeat_at = models.DateTimeField(_("last heartbeat at"), null=True, blank=True)
     checkpoint = models.CharField(_("checkpoint"), max_length=100, blank=True, default="")
     last_error = models.TextField(_("last error"), blank=True, default="")
+    result = models.JSONField(
+        _("result"), null=True, blank=True, help_text=_("What the handler returned, if it asked.")
+    )
     created_at = models.DateTimeField(_("created at"), db_default=Now())
     completed_at = models.DateTimeField(
         _("completed at"),
@@ -150,7 +153,7 @@ class AttemptOutcome(models.TextChoices):
     FAILED = "failed", _("Failed")
     RETRIED = "retried", _("Failed, retry scheduled")
     LEASE_LOST = "lease_lost", _("Lease lost (taken over after expiry)")
-    RESCUED = "rescued", _("Rescued by the watcher")
+    RESCUED = "rescued", _("Returned to pending after its lease expired")
     REVIEW = "review", _("Held for review by the watcher")
     RELEASED = "released", _("Released by its holder")
     REQUEUED = "requeued", _("Requeued by an operator")
@@ -194,6 +197,15 @@ class AbstractJobAttempt(models.Model):
     )
     error_class = models.CharField(_("error class"), max_length=255, blank=True, default="")
     error_message = models.TextField(_("error message"), blank=True, default="")
+    resolution = models.CharField(
+        _("review resolution"),
+        max_length=20,
+        blank=True,
+        default="",
+        help_text=_("For an attempt held for review: the verdict that resolved it."),
+    )
+    resolved_by = models.CharField(_("resolved by"), max_length=255, blank=True, default="")
+    resolved_at = models.DateTimeField(_("resolved at"), null=True, blank=True)
 
     objects = AttemptQuerySet.as_manager()
 

@@ -9,15 +9,17 @@ cannot touch a job that someone else now owns. Every lease time comes from the d
 from __future__ import annotations
 
 import json
+import random
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import reduce
+from functools import reduce, wraps
 from operator import or_
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.apps import apps
-from django.db import IntegrityError, connections, models, transaction
+from django.db import IntegrityError, OperationalError, connections, models, transaction
 from django.db.models import Case, F, OuterRef, Q, Subquery, Value, When
 from django.db.models.functions import Greatest, Now
 
@@ -39,6 +41,7 @@ PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
 )
 FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
 MAX_ERROR_LENGTH = 2000
+DEADLOCK_RETRIES = 5
 SMALLINT = (-32768, 32767)
 
 
@@ -71,6 +74,45 @@ class Rescue:
     attempts: int
     action: str
     expired_for: float
+
+
+def deadlocked(exc: OperationalError, vendor: str) -> bool:
+    """Whether the database rolled the transaction back to break a deadlock or lock wait."""
+    if vendor == "mysql":
+        # 1213: deadlock found; 1205: lock wait timeout. InnoDB rolls the transaction back.
+        return bool(exc.args) and exc.args[0] in (1205, 1213)
+    if vendor == "postgresql":
+        return getattr(exc.__cause__, "sqlstate", None) in ("40001", "40P01")
+    return False
+
+
+F_ = TypeVar("F_", bound=Callable[..., Any])
+
+
+def retry_deadlocks(method: F_) -> F_:
+    """Run a lease transition again when the database aborted it to break a deadlock.
+
+    InnoDB picks deadlock victims among concurrent claims and completions even when every
+    statement is correct. The victim's transaction was rolled back whole, and every transition
+    here is a conditional UPDATE, so running it again is safe. Inside a caller's transaction
+    nothing can be retried: the error propagates.
+    """
+
+    @wraps(method)
+    def wrapper(self: LeaseQuerySet[Any], *args: Any, **kwargs: Any) -> Any:
+        connection = connections[self.db]
+        nested = connection.in_atomic_block
+        attempt = 1
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except OperationalError as exc:
+                if nested or attempt >= DEADLOCK_RETRIES or not deadlocked(exc, connection.vendor):
+                    raise
+            time.sleep(random.uniform(0.005, 0.05) * attempt)  # noqa: S311 - jitter
+            attempt += 1
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -115,6 +157,15 @@ class LeaseQuerySet(models.QuerySet[J]):
         seconds = to_seconds(within, "within")
         return self.filter(status=PROCESSING, lease_until__gte=after(seconds))
 
+    def finished_within(self, within: float | timedelta) -> LeaseQuerySet[J]:
+        """Jobs that reached a final status (completed, failed, cancelled) within the last
+        `within`, by the database clock; a range of the (status, completed_at) index."""
+        seconds = to_seconds(within, "within")
+        return self.filter(
+            status__in=[COMPLETED, FAILED, CANCELLED],
+            completed_at__gte=Now() - timedelta(seconds=seconds),
+        )
+
     def claimable(self, kinds: Collection[str] | None = None) -> LeaseQuerySet[J]:
         """Due pending jobs and expired leases that still have an attempt left."""
         guard, _, _ = takeover_guard()
@@ -140,6 +191,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     # ---- acquisition -------------------------------------------------------------------------
 
+    @retry_deadlocks
     def claim(
         self,
         owner: str,
@@ -347,6 +399,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             "attempts": F("attempts") + 1,
         }
 
+    @retry_deadlocks
     def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
         """Claim the job `pk` for `owner` if it is claimable; return it, or None if not."""
         seconds = to_seconds(ttl, "ttl")
@@ -366,6 +419,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     # ---- holder writes ----------------------------------------------------------------------
 
+    @retry_deadlocks
     def heartbeat(
         self, owner: str, leases: Mapping[int, int], *, ttl: float | timedelta
     ) -> set[int]:
@@ -404,12 +458,17 @@ class LeaseQuerySet(models.QuerySet[J]):
             )
         self._holder_write(pk, owner, token, None, None, checkpoint=step)
 
-    def complete(self, pk: int, owner: str, token: int) -> None:
-        """Mark the job completed. Raises `LeaseLost` if `owner` no longer holds it."""
-        self._holder_write(
-            pk, owner, token, "completed", None, status=COMPLETED, completed_at=Now(), last_error=""
-        )
+    def complete(self, pk: int, owner: str, token: int, *, result: Any = None) -> None:
+        """Mark the job completed, storing `result` (JSON) if given.
 
+        Raises `LeaseLost` if `owner` no longer holds the job.
+        """
+        values: dict[str, Any] = {"status": COMPLETED, "completed_at": Now(), "last_error": ""}
+        if result is not None:
+            values["result"] = result
+        self._holder_write(pk, owner, token, "completed", None, **values)
+
+    @retry_deadlocks
     def fail(
         self,
         pk: int,
@@ -479,6 +538,7 @@ class LeaseQuerySet(models.QuerySet[J]):
         if not self.held(pk, owner, token).update(heartbeat_at=Now()):
             raise LeaseLost(f"job {pk}: lease lost; the transaction is rolled back")
 
+    @retry_deadlocks
     def _holder_write(
         self,
         pk: int,
@@ -503,6 +563,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     # ---- the watcher and operators ----------------------------------------------------------
 
+    @retry_deadlocks
     def rescue(
         self,
         job: AbstractLeasedJob,
@@ -573,10 +634,17 @@ class LeaseQuerySet(models.QuerySet[J]):
         return self._operator_write(eligible, values, "requeued", by)
 
     def release_stuck(self, *, by: str = "operator") -> int:
-        """Return the selected jobs whose lease expired to pending (the watcher's retry)."""
+        """Return the selected jobs whose lease expired to pending (the watcher's retry).
+
+        A job that used its last attempt gets one more, or it would sit pending unclaimable.
+        """
         return self._operator_write(
             Q(status=PROCESSING, lease_until__lt=Now()),
-            {"status": PENDING, "run_at": Now()},
+            {
+                "status": PENDING,
+                "run_at": Now(),
+                "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
+            },
             "rescued",
             by,
         )
@@ -597,12 +665,14 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     def cancel(self, *, by: str = "operator") -> int:
         """Cancel the selected pending jobs; return how many changed."""
-        return self._operator_write(
-            Q(status=PENDING), {"status": CANCELLED, "completed_at": Now()}, None, by
-        )
+        values = {"status": CANCELLED, "completed_at": Now(), "last_error": f"cancelled by {by}"}
+        return self._operator_write(Q(status=PENDING), values, None, by)
 
     def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
-        """Resolve the selected jobs under review: "completed", "retry" or "failed"."""
+        """Resolve the selected jobs under review: "completed", "retry" or "failed".
+
+        The verdict and who gave it are recorded on the ledger row that put the job under review.
+        """
         values: dict[str, Any]
         if verdict == "retry":
             values = {
@@ -614,8 +684,9 @@ class LeaseQuerySet(models.QuerySet[J]):
             values = {"status": verdict, "completed_at": Now()}
         else:
             raise ValueError(f"unknown review verdict {verdict!r}")
-        return self._operator_write(Q(status=REVIEW), values, None, by)
+        return self._operator_write(Q(status=REVIEW), values, None, by, resolution=verdict)
 
+    @retry_deadlocks
     def _operator_write(
         self,
         eligible: Q,
@@ -623,6 +694,8 @@ class LeaseQuerySet(models.QuerySet[J]):
         outcome: str | None,
         by: str,
         reason: str = "",
+        *,
+        resolution: str = "",
     ) -> int:
         # One transaction per action: the jobs' transition and the closing of their open
         # ledger rows commit together. Each row is updated by its own conditional UPDATE so the
@@ -636,6 +709,10 @@ class LeaseQuerySet(models.QuerySet[J]):
                     if outcome is not None:
                         self._close_attempt(
                             pk, token, outcome, by=by, error=("", reason) if reason else None
+                        )
+                    if resolution:
+                        self._ledger_update(
+                            {pk: token}, resolution=resolution, resolved_by=by, resolved_at=Now()
                         )
         return changed
 
@@ -700,6 +777,7 @@ class LeaseQuerySet(models.QuerySet[J]):
                     on_batch(batch)
         return deleted
 
+    @retry_deadlocks
     def _prune_batch(self, status: str, batch: LeaseQuerySet[J], keep_ledger: bool) -> PrunedBatch:
         # One transaction per batch: a batch's jobs and their ledger rows go (or are detached)
         # together, and a long prune never holds locks for longer than one batch.

@@ -8,7 +8,8 @@ import environ
 
 def database_from_env(env: environ.Env, default_sqlite: Path) -> dict[str, Any]:
     """Return the default database: DATABASE_URL, or a SQLite file next to the project."""
-    db = env.db("DATABASE_URL", default=f"sqlite:///{default_sqlite}")
+    url = env.str("DATABASE_URL", default="") or f"sqlite:///{default_sqlite}"
+    db = env.db_url_config(url)
     engine = db["ENGINE"]
     if engine.endswith("sqlite3"):
         db.setdefault("OPTIONS", {}).update(
@@ -24,7 +25,12 @@ def database_from_env(env: environ.Env, default_sqlite: Path) -> dict[str, Any]:
         )
     elif engine.endswith("mysql"):
         db.setdefault("OPTIONS", {}).update(
-            {"charset": "utf8mb4", "isolation_level": "read committed"}
+            {
+                "charset": "utf8mb4",
+                "isolation_level": "read committed",
+                # Django stores UTC; NOW() must be UTC too, whatever the server's time zone.
+                "init_command": "SET time_zone = '+00:00'",
+            }
         )
         db.setdefault("TEST", {}).update({"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"})
     elif engine.endswith("postgresql"):

@@ -13,6 +13,8 @@ import pytest
 from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
+# The database under test, as chosen by DATABASE_URL (unset or empty: SQLite).
+ON_SQLITE = (os.environ.get("DATABASE_URL") or "sqlite").startswith("sqlite")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

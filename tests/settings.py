@@ -3,6 +3,7 @@
 import tempfile
 from pathlib import Path
 
+import django
 import environ
 
 from example_project.dbconfig import database_from_env
@@ -25,6 +26,15 @@ INSTALLED_APPS = [
     # The payment demo (`manage.py demo`), which tests/test_demo.py runs on the test database.
     "example_project.payments",
 ]
+if django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")  # the backport of Django 6's Tasks framework
+TASKS = {
+    "default": {
+        "BACKEND": "django_leases.backends.LeaseBackend",
+        "QUEUES": ["default", "emails"],
+        "OPTIONS": {"MAX_ATTEMPTS": 2},
+    }
+}
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -51,6 +61,7 @@ TEMPLATES = [
 _sqlite = Path(
     env("LEASES_TEST_SQLITE", default=str(Path(tempfile.gettempdir()) / "leases.sqlite3"))
 )
+_sqlite.parent.mkdir(parents=True, exist_ok=True)
 DATABASES = {"default": database_from_env(env, _sqlite)}
 # Worker subprocesses spawned by the tests connect to the test database by this name.
 if env("LEASES_TEST_DB_NAME", default=""):

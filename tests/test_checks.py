@@ -66,6 +66,7 @@ def test_check_settings__messages_carry_hints() -> None:
     assert "TTL" in message.msg and "-1" in message.msg and message.hint
 
 
+@pytest.mark.django_db  # Django 6's model checks ask SQLite about its JSON support
 @override_settings(DJANGO_LEASES={"TTL": 10, "HEARTBEAT": 20})
 def test_check_settings__manage_py_check_fails_on_errors() -> None:
     with pytest.raises(SystemCheckError, match="django_leases.E003"):

@@ -2,14 +2,17 @@
 
 import json
 import os
+import threading
 import time
 from collections import Counter
 
 import pytest
+from django.db import OperationalError, connection, transaction
 
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.querysets import deadlocked, retry_deadlocks
 
-from .conftest import Processes
+from .conftest import ON_SQLITE, Processes
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -67,3 +70,43 @@ def test_claim__under_contention_never_exceeds_limit_of_one(processes: Processes
     assert max(result["largest_batch"] for result in results) == 1
     won = Counter(pk for result in results for pk in result["won"])
     assert len(won) == 400 and set(won.values()) == {1}
+
+
+@pytest.mark.skipif(
+    ON_SQLITE,
+    reason="SQLite has one writer at a time: two transactions cannot deadlock on row locks",
+)
+def test_retry_deadlocks__recognises_a_real_deadlock_and_runs_again() -> None:
+    a, b = (PaymentJob.objects.enqueue("noop").pk for _ in range(2))
+    barrier = threading.Barrier(2)
+    errors: list[OperationalError] = []
+
+    def lock(first: int, second: int) -> None:
+        try:
+            with transaction.atomic():
+                PaymentJob.objects.select_for_update().get(pk=first)
+                barrier.wait(timeout=10)
+                PaymentJob.objects.select_for_update().get(pk=second)
+        except OperationalError as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=lock, args=pair) for pair in ((a, b), (b, a))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(errors) == 1, "the database must pick exactly one deadlock victim"
+    assert deadlocked(errors[0], connection.vendor)
+
+    calls = []
+
+    @retry_deadlocks
+    def flaky(queryset: object) -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise errors[0]
+        return "won"
+
+    assert flaky(PaymentJob.objects.all()) == "won" and len(calls) == 2

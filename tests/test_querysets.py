@@ -510,3 +510,36 @@ def test_attempts_never_reset_and_ledger_agrees() -> None:
     assert job.attempts == len(rows) == 4
     assert [r[0] for r in rows] == [1, 2, 3, 4] and [r[1] for r in rows] == [1, 2, 3, 4]
     assert PaymentJob.objects.filter(attempts=F("lease_token")).count() == 1
+
+
+def test_release_stuck__gives_a_job_without_attempts_left_one_more() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=1)
+    job = claim_one("w1")
+    expire(job)
+    assert PaymentJob.objects.all().release_stuck(by="admin:ops") == 1
+    again = claim_one("w2")
+    assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
+    assert JobAttempt.objects.get(job_ref=job.pk, token=1).ended_by == "admin:ops"
+
+
+def test_resolve_review__records_verdict_and_who_on_the_ledger() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "review", by="watcher")
+    assert PaymentJob.objects.filter(pk=job.pk).resolve_review("failed", by="admin:ops") == 1
+    row = JobAttempt.objects.get(job_ref=job.pk)
+    assert (row.outcome, row.ended_by, row.resolution, row.resolved_by) == (
+        "review",
+        "watcher",
+        "failed",
+        "admin:ops",
+    )
+    assert row.resolved_at is not None
+
+
+def test_cancel__says_who_cancelled() -> None:
+    job = PaymentJob.objects.enqueue("a")
+    assert PaymentJob.objects.filter(pk=job.pk).cancel(by="admin:ops") == 1
+    job.refresh_from_db()
+    assert (job.status, job.last_error) == (Status.CANCELLED, "cancelled by admin:ops")

@@ -13,7 +13,7 @@ from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
 
-from .conftest import Processes, read_until, wait_for
+from .conftest import ON_SQLITE, Processes, read_until, wait_for
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -155,9 +155,6 @@ def test_worker__long_job_with_heartbeats_is_never_claimed_twice(processes: Proc
     assert all(p.poll() is None for p in pollers)
 
 
-ON_SQLITE = os.environ.get("DATABASE_URL", "sqlite").split(":")[0] == "sqlite"
-
-
 @pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (Debian package)")
 @pytest.mark.skipif(
     ON_SQLITE,
@@ -248,8 +245,10 @@ def test_worker__sigterm_lets_running_jobs_finish_and_exits_zero(processes: Proc
     out = finish(proc)
 
     assert proc.returncode == 0, out
-    assert all(fresh(job).status == Status.COMPLETED for job in running)
-    assert all((fresh(job).status, fresh(job).attempts) == (Status.PENDING, 0) for job in waiting)
+    assert [fresh(job).status for job in running] == [Status.COMPLETED] * 2, out
+    assert [(fresh(job).status, fresh(job).attempts) for job in waiting] == [
+        (Status.PENDING, 0)
+    ] * 3, out
     assert "worker graceful stopped: claimed=2 completed=2" in out
 
 

@@ -1,0 +1,737 @@
+"""The operators' admin, as a logged-in superuser: columns, filters, actions, the overview."""
+
+import json
+import re
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.db import connection, transaction
+from django.db.models.functions import Now
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+
+from django_leases.admin import PaymentJobAdmin
+from django_leases.exceptions import LeaseLost
+from django_leases.handlers import registered_kinds
+from django_leases.models import JobAttempt, PaymentJob, Worker
+from django_leases.querysets import LeaseQuerySet
+
+from .conftest import Processes, wait_for
+
+pytestmark = pytest.mark.django_db
+
+Status = PaymentJob.Status
+CHANGELIST = "admin:django_leases_paymentjob_changelist"
+OVERVIEW = "admin:django_leases_paymentjob_overview"
+OPERATOR = "admin:admin"  # the `admin_client` user, as the ledger names it
+STATES = ("pending", "healthy", "near", "stuck", "completed", "failed", "review", "cancelled")
+
+
+def expire(pk: int, seconds: float = 5) -> None:
+    """Make the job's lease end `seconds` ago, by the database clock."""
+    PaymentJob.objects.filter(pk=pk).update(lease_until=Now() - timedelta(seconds=seconds))
+
+
+def claim(pk: int, owner: str, ttl: float = 600) -> PaymentJob:
+    job = PaymentJob.objects.claim_job(pk, owner, ttl=ttl)
+    assert job is not None
+    return job
+
+
+@pytest.fixture
+def jobs() -> dict[str, PaymentJob]:
+    """One job per state, each brought there through the lease API; "refund" for the stuck one."""
+    made = {
+        name: PaymentJob.objects.enqueue(
+            "refund" if name == "stuck" else "capture",
+            {"amount": 100},
+            payment_id=f"pay_{name}",
+            idempotency_key=f"key-{name}",
+        )
+        for name in STATES
+    }
+    for name in STATES[1:7]:
+        claim(made[name].pk, f"worker-{name}")
+    PaymentJob.objects.filter(pk=made["near"].pk).update(lease_until=Now() + timedelta(seconds=10))
+    expire(made["stuck"].pk)
+    completed, failed, review = (made[n] for n in ("completed", "failed", "review"))
+    PaymentJob.objects.complete(completed.pk, "worker-completed", 1)
+    PaymentJob.objects.fail(
+        failed.pk, "worker-failed", 1, ValueError("card declined"), permanent=True
+    )
+    expire(review.pk)
+    assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=review.pk), "review", by="watcher")
+    assert PaymentJob.objects.filter(pk=made["cancelled"].pk).cancel() == 1
+    for job in made.values():
+        job.refresh_from_db()
+    return made
+
+
+def changelist(client: Client, **params: str) -> Any:
+    response = client.get(reverse(CHANGELIST), params)
+    assert response.status_code == 200
+    return response
+
+
+def listed(response: Any) -> set[int]:
+    return {job.pk for job in response.context["cl"].result_list}
+
+
+def row(response: Any, job: PaymentJob) -> str:
+    """The changelist's table row of `job`, as HTML."""
+    html = response.content.decode()
+    (match,) = re.findall(
+        rf'<tr>(?:(?!</tr>).)*?value="{job.pk}" class="action-select".*?</tr>', html, re.S
+    )
+    return match
+
+
+def act(client: Client, action: str, *selected: PaymentJob) -> list[str]:
+    response = client.post(
+        reverse(CHANGELIST),
+        {"action": action, "_selected_action": [job.pk for job in selected]},
+        follow=True,
+    )
+    assert response.status_code == 200
+    return [str(message) for message in response.context["messages"]]
+
+
+def snapshot() -> dict[int, tuple[Any, ...]]:
+    """The state an action may change, per job: status, lease, attempts, error and ledger."""
+    ledger: dict[int, list[tuple[Any, ...]]] = {}
+    for attempt in JobAttempt.objects.order_by("job_ref", "token"):
+        ledger.setdefault(attempt.job_ref, []).append(
+            (attempt.token, attempt.outcome, attempt.ended_by, attempt.ended_at is None)
+        )
+    return {
+        job.pk: (
+            job.status,
+            job.lease_owner,
+            job.lease_token,
+            job.attempts,
+            job.max_attempts,
+            job.last_error,
+            job.completed_at is None,
+            tuple(ledger.get(job.pk, [])),
+        )
+        for job in PaymentJob.objects.all()
+    }
+
+
+def would(method: Callable[[LeaseQuerySet[Any]], int]) -> dict[int, tuple[Any, ...]]:
+    """The snapshot after `method` ran on every job, rolled back."""
+    with transaction.atomic():
+        method(PaymentJob.objects.all())
+        after = snapshot()
+        transaction.set_rollback(True)
+    return after
+
+
+# ---- columns --------------------------------------------------------------------------------
+
+
+def test_changelist__renders_every_column(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    response = changelist(admin_client)
+    assert listed(response) == {job.pk for job in jobs.values()}
+    headers = re.findall(r'<th scope="col" class="[^"]*column-([a-z_]+)', response.content.decode())
+    assert headers == list(PaymentJobAdmin.list_display)
+    assert {"status_badge", "lease", "owner", "attempts_of_max", "heartbeat"} < set(headers)
+
+    stuck = row(response, jobs["stuck"])
+    assert ">refund<" in stuck and ">pay_stuck<" in stuck
+    assert '<span class="dl-badge dl-processing">Processing</span>' in stuck
+    assert ">worker-stuck<" in stuck and ">1 / 5<" in stuck
+    assert re.search(r'dl-stuck">Stuck</span> <span class="dl-when">expired [5-9] s ago', stuck)
+    assert re.search(r"<td class=\"field-heartbeat\">\d+ s ago</td>", stuck)
+
+    near = row(response, jobs["near"])
+    assert re.search(
+        r'dl-near_expiry">Near expiry</span> <span class="dl-when">([5-9]|10) s left', near
+    )
+    healthy = row(response, jobs["healthy"])
+    assert re.search(r'dl-healthy">Healthy</span> <span class="dl-when">9 min 5\d s left', healthy)
+
+    failed = row(response, jobs["failed"])
+    assert '<span title="ValueError: card declined">ValueError: card declined</span>' in failed
+    # A finished job keeps its last owner, shown as such, and has no lease.
+    assert 'title="last holder">worker-failed<' in failed
+    assert '<td class="field-lease">—</td>' in failed
+    pending = row(response, jobs["pending"])
+    assert ">0 / 5<" in pending and '<td class="field-owner">—</td>' in pending
+
+
+def test_changelist__long_error_is_cut_and_whole_in_tooltip(admin_client: Client) -> None:
+    job = PaymentJob.objects.enqueue("capture")
+    claim(job.pk, "w1")
+    message = "PSP said: <b>" + "x" * 200
+    PaymentJob.objects.fail(job.pk, "w1", 1, message, permanent=True)
+    html = row(changelist(admin_client), job)
+    assert 'title="PSP said: &lt;b&gt;xxx' in html
+    assert ">PSP said: &lt;b&gt;" + "x" * 46 + "…</span>" in html
+
+
+def test_changelist__exhausted_attempts_are_flagged(admin_client: Client) -> None:
+    job = PaymentJob.objects.enqueue("capture", max_attempts=1)
+    claim(job.pk, "w1")
+    assert '<span class="dl-attempts dl-exhausted">1 / 1</span>' in row(
+        changelist(admin_client), job
+    )
+
+
+def test_changelist__sorts_by_time_left(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    column = changelist(admin_client).context["cl"].list_display.index("lease")
+    order = [job.pk for job in changelist(admin_client, o=str(column)).context["cl"].result_list]
+    processing = [pk for pk in order if pk in {jobs[n].pk for n in ("stuck", "near", "healthy")}]
+    assert processing == [jobs["stuck"].pk, jobs["near"].pk, jobs["healthy"].pk]
+
+
+# ---- filters --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("stuck", "stuck"), ("near_expiry", "near"), ("healthy", "healthy")],
+)
+def test_lease_filter__returns_the_queryset_rows(
+    admin_client: Client, jobs: dict[str, PaymentJob], value: str, expected: str
+) -> None:
+    assert listed(changelist(admin_client, lease=value)) == {jobs[expected].pk}
+
+
+def test_lease_filter__choices_read_stuck_and_near_expiry(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    html = changelist(admin_client).content.decode()
+    for label in ("Stuck (lease expired)", "Near expiry", "Healthy"):
+        assert f">{label}</a>" in html
+
+
+def test_lease_filter__follows_near_expiry_setting(
+    admin_client: Client, jobs: dict[str, PaymentJob], settings: Any
+) -> None:
+    settings.DJANGO_LEASES = {"NEAR_EXPIRY": 5}
+    assert listed(changelist(admin_client, lease="near_expiry")) == set()
+    assert listed(changelist(admin_client, lease="healthy")) == {
+        jobs["near"].pk,
+        jobs["healthy"].pk,
+    }
+
+
+@pytest.mark.parametrize("status", list(Status.values))
+def test_status_filter__returns_jobs_of_that_status(
+    admin_client: Client, jobs: dict[str, PaymentJob], status: str
+) -> None:
+    expected = {job.pk for job in jobs.values() if job.status == status}
+    assert expected
+    assert listed(changelist(admin_client, status=status)) == expected
+
+
+def test_kind_filter__offers_registered_and_live_kinds(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    PaymentJob.objects.filter(pk=jobs["completed"].pk).update(kind="archived")
+    response = changelist(admin_client)
+    cl = response.context["cl"]
+    kinds = [choice["display"] for choice in cl.filter_specs[2].choices(cl)]
+    # The test app's handlers, and the kinds of pending and processing jobs; not "archived",
+    # which only a finished job has (finding it would scan the table).
+    assert kinds == ["All", *sorted({*registered_kinds(), "capture", "refund"})]
+    assert "noop" in kinds and "archived" not in kinds
+    assert listed(changelist(admin_client, kind="refund")) == {jobs["stuck"].pk}
+    assert listed(changelist(admin_client, kind="archived")) == {jobs["completed"].pk}
+
+
+def test_filters__combine(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    assert listed(changelist(admin_client, lease="stuck", kind="capture")) == set()
+    assert listed(changelist(admin_client, status="processing", kind="capture")) == {
+        jobs["healthy"].pk,
+        jobs["near"].pk,
+    }
+
+
+def test_filters__facet_counts_render(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    html = changelist(admin_client, _facets="1").content.decode()
+    assert "Stuck (lease expired) (1)" in html
+    assert "Under review (1)" in html
+
+
+@pytest.mark.parametrize(
+    ("term", "expected"),
+    [
+        ("pay_near", {"near"}),
+        ("key-failed", {"failed"}),
+        ("worker-he", {"healthy"}),  # the start of the owner of a processing job
+        ("worker-failed", set()),  # a finished job's last owner is in the ledger, not here
+        ("pay_", set()),  # payment ids and keys match exactly
+    ],
+)
+def test_search__payment_id_key_and_owner(
+    admin_client: Client, jobs: dict[str, PaymentJob], term: str, expected: set[str]
+) -> None:
+    assert listed(changelist(admin_client, q=term)) == {jobs[name].pk for name in expected}
+
+
+# ---- actions --------------------------------------------------------------------------------
+
+ACTIONS: dict[str, Callable[[LeaseQuerySet[Any]], int]] = {
+    "requeue": lambda jobs: jobs.requeue(by=OPERATOR),
+    "force_requeue": lambda jobs: jobs.requeue(force=True, by=OPERATOR),
+    "release_stuck": lambda jobs: jobs.release_stuck(by=OPERATOR),
+    "mark_failed": lambda jobs: jobs.mark_failed(
+        reason=f"marked failed by {OPERATOR}", by=OPERATOR
+    ),
+    "cancel": lambda jobs: jobs.cancel(by=OPERATOR),
+    "resolve_review_completed": lambda jobs: jobs.resolve_review("completed", by=OPERATOR),
+    "resolve_review_retry": lambda jobs: jobs.resolve_review("retry", by=OPERATOR),
+    "resolve_review_failed": lambda jobs: jobs.resolve_review("failed", by=OPERATOR),
+}
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_action__changes_exactly_the_rows_its_queryset_method_would(
+    admin_client: Client, jobs: dict[str, PaymentJob], action: str
+) -> None:
+    before = snapshot()
+    expected = would(ACTIONS[action])
+    changed = {pk for pk in before if expected[pk] != before[pk]}
+    assert changed, "the method changes nothing here: the test proves nothing"
+
+    messages = act(admin_client, action, *jobs.values())
+
+    assert snapshot() == expected
+    (message,) = messages
+    assert re.match(rf"{len(changed)} (stuck )?jobs? ", message), message
+    assert f"; {len(jobs) - len(changed)} skipped: " in message
+
+
+def test_action__only_the_selected_jobs(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    before = snapshot()
+    act(admin_client, "cancel", jobs["healthy"])
+    assert snapshot() == before
+
+
+def test_requeue__refuses_a_healthy_lease_and_says_why(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    healthy = jobs["healthy"]
+    before = snapshot()
+    messages = act(admin_client, "requeue", healthy)
+    assert messages == ["0 jobs requeued; 1 skipped: its lease is live — use “Force requeue”"]
+    assert snapshot() == before
+    # The holder still owns the job and can complete it.
+    PaymentJob.objects.complete(healthy.pk, "worker-healthy", healthy.lease_token)
+
+
+def test_requeue__mixed_selection_reports_each_reason(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    picked = [jobs[n] for n in ("stuck", "failed", "review", "healthy", "near", "completed")]
+    messages = act(admin_client, "requeue", *picked)
+    assert messages == [
+        "3 jobs requeued; 3 skipped: its lease is live — use “Force requeue” (2); "
+        "completed jobs are never requeued (1)"
+    ]
+    statuses = dict(
+        PaymentJob.objects.filter(pk__in=[j.pk for j in picked]).values_list("pk", "status")
+    )
+    assert [statuses[j.pk] for j in picked] == ["pending"] * 3 + ["processing"] * 2 + ["completed"]
+
+
+def test_force_requeue__fences_out_the_holder(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    healthy = jobs["healthy"]
+    assert act(admin_client, "force_requeue", healthy) == ["1 job requeued by force"]
+    job = PaymentJob.objects.get(pk=healthy.pk)
+    assert (job.status, job.lease_token) == (Status.PENDING, healthy.lease_token + 1)
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(healthy.pk, "worker-healthy", healthy.lease_token)
+    attempt = JobAttempt.objects.get(job_ref=healthy.pk, token=healthy.lease_token)
+    assert (attempt.outcome, attempt.ended_by) == ("requeued", OPERATOR)
+    assert attempt.fenced_at is not None
+    assert PaymentJob.objects.get(pk=healthy.pk).status == Status.PENDING
+
+
+def test_force_requeue__names_the_force_in_the_action_list(admin_client: Client) -> None:
+    choices = dict(changelist(admin_client).context["action_form"].fields["action"].choices)
+    assert "Force" in choices["force_requeue"] and "Force" not in choices["requeue"]
+    assert "delete_selected" not in choices
+
+
+def test_release_stuck__only_the_expired_lease(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    picked = [jobs[n] for n in ("stuck", "near", "pending")]
+    assert act(admin_client, "release_stuck", *picked) == [
+        "1 stuck job released; 2 skipped: its lease is live, so it is not stuck (1); "
+        "not processing, so there is no lease to release (1)"
+    ]
+    stuck = PaymentJob.objects.get(pk=jobs["stuck"].pk)
+    assert (stuck.status, stuck.attempts) == (Status.PENDING, 1)
+    assert PaymentJob.objects.get(pk=jobs["near"].pk).status == Status.PROCESSING
+    attempt = JobAttempt.objects.get(job_ref=stuck.pk)
+    assert (attempt.outcome, attempt.ended_by) == ("rescued", OPERATOR)
+
+
+def test_mark_failed__never_a_live_lease(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    picked = [jobs[n] for n in ("pending", "stuck", "healthy", "completed")]
+    assert act(admin_client, "mark_failed", *picked) == [
+        "2 jobs marked failed; 2 skipped: its lease is live and its holder may still be working "
+        "(1); already finished (1)"
+    ]
+    rows = dict(PaymentJob.objects.values_list("pk", "status"))
+    assert [rows[j.pk] for j in picked] == ["failed", "failed", "processing", "completed"]
+    assert PaymentJob.objects.get(pk=jobs["stuck"].pk).last_error == f"marked failed by {OPERATOR}"
+
+
+def test_cancel__pending_only(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    assert act(admin_client, "cancel", jobs["pending"], jobs["stuck"]) == [
+        "1 job cancelled; 1 skipped: only pending jobs can be cancelled"
+    ]
+    assert PaymentJob.objects.get(pk=jobs["pending"].pk).status == Status.CANCELLED
+    assert PaymentJob.objects.get(pk=jobs["stuck"].pk).status == Status.PROCESSING
+
+
+@pytest.mark.parametrize(
+    ("action", "status", "text"),
+    [
+        ("resolve_review_completed", "completed", "completed"),
+        ("resolve_review_retry", "pending", "sent back to pending"),
+        ("resolve_review_failed", "failed", "failed"),
+    ],
+)
+def test_resolve_review__each_verdict(
+    admin_client: Client, jobs: dict[str, PaymentJob], action: str, status: str, text: str
+) -> None:
+    assert act(admin_client, action, jobs["review"], jobs["pending"]) == [
+        f"1 job under review {text}; 1 skipped: not under review"
+    ]
+    assert PaymentJob.objects.get(pk=jobs["review"].pk).status == status
+    assert PaymentJob.objects.get(pk=jobs["pending"].pk).status == Status.PENDING
+
+
+def test_actions__need_change_permission(
+    client: Client, django_user_model: Any, jobs: dict[str, PaymentJob]
+) -> None:
+    viewer = django_user_model.objects.create_user("viewer", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_paymentjob"))
+    client.force_login(viewer)
+    response = changelist(client)
+    assert response.context["action_form"] is None
+    client.post(
+        reverse(CHANGELIST), {"action": "force_requeue", "_selected_action": [jobs["healthy"].pk]}
+    )
+    assert PaymentJob.objects.get(pk=jobs["healthy"].pk).status == Status.PROCESSING
+    assert client.get(reverse(OVERVIEW)).status_code == 200
+
+
+# ---- the change form and the ledger -------------------------------------------------------
+
+
+def change_url(job: PaymentJob) -> str:
+    return reverse("admin:django_leases_paymentjob_change", args=[job.pk])
+
+
+def test_change_form__lease_fields_are_read_only(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    response = admin_client.get(change_url(jobs["stuck"]))
+    assert response.status_code == 200
+    assert set(response.context["adminform"].form.fields) == {"priority", "payload"}
+    html = response.content.decode()
+    assert re.search(r'dl-stuck">Stuck</span> <span class="dl-when">expired \d+ s ago', html)
+    assert "worker-stuck" in html
+
+
+def test_change_form__inline_ledger_newest_first(admin_client: Client) -> None:
+    job = PaymentJob.objects.enqueue("capture")
+    claim(job.pk, "first-owner")
+    expire(job.pk)
+    claim(job.pk, "second-owner")
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "first-owner", 1)
+    response = admin_client.get(change_url(job))
+    inline = response.context["inline_admin_formsets"][0]
+    rows = [form.original for form in inline]
+    assert [(a.token, a.owner, a.outcome) for a in rows] == [
+        (2, "second-owner", "running"),
+        (1, "first-owner", "lease_lost"),
+    ]
+    assert rows[1].fenced_at is not None
+    html = response.content.decode()
+    assert html.index("second-owner") < html.index("first-owner")
+    assert not inline.has_add_permission and not inline.has_change_permission
+
+
+def test_change_form__save_writes_only_the_edited_fields(admin_client: Client) -> None:
+    job = PaymentJob.objects.enqueue("capture", {"amount": 1})
+    data = {
+        "priority": "7",
+        "payload": json.dumps({"amount": 2}),
+        "attempt_log-TOTAL_FORMS": "0",
+        "attempt_log-INITIAL_FORMS": "0",
+        "attempt_log-MIN_NUM_FORMS": "0",
+        "attempt_log-MAX_NUM_FORMS": "0",
+        "_save": "Save",
+    }
+    # A worker claims the job while the operator's form is open.
+    claimed = claim(job.pk, "w1")
+    with CaptureQueriesContext(connection) as ctx:
+        response = admin_client.post(change_url(job), data)
+    assert response.status_code == 302
+    job.refresh_from_db()
+    assert (job.priority, job.payload) == (7, {"amount": 2})
+    # The save wrote no lease field: the worker still holds its lease.
+    assert (job.status, job.lease_owner, job.lease_token) == ("processing", "w1", 1)
+    assert PaymentJob.objects.heartbeat("w1", {job.pk: claimed.lease_token}, ttl=60) == {job.pk}
+    updates = [q["sql"] for q in ctx.captured_queries if q["sql"].startswith("UPDATE")]
+    assert len(updates) == 1 and "lease_" not in updates[0] and "status" not in updates[0]
+
+
+def test_add_and_delete__are_not_offered(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    assert admin_client.get(reverse("admin:django_leases_paymentjob_add")).status_code == 403
+    url = reverse("admin:django_leases_paymentjob_delete", args=[jobs["pending"].pk])
+    assert admin_client.post(url, {"post": "yes"}).status_code == 403
+    assert PaymentJob.objects.filter(pk=jobs["pending"].pk).exists()
+
+
+def test_attempt_admin__read_only_list_filters_and_search(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    url = reverse("admin:django_leases_jobattempt_changelist")
+    response = admin_client.get(url)
+    assert response.status_code == 200
+    assert {a.job_ref for a in response.context["cl"].result_list} == {
+        jobs[n].pk for n in STATES[1:7]
+    }
+    html = response.content.decode()
+    change = reverse("admin:django_leases_paymentjob_change", args=[jobs["stuck"].pk])
+    assert f'<a href="{change}">{jobs["stuck"].pk}</a>' in html
+    assert "ValueError: card declined" in html
+    open_ = admin_client.get(url, {"open": "1"}).context["cl"].result_list
+    assert {a.job_ref for a in open_} == {jobs[n].pk for n in ("healthy", "near", "stuck")}
+    found = admin_client.get(url, {"q": str(jobs["failed"].pk)}).context["cl"].result_list
+    assert [a.owner for a in found] == ["worker-failed"]
+    found = admin_client.get(url, {"q": "worker-fa"}).context["cl"].result_list
+    assert [a.job_ref for a in found] == [jobs["failed"].pk]
+    attempt = JobAttempt.objects.get(job_ref=jobs["failed"].pk)
+    assert admin_client.get(reverse("admin:django_leases_jobattempt_add")).status_code == 403
+    change = reverse("admin:django_leases_jobattempt_change", args=[attempt.pk])
+    assert admin_client.post(change, {"owner": "forged"}).status_code == 403
+    assert JobAttempt.objects.get(pk=attempt.pk).owner == "worker-failed"
+
+
+def test_worker_admin__alive_and_gone(admin_client: Client) -> None:
+    for name in ("alive-1", "stopped-1", "silent-1"):
+        Worker.objects.beat(name, hostname="h", pid=1, kinds=["capture"], concurrency=2)
+    Worker.objects.stopped("stopped-1")
+    Worker.objects.filter(worker_id="silent-1").update(last_seen_at=Now() - timedelta(hours=1))
+    url = reverse("admin:django_leases_worker_changelist")
+
+    def shown(**params: str) -> set[str]:
+        return {w.worker_id for w in admin_client.get(url, params).context["cl"].result_list}
+
+    assert shown() == {"alive-1", "stopped-1", "silent-1"}
+    assert shown(state="alive") == {"alive-1"}
+    assert shown(state="gone") == {"stopped-1", "silent-1"}
+    html = admin_client.get(url).content.decode()
+    assert html.count('dl-healthy">alive<') == 1 and 'dl-quiet">stopped<' in html
+    assert 'dl-quiet">gone<' in html and "1 h 0 min ago" in html
+
+
+# ---- the overview ---------------------------------------------------------------------------
+
+
+def test_overview__counts_and_lists(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    Worker.objects.beat("worker-a", hostname="h", pid=1, kinds=["capture"], concurrency=4)
+    Worker.objects.beat("worker-b", hostname="h", pid=2, kinds=[], concurrency=1)
+    Worker.objects.stopped("worker-b")
+    PaymentJob.objects.filter(pk=jobs["pending"].pk).update(run_at=Now() - timedelta(minutes=3))
+    response = admin_client.get(reverse(OVERVIEW))
+    assert response.status_code == 200
+    data = response.context["overview"]
+    assert data.by_status == {
+        "pending": 1,
+        "processing": 3,
+        "completed": 1,
+        "failed": 1,
+        "review": 1,
+        "cancelled": 1,
+    }
+    assert (data.stuck, data.near_expiry, data.under_review) == (1, 1, 1)
+    assert (data.finished["completed"], data.finished["failed"]) == (1, 1)
+    assert data.oldest_due_wait.total_seconds() == pytest.approx(180, abs=5)
+    assert [w.worker_id for w in data.workers] == ["worker-a"]
+    assert [job.pk for job in data.stuck_jobs] == [jobs["stuck"].pk]
+
+    html = response.content.decode()
+    assert re.search(r'id="dl-stuck" href="[^"]+\?lease=stuck">\s*<span class="dl-value">1<', html)
+    assert re.search(r'id="dl-oldest"[^>]*>\s*<span class="dl-value">3 min \d+ s<', html)
+    assert html.count('<rect class="dl-bar-hover"') == 60
+    assert html.count('<rect class="dl-bar-completed"') == 1
+    assert html.count('<rect class="dl-bar-failed"') == 1
+    assert 'id="dl-count-review">1<' in html
+    assert "worker-a" in html and "worker-b" not in html
+    assert f"#{jobs['stuck'].pk}</a>" in html
+
+
+def test_overview__empty_queue(admin_client: Client) -> None:
+    response = admin_client.get(reverse(OVERVIEW))
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "No stuck job" in html and "No worker has reported in recently." in html
+    assert '<rect class="dl-bar-completed"' not in html
+
+
+def test_overview__linked_from_index_app_index_and_changelist(admin_client: Client) -> None:
+    url = reverse(OVERVIEW)
+    for page in (
+        reverse("admin:index"),
+        reverse("admin:app_list", args=["django_leases"]),
+        reverse(CHANGELIST),
+    ):
+        assert f'href="{url}"' in admin_client.get(page).content.decode(), page
+
+
+def test_overview__needs_a_permission_on_jobs(client: Client, django_user_model: Any) -> None:
+    staff = django_user_model.objects.create_user("staff", is_staff=True)
+    client.force_login(staff)
+    assert client.get(reverse(OVERVIEW)).status_code == 403
+    assert reverse(OVERVIEW) not in client.get(reverse("admin:index")).content.decode()
+
+
+# ---- query counts ---------------------------------------------------------------------------
+
+
+def bulk_jobs(n: int) -> None:
+    """Add `n` jobs, an eighth in each state; lease and finish times from the database clock."""
+    PaymentJob.objects.bulk_create(
+        PaymentJob(kind=f"k{i % 3}", payment_id=f"bulk_{i}", last_error="e" * (i % 90))
+        for i in range(n)
+    )
+    pks = list(PaymentJob.objects.order_by("pk").values_list("pk", flat=True))
+    share = {state: pks[i :: len(STATES)] for i, state in enumerate(STATES)}
+    lease_ends = {"healthy": 600, "near": 10, "stuck": -60}
+    for state, seconds in lease_ends.items():
+        PaymentJob.objects.filter(pk__in=share[state]).update(
+            status=Status.PROCESSING,
+            lease_owner=f"bulk-{state}",
+            lease_token=1,
+            attempts=1,
+            lease_until=Now() + timedelta(seconds=seconds),
+            heartbeat_at=Now() - timedelta(seconds=30),
+        )
+    for state in ("completed", "failed", "cancelled"):
+        PaymentJob.objects.filter(pk__in=share[state]).update(
+            status=state, completed_at=Now() - timedelta(minutes=len(state))
+        )
+    PaymentJob.objects.filter(pk__in=share["review"]).update(status=Status.REVIEW)
+    for i in range(min(n // 100, 30)):
+        Worker.objects.beat(f"bulk-{i}", hostname="h", pid=i, kinds=["k0"], concurrency=1)
+
+
+# Session, user, the kind filter's lookups, COUNT, the page. Every filter combination is
+# the same five: filters narrow the same two queries.
+CHANGELIST_QUERIES = 5
+# Session, user, then stats.overview(): per-status GROUP BY, expired count, near-expiry
+# count, oldest due wait, last hour's throughput, live workers, stuck sample.
+OVERVIEW_QUERIES = 9
+# Session, user, the job, its ledger (the inline).
+CHANGE_FORM_QUERIES = 4
+
+
+@pytest.mark.parametrize("rows", [16, 2000])
+@pytest.mark.parametrize("params", [{}, {"lease": "stuck"}, {"status": "failed", "kind": "k1"}])
+def test_changelist__query_count_does_not_grow_with_rows(
+    admin_client: Client, django_assert_num_queries: Any, rows: int, params: dict[str, str]
+) -> None:
+    bulk_jobs(rows)
+    with django_assert_num_queries(CHANGELIST_QUERIES):
+        response = admin_client.get(reverse(CHANGELIST), params)
+    assert response.status_code == 200
+    shown = response.context["cl"].result_list
+    assert len(shown) == min(100, response.context["cl"].result_count) > 0
+
+
+@pytest.mark.parametrize("rows", [16, 2000])
+def test_overview__query_count_does_not_grow_with_rows(
+    admin_client: Client, django_assert_num_queries: Any, rows: int
+) -> None:
+    bulk_jobs(rows)
+    with django_assert_num_queries(OVERVIEW_QUERIES):
+        response = admin_client.get(reverse(OVERVIEW))
+    data = response.context["overview"]
+    assert data.total == rows and data.stuck == rows // 8 and data.near_expiry == rows // 8
+    assert data.finished["completed"] == data.finished["failed"] == rows // 8
+    assert len(data.stuck_jobs) == min(10, rows // 8)
+
+
+@pytest.mark.parametrize("attempts", [1, 20])
+def test_change_form__query_count_does_not_grow_with_attempts(
+    admin_client: Client, django_assert_num_queries: Any, attempts: int
+) -> None:
+    job = PaymentJob.objects.enqueue("capture", max_attempts=attempts)
+    for n in range(attempts):
+        claim(job.pk, f"w{n}")
+        expire(job.pk)
+    with django_assert_num_queries(CHANGE_FORM_QUERIES):
+        response = admin_client.get(change_url(job))
+    assert len(list(response.context["inline_admin_formsets"][0])) == attempts
+
+
+# ---- an action racing a worker process -----------------------------------------------------
+
+
+def read_lines(proc: Any) -> list[dict[str, Any]]:
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_actions__race_a_live_holder_process(admin_client: Client, processes: Processes) -> None:
+    job = PaymentJob.objects.enqueue("capture", payment_id="pay_race")
+    holder = processes.start("-m", "tests.holder", "--owner", "holder-1", "--ttl", "30")
+
+    held = wait_for(
+        lambda: (
+            PaymentJob.objects.filter(pk=job.pk, status="processing", lease_owner="holder-1")
+            .values("lease_token", "heartbeat_at")
+            .first()
+        )
+    )
+    assert isinstance(held, dict)
+    token = held["lease_token"]
+    assert listed(changelist(admin_client, lease="healthy")) == {job.pk}
+
+    # A plain requeue is refused while the holder renews its lease...
+    assert act(admin_client, "requeue", job) == [
+        "0 jobs requeued; 1 skipped: its lease is live — use “Force requeue”"
+    ]
+    now = PaymentJob.objects.get(pk=job.pk)
+    assert (now.status, now.lease_owner, now.lease_token) == ("processing", "holder-1", token)
+    # ...and the holder carries on: its heartbeats still win.
+    wait_for(
+        lambda: PaymentJob.objects.filter(pk=job.pk, heartbeat_at__gt=now.heartbeat_at).exists()
+    )
+    assert holder.poll() is None
+
+    # Force requeue fences it out: its next heartbeat and its completion are refused.
+    assert act(admin_client, "force_requeue", job) == ["1 job requeued by force"]
+    lines = read_lines(holder)
+    assert lines[0] == {"claimed": job.pk, "token": token}
+    assert lines[1] == {"heartbeat_refused": True}
+    assert "lease_lost" in lines[2] and "completed" not in lines[2]
+
+    requeued = PaymentJob.objects.get(pk=job.pk)
+    assert (requeued.status, requeued.lease_token) == ("pending", token + 1)
+    attempt = JobAttempt.objects.get(job_ref=job.pk, token=token)
+    assert (attempt.outcome, attempt.ended_by) == ("requeued", OPERATOR)
+    assert attempt.fenced_at is not None

@@ -1,0 +1,135 @@
+"""The admin in a real headless Chromium (Debian's), driven by Playwright's sync API.
+
+Playwright's sync API runs an event loop in this thread, and Django refuses ORM calls while one
+runs: so each test writes its rows first, drives the browser, and reads the rows after.
+Screenshots land in build/screenshots/.
+"""
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db.models.functions import Now
+from playwright.sync_api import Page, expect, sync_playwright
+
+from django_leases.models import PaymentJob, Worker
+
+from .conftest import ROOT
+
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOTS = ROOT / "build" / "screenshots"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM}"),
+]
+
+
+@contextmanager
+def chromium_page(base_url: str) -> Iterator[Page]:
+    """A page of a fresh headless Chromium; never a browser downloaded by Playwright."""
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM),
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        try:
+            context = browser.new_context(
+                base_url=base_url, viewport={"width": 1400, "height": 900}
+            )
+            context.set_default_timeout(15_000)
+            yield context.new_page()
+        finally:
+            browser.close()
+
+
+def queue_at_3am() -> dict[str, int]:
+    """Two stuck leases, a healthy one, a near-expiry one, a backlog and an hour of history."""
+    made = {}
+    for name in ("stuck-a", "stuck-b", "healthy", "near", "waiting"):
+        made[name] = PaymentJob.objects.enqueue(
+            "capture", {"amount": 1250}, payment_id=f"pay_{name}", idempotency_key=f"cap-{name}"
+        ).pk
+    for name in ("stuck-a", "stuck-b", "healthy", "near"):
+        PaymentJob.objects.claim_job(made[name], f"host-1:{name}", ttl=600)
+    PaymentJob.objects.filter(pk__in=[made["stuck-a"], made["stuck-b"]]).update(
+        lease_until=Now() - timedelta(minutes=5)
+    )
+    PaymentJob.objects.filter(pk=made["near"]).update(lease_until=Now() + timedelta(seconds=12))
+    PaymentJob.objects.filter(pk=made["waiting"]).update(run_at=Now() - timedelta(minutes=4))
+    history = PaymentJob.objects.bulk_create(
+        PaymentJob(kind="refund", payment_id=f"old_{i}") for i in range(120)
+    )
+    for i, job in enumerate(history):
+        status = "failed" if i % 9 == 0 else "completed"
+        PaymentJob.objects.filter(pk=job.pk).update(
+            status=status, completed_at=Now() - timedelta(seconds=(i * 29) % 3500)
+        )
+    Worker.objects.beat(
+        "host-1:1234:ab12", hostname="host-1", pid=1234, kinds=["capture"], concurrency=4
+    )
+    return made
+
+
+def test_admin__release_a_stuck_lease_from_the_overview(live_server: Any, admin_user: Any) -> None:
+    made = queue_at_3am()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+
+    with chromium_page(live_server.url) as page:
+        page.goto("/admin/login/?next=/admin/")
+        page.fill("#id_username", "admin")
+        page.fill("#id_password", "password")
+        page.click("input[type=submit]")
+        page.click("text=Queue overview")
+
+        expect(page.locator("#dl-stuck .dl-value")).to_have_text("2")
+        expect(page.locator("#dl-near-expiry .dl-value")).to_have_text("1")
+        expect(page.locator("#dl-workers .dl-value")).to_have_text("1")
+        expect(page.locator("#dl-stuck-jobs")).to_contain_text("pay_stuck-a")
+        page.screenshot(path=SCREENSHOTS / "overview.png", full_page=True)
+
+        page.click("#dl-stuck")
+        rows = page.locator("#result_list tbody tr")
+        expect(rows).to_have_count(2)
+        expect(rows.first).to_contain_text("Stuck")
+        expect(rows.first).to_contain_text(re.compile(r"expired 5 min \d+ s ago"))
+        page.screenshot(path=SCREENSHOTS / "stuck-filter.png", full_page=True)
+
+        page.check(f"input[name=_selected_action][value='{made['stuck-a']}']")
+        page.select_option("select[name=action]", "release_stuck")
+        page.click("button[name=index]")
+        expect(page.locator("ul.messagelist")).to_contain_text("1 stuck job released")
+        # Still filtered on stuck leases: only the other one is left.
+        expect(rows).to_have_count(1)
+        expect(rows.first).to_contain_text("pay_stuck-b")
+
+        page.goto("/admin/django_leases/paymentjob/?q=pay_stuck-a")
+        expect(rows.first.locator("td.field-status_badge")).to_have_text("Pending")
+        page.screenshot(path=SCREENSHOTS / "released.png", full_page=True)
+
+        # The job's page: lease fields read-only, the ledger says who released it.
+        rows.first.locator("th.field-id a").click()
+        ledger = page.locator("#attempt_log-group tbody tr.has_original")
+        expect(ledger).to_have_count(1)
+        expect(ledger.first).to_contain_text("Rescued by the watcher")
+        expect(ledger.first).to_contain_text("admin:admin")
+        expect(page.locator("input[name=lease_owner], input[name=status]")).to_have_count(0)
+        page.screenshot(path=SCREENSHOTS / "job.png", full_page=True)
+
+    released = PaymentJob.objects.get(pk=made["stuck-a"])
+    assert (released.status, released.attempts) == ("pending", 1)
+    assert PaymentJob.objects.get(pk=made["stuck-b"]).status == "processing"
+    assert PaymentJob.objects.get(pk=made["healthy"]).status == "processing"
