@@ -124,7 +124,7 @@ def test_admin__release_a_stuck_lease_from_the_overview(live_server: Any, admin_
         rows.first.locator("th.field-id a").click()
         ledger = page.locator("#attempt_log-group tbody tr.has_original")
         expect(ledger).to_have_count(1)
-        expect(ledger.first).to_contain_text("Rescued by the watcher")
+        expect(ledger.first).to_contain_text("Returned to pending after its lease expired")
         expect(ledger.first).to_contain_text("admin:admin")
         expect(page.locator("input[name=lease_owner], input[name=status]")).to_have_count(0)
         page.screenshot(path=SCREENSHOTS / "job.png", full_page=True)
