@@ -64,9 +64,12 @@ LANGUAGE_CODE = "en-us"
 USE_I18N = True
 STATIC_URL = "static/"
 
+LEASE_TTL = env.float("LEASE_TTL", default=60.0)
 DJANGO_LEASES = {
-    "TTL": env.float("LEASE_TTL", default=60.0),
+    "TTL": LEASE_TTL,
     "HEARTBEAT": env.float("LEASE_HEARTBEAT", default=20.0),
+    # 20 s with the default TTL; the demo's short leases need a shorter one.
+    "NEAR_EXPIRY": min(20.0, LEASE_TTL / 3),
     "STUCK_POLICY_BY_KIND": {"capture": "review"},
 }
 

@@ -23,6 +23,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_leases",
     "tests.testapp",
+    # The payment demo (`manage.py demo`), which tests/test_demo.py runs on the test database.
+    "example_project.payments",
 ]
 if django.VERSION < (6, 0):
     INSTALLED_APPS.append("django_tasks")  # the backport of Django 6's Tasks framework

@@ -1,0 +1,90 @@
+"""The shop's payment jobs: capture, refund and reconcile, each run by `run_lease_worker`.
+
+Every handler follows the same three steps:
+
+1. `lease.checkpoint("psp_called")` before the PSP is asked to move money, so that the stuck
+   watcher knows the call may have happened if the worker dies (capture is under the "review"
+   policy in settings: its expired jobs go to a reconcile hook, never blindly to another worker);
+2. the PSP call with the job's `idempotency_key`: a retry, or a zombie worker that wakes up
+   after its lease was taken over, sends the same key and the PSP moves no money twice;
+3. `lease.atomic()` around the shop's own write: the payment's new status and the job's
+   completion commit together, and not at all if the lease was lost meanwhile.
+"""
+
+from __future__ import annotations
+
+from django.db.models.functions import Now
+
+from django_leases import PermanentError, job_handler
+from django_leases.models import PaymentJob
+from example_project.payments import psp
+from example_project.payments.models import Payment
+
+Status = Payment.Status
+
+
+def record_capture(payment_id: str, result: psp.PspResult) -> int:
+    """Write the PSP's answer to a capture on the payment; return the rows changed."""
+    status = Status.CAPTURED if result.succeeded else Status.DECLINED
+    # A payment refunded meanwhile stays refunded: the capture is part of its history.
+    return (
+        Payment.objects.filter(pk=payment_id)
+        .exclude(status=Status.REFUNDED)
+        .update(status=status, psp_reference=result.reference, updated_at=Now())
+    )
+
+
+def reconcile_capture(job: PaymentJob) -> str:
+    """Say what became of a capture whose worker died after calling the PSP.
+
+    The watcher calls this for capture jobs under review. The PSP is asked by the job's
+    idempotency key: if it never saw the call, running the job again is safe.
+    """
+    result = psp.lookup(job.idempotency_key or "")
+    if result is None:
+        return "retry"
+    if result.outcome == psp.REJECTED:
+        return "failed"
+    record_capture(job.payment_id, result)
+    return "completed"
+
+
+@job_handler("capture", reconcile=reconcile_capture)
+def capture(job, lease):
+    payment = Payment.objects.get(pk=job.payment_id)
+    lease.checkpoint("psp_called")
+    result = psp.capture(
+        str(payment.pk), payment.amount, payment.currency, idempotency_key=job.idempotency_key
+    )
+    if result.outcome == psp.REJECTED:
+        raise PermanentError(f"the PSP rejected the capture: {result.message}")
+    with lease.atomic():
+        record_capture(job.payment_id, result)
+
+
+@job_handler("refund")
+def refund(job, lease):
+    payment = Payment.objects.get(pk=job.payment_id)
+    lease.checkpoint("psp_called")
+    result = psp.refund(
+        str(payment.pk), payment.amount, payment.currency, idempotency_key=job.idempotency_key
+    )
+    if not result.succeeded:
+        raise PermanentError(f"the PSP refused the refund: {result.message}")
+    with lease.atomic():
+        Payment.objects.filter(pk=payment.pk).update(status=Status.REFUNDED, updated_at=Now())
+
+
+@job_handler("reconcile")
+def reconcile(job, lease):
+    """Heal a payment the shop still shows pending: did the PSP charge it after all?
+
+    It only reads from the PSP, so running it twice is harmless: no checkpoint needed.
+    """
+    found = psp.find_capture(job.payment_id)
+    with lease.atomic():
+        pending = Payment.objects.filter(pk=job.payment_id, status=Status.PENDING)
+        if found is None:
+            pending.update(status=Status.EXPIRED, updated_at=Now())
+        else:
+            pending.update(status=Status.CAPTURED, psp_reference=found.reference, updated_at=Now())

@@ -1,0 +1,237 @@
+"""A fake payment service provider: slow, flaky, sometimes stalled, and idempotent.
+
+Like a real PSP it honours idempotency keys: a second call with a key it has seen returns the
+first call's result and moves no money. That is what makes a retried (or zombie) capture safe.
+
+Its books are the `FakePspCharge` table, kept in the shop's database only so that separate worker
+processes share them. Its moods come from the environment, so the demo can set them for the worker
+processes it starts:
+
+- `FAKE_PSP_LATENCY`: mean seconds of a call (default 0.3);
+- `FAKE_PSP_ERROR_RATE`: share of calls that fail with a 503 before doing anything (0.06);
+- `FAKE_PSP_TIMEOUT_RATE`: share of calls that move the money, then lose the answer (0.03);
+- `FAKE_PSP_STALL_RATE`: share of calls that hang for `FAKE_PSP_STALL_SECONDS` (0.02, 10 s).
+
+Which payments are declined is decided by the merchant reference, so every retry of a payment
+gets the same answer: about 4 in 100 are declined, 2 in 100 rejected (authorization expired).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F, QuerySet
+
+from example_project.payments.models import FakePspCharge, Payment
+
+CAPTURE = FakePspCharge.Operation.CAPTURE
+REFUND = FakePspCharge.Operation.REFUND
+SUCCEEDED = FakePspCharge.Outcome.SUCCEEDED
+DECLINED = FakePspCharge.Outcome.DECLINED
+REJECTED = FakePspCharge.Outcome.REJECTED
+
+
+class PspUnavailableError(Exception):
+    """The PSP did not answer (a 503, a reset connection): try again with the same key."""
+
+
+class PspTimeoutError(PspUnavailableError):
+    """The answer was lost after the PSP may have acted: only the same key makes a retry safe."""
+
+
+class IdempotencyConflictError(Exception):
+    """An idempotency key was sent again with a different request."""
+
+
+@dataclass(frozen=True)
+class Moods:
+    latency: float = 0.3
+    error_rate: float = 0.06
+    timeout_rate: float = 0.03
+    stall_rate: float = 0.02
+    stall_seconds: float = 10.0
+
+    @classmethod
+    def from_env(cls) -> Moods:
+        def number(name: str, default: float) -> float:
+            return float(os.environ.get(f"FAKE_PSP_{name.upper()}", default))
+
+        return cls(**{name: number(name, value) for name, value in vars(cls()).items()})
+
+
+@dataclass(frozen=True)
+class PspResult:
+    """What the PSP answered to one call."""
+
+    reference: str
+    operation: str
+    outcome: str
+    message: str
+    replayed: bool
+
+    @property
+    def succeeded(self) -> bool:
+        return self.outcome == SUCCEEDED
+
+    @classmethod
+    def of(cls, charge: FakePspCharge, *, replayed: bool) -> PspResult:
+        return cls(charge.reference, charge.operation, charge.outcome, charge.message, replayed)
+
+
+def capture(payment_ref: str, amount: int, currency: str, *, idempotency_key: str) -> PspResult:
+    """Take `amount` (minor units) for the payment `payment_ref`."""
+    return _call(CAPTURE, payment_ref, amount, currency, idempotency_key)
+
+
+def refund(payment_ref: str, amount: int, currency: str, *, idempotency_key: str) -> PspResult:
+    """Give `amount` back for the payment `payment_ref`."""
+    return _call(REFUND, payment_ref, amount, currency, idempotency_key)
+
+
+def lookup(idempotency_key: str) -> PspResult | None:
+    """Return what the PSP did under `idempotency_key`, or None if it never acted on it."""
+    charge = FakePspCharge.objects.filter(idempotency_key=idempotency_key).first()
+    return PspResult.of(charge, replayed=True) if charge else None
+
+
+def find_capture(payment_ref: str) -> PspResult | None:
+    """Return the successful capture of the payment `payment_ref`, if the PSP made one."""
+    charge = (
+        FakePspCharge.objects.filter(payment_ref=payment_ref, operation=CAPTURE, outcome=SUCCEEDED)
+        .order_by("pk")
+        .first()
+    )
+    return PspResult.of(charge, replayed=True) if charge else None
+
+
+def act_now(
+    operation: str, payment_ref: str, amount: int, currency: str, *, idempotency_key: str
+) -> PspResult:
+    """Make the PSP succeed at once, in no mood: for writing a demo's history (a past capture)."""
+    return _act(operation, payment_ref, amount, currency, idempotency_key, (SUCCEEDED, ""))
+
+
+def _call(operation: str, payment_ref: str, amount: int, currency: str, key: str) -> PspResult:
+    moods = Moods.from_env()
+    # The request travels, is answered, travels back: half the latency on each leg.
+    _pause(moods.latency / 2)
+    if random.random() < moods.error_rate:  # noqa: S311 - a fake's mood, not cryptography
+        raise PspUnavailableError("503 Service Unavailable")
+    if random.random() < moods.stall_rate:  # noqa: S311
+        time.sleep(moods.stall_seconds)
+    result = _act(operation, payment_ref, amount, currency, key)
+    _pause(moods.latency / 2)
+    if not result.replayed and random.random() < moods.timeout_rate:  # noqa: S311
+        raise PspTimeoutError("read timed out; the request may have been processed")
+    return result
+
+
+def _pause(mean: float) -> None:
+    time.sleep(mean * random.uniform(0.5, 1.5))  # noqa: S311
+
+
+def _act(
+    operation: str,
+    payment_ref: str,
+    amount: int,
+    currency: str,
+    key: str,
+    decided: tuple[str, str] | None = None,
+) -> PspResult:
+    outcome, message = decided or _decide(operation, payment_ref)
+    try:
+        # The unique key decides between two calls racing with one key, not a prior read.
+        with transaction.atomic():
+            charge = FakePspCharge.objects.create(
+                idempotency_key=key,
+                operation=operation,
+                payment_ref=payment_ref,
+                amount=amount,
+                currency=currency,
+                outcome=outcome,
+                message=message,
+                reference=f"psp_{secrets.token_hex(8)}",
+            )
+        return PspResult.of(charge, replayed=False)
+    except IntegrityError:
+        charge = FakePspCharge.objects.get(idempotency_key=key)
+    if (charge.operation, charge.payment_ref, charge.amount, charge.currency) != (
+        operation,
+        payment_ref,
+        amount,
+        currency,
+    ):
+        raise IdempotencyConflictError(
+            f"idempotency key {key!r} was already used for another request"
+        )
+    FakePspCharge.objects.filter(pk=charge.pk).update(replays=F("replays") + 1)
+    return PspResult.of(charge, replayed=True)
+
+
+def _decide(operation: str, payment_ref: str) -> tuple[str, str]:
+    if operation == REFUND:
+        if find_capture(payment_ref) is None:
+            return REJECTED, "nothing was captured for this payment"
+        return SUCCEEDED, ""
+    luck = int(hashlib.sha256(payment_ref.encode()).hexdigest()[:8], 16) % 100
+    if luck < 4:
+        return DECLINED, "insufficient funds"
+    if luck < 6:
+        return REJECTED, "authorization expired"
+    return SUCCEEDED, ""
+
+
+@dataclass(frozen=True)
+class Audit:
+    """The PSP's books held against the shop's payments."""
+
+    duplicate_charges: int
+    """Money moved twice for one payment (a second key for the same capture or refund)."""
+    unrecorded_charges: int
+    """Money the PSP moved that the shop's payment does not show."""
+    phantom_payments: int
+    """Payments the shop shows captured or refunded without such a charge at the PSP."""
+    replays: int
+    """Calls answered from an earlier result: each would have been a double charge without keys."""
+
+    @property
+    def double_charges(self) -> int:
+        return self.duplicate_charges + self.unrecorded_charges
+
+
+def audit(payments: QuerySet[Payment]) -> Audit:
+    """Hold the PSP's successful charges of `payments` against their statuses."""
+    statuses = {str(pk): status for pk, status in payments.values_list("pk", "status")}
+    charges: list[dict[str, Any]] = list(
+        FakePspCharge.objects.filter(payment_ref__in=list(statuses)).values(
+            "payment_ref", "operation", "outcome", "replays"
+        )
+    )
+    moved = Counter(
+        (c["payment_ref"], c["operation"]) for c in charges if c["outcome"] == SUCCEEDED
+    )
+    shown = {
+        CAPTURE: {Payment.Status.CAPTURED, Payment.Status.REFUNDED},
+        REFUND: {Payment.Status.REFUNDED},
+    }
+    unrecorded = sum(1 for (ref, op) in moved if statuses[ref] not in shown[op])
+    phantom = sum(
+        1
+        for ref, status in statuses.items()
+        for op, showing in shown.items()
+        if status in showing and (ref, op) not in moved
+    )
+    return Audit(
+        duplicate_charges=sum(count - 1 for count in moved.values()),
+        unrecorded_charges=unrecorded,
+        phantom_payments=phantom,
+        replays=sum(c["replays"] for c in charges),
+    )

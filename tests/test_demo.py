@@ -1,0 +1,123 @@
+"""`manage.py demo` end to end: real workers, a crash, a zombie, and the fake PSP's books."""
+
+import json
+import re
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from django_leases.models import JobAttempt, PaymentJob, Worker
+from example_project.payments import psp
+from example_project.payments.models import Payment
+
+from .conftest import Processes, read_until, subprocess_env
+
+pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
+
+KINDS = ["capture", "refund", "reconcile"]
+# example_project.settings puts captures under the review policy; the test settings take theirs
+# from the environment.
+DEMO_SETTINGS = {"STUCK_POLICY_BY_KIND": {"capture": "review"}}
+
+
+def demo(processes: Processes, *args: str, marker: str = "") -> subprocess.Popen[str]:
+    env = subprocess_env(
+        LEASES_TEST_SETTINGS=json.dumps(DEMO_SETTINGS), DEMO_TEST_MARKER=marker, COLUMNS="120"
+    )
+    return processes.manage("demo", *args, env=env)
+
+
+def processes_marked(marker: str) -> list[int]:
+    """Return the pids of live processes whose environment carries `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if f"DEMO_TEST_MARKER={marker}".encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def summary_count(out: str, label: str) -> int:
+    match = re.search(rf"^\s*{label}\s+(\d+)\b", out, re.MULTILINE)
+    assert match, f"no {label!r} row in the summary:\n{out}"
+    return int(match.group(1))
+
+
+def test_demo__settles_every_payment_without_a_double_charge(processes: Processes) -> None:
+    proc = demo(processes, "--jobs", "40", "--workers", "2", "--timeout", "240")
+    out = proc.communicate(timeout=300)[0]
+
+    assert proc.returncode == 0, out
+    assert "OK: every payment settled, double charges: 0." in out
+    assert summary_count(out, "double charges") == 0
+    assert "SIGKILL demo-w1" in out
+    # The database agrees with the summary.
+    jobs = PaymentJob.objects.filter(kind__in=KINDS)
+    assert jobs.count() == 40
+    assert set(jobs.values_list("status", flat=True)) <= {"completed", "failed"}
+    assert summary_count(out, "jobs completed") == jobs.filter(status="completed").count()
+    assert summary_count(out, "fenced-out attempts") == (
+        JobAttempt.objects.filter(fenced_at__isnull=False).count()
+    )
+    audit = psp.audit(Payment.objects.all())
+    assert (audit.duplicate_charges, audit.unrecorded_charges, audit.phantom_payments) == (0, 0, 0)
+    # Every payment is settled, or explained by its failed job (the PSP rejected the capture).
+    failed = set(jobs.filter(status="failed").values_list("payment_id", flat=True))
+    for payment in Payment.objects.all():
+        assert payment.status in {"captured", "declined", "refunded", "expired"} or (
+            payment.status == "authorized" and str(payment.pk) in failed
+        ), payment
+    # No attempt is left open: the killed worker's were closed by the watcher or a takeover.
+    assert not JobAttempt.objects.filter(ended_at__isnull=True).exists()
+    assert (
+        not JobAttempt.objects.filter(owner="demo-w1", outcome="completed")
+        .exclude(ended_by="demo-w1")
+        .exists()
+    )
+
+
+def test_demo__ctrl_c_leaves_no_process_behind(processes: Processes) -> None:
+    marker = uuid.uuid4().hex
+    proc = demo(processes, "--jobs", "300", "--workers", "2", marker=marker)
+    read_until(proc, "their logs are in", timeout=120)
+    children = [pid for pid in processes_marked(marker) if pid != proc.pid]
+    assert len(children) == 3, children  # two workers and the watcher
+
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+
+    assert proc.returncode == 130, out
+    assert "interrupted by SIGINT: every worker and watcher was stopped" in out
+    assert processes_marked(marker) == []
+    # Each worker was stopped in order (SIGTERM: it marked itself stopped), unless the demo had
+    # already killed it on purpose.
+    killed = {"demo-w1"} if "SIGKILL demo-w1" in out else set()
+    running = Worker.objects.filter(worker_id__startswith="demo-w", stopped_at__isnull=True)
+    assert set(running.values_list("worker_id", flat=True)) == killed
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--jobs", "0"], "must be from 1 to 5000"),
+        (["--workers", "many"], "is not a whole number"),
+        (["--database-url", "localhost/db"], "is not a database URL"),
+        (["--timeout", "-1"], "must be a positive number of seconds"),
+    ],
+)
+def test_demo__bad_flags_fail_cleanly(processes: Processes, args: list[str], message: str) -> None:
+    proc = demo(processes, *args)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1
+    assert message in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1, out
+    assert not Payment.objects.exists()

@@ -1,0 +1,202 @@
+"""`prune_jobs` and `LeaseQuerySet.prune()`: only finished jobs past retention go, in batches."""
+
+import re
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.db.models import Count
+from django.db.models.functions import Now
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_leases.models import JobAttempt, PaymentJob
+
+from .conftest import Processes
+
+pytestmark = pytest.mark.django_db
+
+Status = PaymentJob.Status
+DAY = 86400
+# kind (naming the group) -> (status, rows, days since completed_at); the default RETENTION
+# keeps completed jobs 7 days, failed and cancelled ones 30.
+GROUPS = {
+    "completed-old": (Status.COMPLETED, 25_000, 8),
+    "completed-young": (Status.COMPLETED, 25_000, 6),
+    "failed-old": (Status.FAILED, 10_000, 31),
+    "failed-young": (Status.FAILED, 10_000, 29),
+    "cancelled-old": (Status.CANCELLED, 10_000, 40),
+    # Open jobs are never pruned, even with a (stray) completed_at from long ago.
+    "pending": (Status.PENDING, 10_000, 400),
+    "processing": (Status.PROCESSING, 5_000, 400),
+    "review": (Status.REVIEW, 5_000, 400),
+}
+PRUNED = {"completed-old", "failed-old", "cancelled-old"}
+JOB_TABLE = re.compile(r"^DELETE FROM [`\"]?django_leases_paymentjob[`\"]? WHERE")
+
+
+def make_jobs(groups: dict[str, tuple[str, int, float]]) -> None:
+    """Create each group's jobs, then age them with the database clock."""
+    for kind, (status, rows, _days) in groups.items():
+        # A live lease, far enough away not to matter (the check constraint wants one).
+        lease = {"lease_owner": "w", "lease_until": timezone.now() + timedelta(hours=1)}
+        PaymentJob.objects.bulk_create(
+            (
+                PaymentJob(kind=kind, status=status, **(lease if status == "processing" else {}))
+                for _ in range(rows)
+            ),
+            batch_size=2000,
+        )
+    for kind, (_status, _rows, days) in groups.items():
+        PaymentJob.objects.filter(kind=kind).update(completed_at=Now() - timedelta(days=days))
+
+
+def add_attempts(kind: str, rows: int) -> list[int]:
+    """Give the first `rows` jobs of `kind` one ledger row each; return their ids."""
+    ids = list(PaymentJob.objects.filter(kind=kind).order_by("pk").values_list("pk", flat=True))
+    ids = ids[:rows]
+    JobAttempt.objects.bulk_create(
+        (
+            JobAttempt(job_id=pk, job_ref=pk, attempt=1, token=1, owner="w", outcome="completed")
+            for pk in ids
+        ),
+        batch_size=5000,
+    )
+    return ids
+
+
+def in_list_sizes(sql: list[str]) -> list[int]:
+    sizes = []
+    for statement in sql:
+        match = re.search(r"IN \(([\d, ]+)\)", statement)
+        assert match, statement
+        sizes.append(len(match.group(1).split(",")))
+    return sizes
+
+
+def test_prune_jobs__deletes_only_old_finished_jobs_in_bounded_batches() -> None:
+    make_jobs(GROUPS)
+    assert PaymentJob.objects.count() == 100_000
+    doomed_ledger = add_attempts("completed-old", 5_000)
+    kept_ledger = add_attempts("completed-young", 5_000)
+    out = StringIO()
+
+    with CaptureQueriesContext(connection) as queries:
+        call_command("prune_jobs", stdout=out)
+
+    deletes = [q["sql"] for q in queries.captured_queries if JOB_TABLE.match(q["sql"])]
+    sizes = in_list_sizes(deletes)
+    # 25 000 + 10 000 + 10 000 jobs in batches of PRUNE_BATCH_SIZE (1000): 45 full DELETEs.
+    assert (len(deletes), max(sizes), sum(sizes)) == (45, 1000, 45_000)
+    remaining = dict(PaymentJob.objects.values_list("kind").annotate(n=Count("pk")))
+    assert remaining == {
+        kind: rows for kind, (_s, rows, _d) in GROUPS.items() if kind not in PRUNED
+    }
+    assert not JobAttempt.objects.filter(job_ref__in=doomed_ledger).exists()
+    assert JobAttempt.objects.filter(job_ref__in=kept_ledger, job__isnull=False).count() == 5_000
+    assert "pruned 45000 job(s) in 45 batch(es)" in out.getvalue()
+    assert "completed 25000 (older than 7 days), failed 10000 (older than 30 days)" in (
+        out.getvalue()
+    )
+    assert "5000 attempt ledger row(s) deleted" in out.getvalue()
+
+
+@override_settings(DJANGO_LEASES={"PRUNE_LEDGER": False, "PRUNE_BATCH_SIZE": 7})
+def test_prune_jobs__keeps_the_ledger_detached_when_prune_ledger_is_false() -> None:
+    make_jobs({"completed-old": (Status.COMPLETED, 30, 8)})
+    ids = add_attempts("completed-old", 30)
+    out = StringIO()
+
+    with CaptureQueriesContext(connection) as queries:
+        call_command("prune_jobs", stdout=out)
+
+    deletes = [q["sql"] for q in queries.captured_queries if JOB_TABLE.match(q["sql"])]
+    assert in_list_sizes(deletes) == [7, 7, 7, 7, 2]
+    assert not PaymentJob.objects.exists()
+    kept = JobAttempt.objects.filter(job_ref__in=ids)
+    assert kept.count() == 30 and not kept.filter(job__isnull=False).exists()
+    assert "30 attempt ledger row(s) kept (detached)" in out.getvalue()
+
+
+def test_prune_jobs__dry_run_counts_and_deletes_nothing() -> None:
+    make_jobs({"completed-old": (Status.COMPLETED, 3, 8), "failed-young": (Status.FAILED, 2, 29)})
+    out = StringIO()
+    call_command("prune_jobs", "--dry-run", stdout=out)
+    assert out.getvalue().startswith("would prune 3 job(s): completed 3 (older than 7 days)")
+    assert PaymentJob.objects.count() == 5
+
+
+@override_settings(DJANGO_LEASES={"RETENTION": {"completed": 7 * DAY, "cancelled": DAY}})
+def test_prune_jobs__older_than_overrides_the_statuses_retention_lists() -> None:
+    make_jobs(
+        {
+            "completed-recent": (Status.COMPLETED, 4, 2 / 24),
+            "cancelled-recent": (Status.CANCELLED, 3, 2 / 24),
+            # RETENTION leaves failed jobs out: they are never pruned, --older-than or not.
+            "failed-ancient": (Status.FAILED, 2, 400),
+            "completed-now": (Status.COMPLETED, 1, 0),
+        }
+    )
+    out = StringIO()
+    call_command("prune_jobs", "--older-than", "3600", "--batch-size", "2", stdout=out)
+    assert dict(PaymentJob.objects.values_list("kind").annotate(n=Count("pk"))) == {
+        "failed-ancient": 2,
+        "completed-now": 1,
+    }
+    assert "pruned 7 job(s) in 4 batch(es)" in out.getvalue()
+    assert "completed 4 (older than 1 hour), cancelled 3 (older than 1 hour)" in out.getvalue()
+
+
+def test_prune__spares_a_job_requeued_after_its_batch_was_read() -> None:
+    make_jobs({"failed-old": (Status.FAILED, 3, 31)})
+    stale = PaymentJob.objects.prunable()
+    ids = list(stale.values_list("pk", flat=True))
+    revived = PaymentJob.objects.get(pk=ids[0])
+    JobAttempt.objects.create(job=revived, job_ref=revived.pk, attempt=1, token=1, owner="w")
+    # An operator requeues it between the batch's read and its DELETE.
+    PaymentJob.objects.filter(pk=revived.pk).requeue()
+
+    batch = PaymentJob.objects.all()._prune_batch("failed", stale.filter(pk__in=ids), False)
+
+    assert (batch.jobs, batch.attempts) == (2, 0)
+    assert list(PaymentJob.objects.values_list("pk", flat=True)) == [revived.pk]
+    assert JobAttempt.objects.filter(job=revived).count() == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"retention": {"pending": 60}}, "pending, processing and under-review jobs are never"),
+        ({"retention": {"completed": 0}}, "retention of completed must be positive"),
+        ({"batch_size": 0}, "batch_size must be a whole number of at least 1"),
+    ],
+)
+def test_prune__refuses_bad_arguments(kwargs: dict, message: str) -> None:
+    PaymentJob.objects.enqueue("noop")
+    with pytest.raises(ValueError, match=message):
+        PaymentJob.objects.prune(**kwargs)
+    assert PaymentJob.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch-size", "0"], "argument --batch-size: '0' must be at least 1"),
+        (["--batch-size", "lots"], "argument --batch-size: 'lots' is not a whole number"),
+        (["--older-than=-5"], "argument --older-than: '-5' must be a positive number of seconds"),
+        (["--older-than", "soon"], "argument --older-than: 'soon' is not a number of seconds"),
+        (["--dry-run", "yes"], "unrecognized arguments: yes"),
+    ],
+)
+def test_prune_jobs__bad_flags_fail_cleanly(
+    processes: Processes, args: list[str], message: str
+) -> None:
+    PaymentJob.objects.enqueue("noop")
+    proc = processes.manage("prune_jobs", *args)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1
+    assert out == f"CommandError: prune_jobs: {message}\n"
+    assert PaymentJob.objects.count() == 1
