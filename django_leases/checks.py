@@ -95,6 +95,17 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
                 id="django_leases.E003",
             )
         )
+    gone = values["WORKER_GONE_AFTER"]
+    if _is_positive_number(heartbeat) and _is_positive_number(gone) and gone < 2 * heartbeat:
+        messages.append(
+            Error(
+                f"DJANGO_LEASES['WORKER_GONE_AFTER'] ({gone!r}) must be at least twice "
+                f"DJANGO_LEASES['HEARTBEAT'] ({heartbeat!r}).",
+                hint="Workers refresh their registry row once per heartbeat; the watcher would "
+                "take live workers for gone and rescue their jobs.",
+                id="django_leases.E010",
+            )
+        )
     near = values["NEAR_EXPIRY"]
     if _is_positive_number(ttl) and _is_positive_number(near) and near >= ttl:
         messages.append(

@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = {
     "POLL_INTERVAL": 1.0,
     # Jobs one worker process runs at once, each on its own thread and connection.
     "CONCURRENCY": 1,
-    # Seconds a stopping worker lets running jobs finish before it releases them.
+    # Seconds a stopping worker lets running jobs finish; later ones are left to lease expiry.
     "GRACE_PERIOD": 30.0,
     # Acquisitions a job gets before it fails for good, unless enqueue() says otherwise.
     "MAX_ATTEMPTS": 5,

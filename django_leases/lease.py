@@ -29,6 +29,9 @@ class Lease:
         self.attempt: int = job.attempts
         self.ttl = to_seconds(ttl, "ttl")
         self.finished = False
+        # What the holder's last write made of the job: "completed", "retried", "failed" or
+        # "released"; None while it holds the job.
+        self.outcome: str | None = None
         self._lost = threading.Event()
         self._lost_reason = ""
 
@@ -69,7 +72,7 @@ class Lease:
     def complete(self, result: Any = None) -> None:
         """Complete the job now (storing `result`, if given); the worker then writes nothing."""
         self._guard(lambda: self._jobs().complete(self.pk, self.owner, self.token, result=result))
-        self.finished = True
+        self.finished, self.outcome = True, "completed"
 
     def fail(
         self, error: BaseException | str, *, retry_in: float | None = None, permanent: bool = False
@@ -79,12 +82,12 @@ class Lease:
                 self.pk, self.owner, self.token, error, retry_in=retry_in, permanent=permanent
             )
         )
-        self.finished = True
+        self.finished, self.outcome = True, ("failed" if status == "failed" else "retried")
         return str(status)
 
     def release(self) -> None:
         self._guard(lambda: self._jobs().release(self.pk, self.owner, self.token))
-        self.finished = True
+        self.finished, self.outcome = True, "released"
 
     @contextmanager
     def atomic(self) -> Iterator[None]:
@@ -101,7 +104,7 @@ class Lease:
             self._guard(lambda: jobs.lock_held(self.pk, self.owner, self.token))
             yield
             self._guard(lambda: jobs.complete(self.pk, self.owner, self.token))
-        self.finished = True
+        self.finished, self.outcome = True, "completed"
 
     def _guard(self, write: Any) -> Any:
         try:

@@ -93,6 +93,14 @@ class LeaseWorker:
             raise ValueError(
                 f"heartbeat ({self.heartbeat_interval:g}s) must be shorter than ttl ({self.ttl:g}s)"
             )
+        gone_after = leases_settings.WORKER_GONE_AFTER
+        if self.heartbeat_interval * 2 > gone_after:
+            # The registry row is refreshed once per heartbeat; with less than two heartbeats of
+            # slack the watcher would take this live worker for gone and rescue its jobs.
+            raise ValueError(
+                f"heartbeat ({self.heartbeat_interval:g}s) must be at most half of "
+                f"DJANGO_LEASES['WORKER_GONE_AFTER'] ({gone_after:g}s)"
+            )
         self.concurrency = concurrency if concurrency is not None else leases_settings.CONCURRENCY
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
@@ -304,10 +312,12 @@ class LeaseWorker:
             delay = retry_delay(lease.attempt)
             self._record(lease, "retry", partial(lease.fail, exc, retry_in=delay), exc)
             return
-        if lease.finished:  # the handler completed the job itself, e.g. with lease.atomic()
-            self.stats.add("completed")
+        if lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
+            outcome = lease.outcome or "completed"
+            self.stats.add(outcome)
             logger.info(
-                "completed job_id=%s attempt=%s in=%.3fs",
+                "%s job_id=%s attempt=%s by the handler in=%.3fs",
+                outcome,
                 job.pk,
                 lease.attempt,
                 time.monotonic() - started,

@@ -71,3 +71,8 @@ def test_check_settings__messages_carry_hints() -> None:
 def test_check_settings__manage_py_check_fails_on_errors() -> None:
     with pytest.raises(SystemCheckError, match="django_leases.E003"):
         call_command("check")
+
+
+def test_check_settings__worker_gone_after_needs_two_heartbeats() -> None:
+    assert ids(HEARTBEAT=20, WORKER_GONE_AFTER=30) == ["django_leases.E010"]
+    assert ids(HEARTBEAT=20, WORKER_GONE_AFTER=40) == []

@@ -59,3 +59,9 @@ def ask_the_psp(job):
 def risky_reconciled(job, lease):
     lease.checkpoint("psp_called")
     time.sleep(duration(job, lease))
+
+
+@job_handler("self_fail")
+def self_fail(job, lease):
+    """Record the failure itself, then return."""
+    lease.fail("declined by the PSP", permanent=True)

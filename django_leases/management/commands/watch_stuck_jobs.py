@@ -1,5 +1,6 @@
 """`manage.py watch_stuck_jobs`: return expired leases to the pool, or hold them for review."""
 
+import os
 import random
 import signal
 import threading
@@ -26,7 +27,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "Find jobs whose lease expired (or whose worker is known gone) and, per job kind's "
         "policy, return them to pending, hold them for review or fail them; then let reconcile "
         "hooks resolve jobs under review. Prints one line per job acted on and a summary. "
-        "Runs until SIGTERM/SIGINT (exit 0), or one pass with --once. Exit status 1: bad options."
+        "Runs until SIGTERM/SIGINT (exit 0 after the current pass; a second signal exits at once "
+        "with status 128 + the signal number), or one pass with --once. "
+        "Exit status 1: bad options."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -100,6 +103,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
             return {}
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
+            if stop.is_set():
+                os._exit(128 + signum)  # second signal: leave at once, mid-pass
             stop.set()
 
         previous: dict[int, Any] = {}
