@@ -33,6 +33,7 @@ RESULT_PREFIX = "BENCH-RESULT "
 READY, GO = "BENCH-READY", "GO"
 VENDORS = ("postgresql", "sqlite", "mysql")
 JOB_TABLE, LEDGER_TABLE = "django_leases_paymentjob", "django_leases_jobattempt"
+WORKER_TABLE = "django_leases_worker"
 DEFAULT_URLS = {
     "postgresql": os.environ.get("BENCH_PG_URL", "postgres://root@127.0.0.1:5432/postgres"),
     "mysql": os.environ.get("BENCH_MYSQL_URL", "mysql://root@127.0.0.1:3306/"),
@@ -396,6 +397,32 @@ class Processes:
             results.append(read_result(out, proc, target))
             self.stop(proc)
         return results
+
+
+def poll_until(
+    db: BenchDB,
+    conn: Any,
+    sql: str,
+    *,
+    timeout: float,
+    what: str,
+    watch: Sequence[subprocess.Popen[str]],
+    every: float = 0.02,
+) -> tuple[Any, ...]:
+    """Run `sql` (one row) on `conn` every `every` seconds until its first value is not NULL;
+    return the row. Raise ChildError, with the log of the first of `watch`, after `timeout`
+    seconds or as soon as one of `watch` exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        row = db.row(conn, sql)
+        if row[0] is not None:
+            return row
+        for proc in watch:
+            if proc.poll() is not None:
+                raise ChildError(f"exited while waiting for {what}", proc)
+        if time.monotonic() > deadline:
+            raise ChildError(f"no {what} within {timeout:.0f}s", watch[0])
+        time.sleep(every)
 
 
 class ChildError(RuntimeError):

@@ -1,5 +1,6 @@
-"""The django-leases handler of the benchmarks (discovered by `run_lease_worker`)."""
+"""The django-leases handlers of the benchmarks (discovered by `run_lease_worker`)."""
 
+import time
 from typing import Any
 
 from django_leases import job_handler
@@ -8,3 +9,11 @@ from django_leases import job_handler
 @job_handler("noop")
 def noop(job: Any, lease: Any) -> None:
     """Do nothing: the benchmarks measure the queue, not the work."""
+
+
+@job_handler("bench_sleep")
+def bench_sleep(job: Any, lease: Any) -> None:
+    """Sleep `payload["seconds"]` on the first attempt, return at once on any later one: the
+    first holder is killed while it sleeps (rescue_time.py), the rescuer finishes quickly."""
+    if lease.attempt == 1:
+        time.sleep(job.payload["seconds"])

@@ -8,7 +8,7 @@ import os
 from importlib.util import find_spec
 
 from example_project.settings import *  # noqa: F403
-from example_project.settings import DATABASES
+from example_project.settings import DATABASES, DJANGO_LEASES
 from example_project.settings import INSTALLED_APPS as BASE_APPS
 
 DEBUG = False
@@ -21,6 +21,10 @@ WORKERS = int(os.environ.get("BENCH_WORKERS", "4"))
 _max_age = os.environ.get("BENCH_CONN_MAX_AGE", "none")
 DATABASES["default"]["CONN_MAX_AGE"] = None if _max_age.lower() == "none" else int(_max_age)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+
+# LISTEN/NOTIFY wake-ups of idle workers (PostgreSQL only); BENCH_USE_NOTIFY=0 switches them
+# off, so workers find new jobs by polling alone (wakeup_latency.py compares the two).
+DJANGO_LEASES = {**DJANGO_LEASES, "USE_NOTIFY": os.environ.get("BENCH_USE_NOTIFY", "1") != "0"}
 
 # App -> the module that must be importable for it to be installed. The peers are compared on
 # PostgreSQL only (procrastinate's migrations need it), so they are left out on other databases.

@@ -1,0 +1,183 @@
+"""Enqueue-to-start latency of an idle `run_lease_worker`: LISTEN/NOTIFY against polling.
+
+One worker (`run_lease_worker --kind noop --concurrency 1 --poll-interval P`) runs idle on a
+throw-away database. A child process then, --samples times, enqueues one job with
+`PaymentJob.objects.enqueue()`, waits until it is completed and pauses a random --gap-min to
+--gap-max seconds, so every job finds the worker idle. The latency of a job is measured on the
+database clock: the `claimed_at` of its attempt-ledger row minus the job's `created_at`, both
+set by the database. Two warm-up jobs (the worker's first claims, and on PostgreSQL the opening
+of its LISTEN connection) are not counted.
+
+PostgreSQL is measured twice: with DJANGO_LEASES["USE_NOTIFY"] on (the default: the enqueue
+sends a NOTIFY that wakes the worker) and off (the worker finds the job at its next poll).
+SQLite and MariaDB have no NOTIFY: polling is their only mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+from bench import _common as common
+
+# (database, USE_NOTIFY); NOTIFY exists on PostgreSQL only.
+MODES = {"postgresql": (True, False), "sqlite": (False,), "mysql": (False,)}
+WARMUP = 2
+
+
+# ---- Django side -------------------------------------------------------------------------------
+
+
+def enqueue_one_by_one(
+    samples: int, gap_min: float, gap_max: float, job_timeout: float
+) -> dict[str, Any]:
+    """Enqueue WARMUP + `samples` jobs one at a time, each once the previous one is done and
+    a random gap has passed; return each counted job's claimed_at - created_at in ms."""
+    from django_leases.models import JobAttempt, PaymentJob
+
+    counted = []
+    for n in range(WARMUP + samples):
+        job = PaymentJob.objects.enqueue("noop", {})
+        deadline = time.monotonic() + job_timeout
+        while not PaymentJob.objects.filter(pk=job.pk, status="completed").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {job.pk} not completed within {job_timeout:.0f}s")
+            time.sleep(0.01)
+        if n >= WARMUP:
+            counted.append(job.pk)
+        time.sleep(random.uniform(gap_min, gap_max))  # noqa: S311
+    created = dict(PaymentJob.objects.filter(pk__in=counted).values_list("pk", "created_at"))
+    claimed = dict(
+        JobAttempt.objects.filter(job_ref__in=counted, attempt=1).values_list(
+            "job_ref", "claimed_at"
+        )
+    )
+    return {"ms": [(claimed[pk] - created[pk]).total_seconds() * 1000 for pk in counted]}
+
+
+# ---- orchestration ---------------------------------------------------------------------------
+
+
+def measure(
+    args: argparse.Namespace, procs: common.Processes, db: common.BenchDB
+) -> list[tuple[str, bool, list[float]]]:
+    common.note(f"{db.vendor}: migrating {db.name} ...")
+    procs.call(db, "bench._common:migrate")
+    results = []
+    for notify in MODES[db.vendor]:
+        label = "NOTIFY" if notify else "polling"
+        worker_id = f"bench-wakeup-{label.lower()}"
+        env = common.child_env(db, BENCH_USE_NOTIFY="1" if notify else "0")
+        argv = common.django_command(
+            "run_lease_worker",
+            "--kind=noop",
+            "--concurrency=1",
+            f"--poll-interval={args.poll_interval}",
+            f"--ttl={args.ttl}",
+            f"--worker-id={worker_id}",
+        )
+        worker = procs.spawn(argv, env, f"worker-{label.lower()}", pipes=False)
+        conn = db.connect()
+        try:
+            common.poll_until(
+                db,
+                conn,
+                f"SELECT (SELECT max(id) FROM {common.WORKER_TABLE} "
+                f"WHERE worker_id = '{worker_id}')",
+                timeout=args.timeout,
+                what="worker registration",
+                watch=[worker],
+            )
+            common.note(f"{db.vendor} {label}: {args.samples} jobs, one at a time ...")
+            ms = procs.call(
+                db,
+                "bench.wakeup_latency:enqueue_one_by_one",
+                timeout=args.timeout * (args.samples + WARMUP),
+                samples=args.samples,
+                gap_min=args.gap_min,
+                gap_max=args.gap_max,
+                job_timeout=args.timeout,
+            )["ms"]
+        finally:
+            conn.close()
+            procs.stop(worker)
+        results.append((db.vendor, notify, ms))
+    return results
+
+
+NAMES = {"postgresql": "PostgreSQL", "sqlite": "SQLite", "mysql": "MariaDB/MySQL"}
+
+
+def run(args: argparse.Namespace, procs: common.Processes) -> None:
+    skipped: dict[str, str] = {}
+    results = common.each_database(args, "wakeup", lambda db: measure(args, procs, db), skipped)
+    notify_p = {
+        q: common.percentile(ms, q) for vendor, notify, ms in results if notify for q in (50, 95)
+    }
+    rows = []
+    for vendor, notify, ms in results:
+        p50, p95 = common.percentile(ms, 50), common.percentile(ms, 95)
+        rows.append(
+            [
+                NAMES[vendor],
+                "LISTEN/NOTIFY" if notify else "polling",
+                len(ms),
+                f"{p50:.1f}",
+                f"{p95:.1f}",
+                f"{max(ms):.1f}",
+                f"{statistics.mean(ms):.1f}",
+                f"{p50 / notify_p[50]:.0f}x" if notify_p else "-",
+                f"{p95 / notify_p[95]:.0f}x" if notify_p else "-",
+            ]
+        )
+    common.print_table(
+        f"enqueue -> claim by an idle worker, ms on the database clock (claimed_at - "
+        f"created_at); --poll-interval {args.poll_interval:g}s",
+        ["database", "wake-up", "jobs", "p50", "p95", "max", "mean", "p50 vs", "p95 vs"],
+        rows,
+    )
+    common.print_skipped(skipped)
+    print("\n'vs' = this mode / PostgreSQL LISTEN/NOTIFY.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.make_parser(__doc__)
+    parser.add_argument(
+        "--samples",
+        type=common.positive_int,
+        default=50,
+        help="jobs timed per mode (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=common.positive_float,
+        default=1.0,
+        help="the worker's --poll-interval, seconds; it sleeps 0.5-1.5 times this between "
+        "polls (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--gap-min",
+        type=common.positive_float,
+        default=0.2,
+        help="shortest pause after a job is done before the next is enqueued (default: "
+        "%(default)r)",
+    )
+    parser.add_argument(
+        "--gap-max",
+        type=common.positive_float,
+        default=0.6,
+        help="longest such pause (default: %(default)r)",
+    )
+    common.add_common_arguments(parser, databases="postgresql,sqlite,mysql", timeout=60)
+    args = parser.parse_args(argv)
+    if args.gap_max < args.gap_min:
+        parser.error("--gap-max must be at least --gap-min")
+    return common.run_main(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
