@@ -469,8 +469,11 @@ class LeaseWorker:
             self._queue.put(None)
         deadline = time.monotonic() + self.grace_period
         slots = [t for t in self._threads if t.name.startswith("lease-slot")]
-        for thread in slots:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        # Join in short slices: a signal the kernel hands to another thread only runs its
+        # Python handler (a second SIGTERM exits at once) when the main thread runs bytecode.
+        while any(t.is_alive() for t in slots) and time.monotonic() < deadline:
+            for thread in slots:
+                thread.join(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
         with self._leases_lock:
             still_running = list(self._leases.values())
         for lease in still_running:

@@ -1,6 +1,5 @@
 """Test settings: the same suite runs on SQLite, PostgreSQL or MariaDB by DATABASE_URL."""
 
-import tempfile
 from pathlib import Path
 
 import django
@@ -58,8 +57,9 @@ TEMPLATES = [
 ]
 
 # SQLite tests use a file, not memory: worker subprocesses must open the same database.
+# Inside this checkout (build/ is ignored by git), so two checkouts never share a test database.
 _sqlite = Path(
-    env("LEASES_TEST_SQLITE", default=str(Path(tempfile.gettempdir()) / "leases.sqlite3"))
+    env("LEASES_TEST_SQLITE", default=str(BASE_DIR / "build" / "test-db" / "leases.sqlite3"))
 )
 _sqlite.parent.mkdir(parents=True, exist_ok=True)
 DATABASES = {"default": database_from_env(env, _sqlite)}

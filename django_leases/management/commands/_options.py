@@ -3,8 +3,14 @@
 import argparse
 import logging
 import math
+import os
 import re
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any, NoReturn
 
 from django.core.management.base import CommandError, CommandParser
@@ -74,3 +80,30 @@ class OneLineErrorsMixin:
 
         parser.error = error  # type: ignore[method-assign]
         return parser
+
+
+@contextmanager
+def stop_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """Call `stop` on the first SIGTERM/SIGINT; exit at once with 128 + signum on a second.
+
+    Installed only on the main thread; the previous handlers are restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if received:
+            os._exit(128 + signum)  # second signal: leave at once; leases expire
+        received.append(signum)
+        stop()
+
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    for signum in previous:
+        signal.signal(signum, on_signal)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

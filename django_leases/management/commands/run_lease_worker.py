@@ -1,9 +1,5 @@
 """`manage.py run_lease_worker`: run jobs from the table until stopped."""
 
-import os
-import signal
-import threading
-from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -15,6 +11,7 @@ from django_leases.management.commands._options import (
     non_negative_seconds,
     positive_int,
     positive_seconds,
+    stop_signals,
     worker_id,
 )
 from django_leases.worker import LeaseWorker
@@ -120,29 +117,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-        previous = self._install_signal_handlers(worker)
-        try:
+        with stop_signals(worker.stop):
             stats = worker.run()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
         self.stdout.write(
             self.style.SUCCESS(f"worker {worker.worker_id} stopped: {stats.summary()}")
         )
-
-    def _install_signal_handlers(self, worker: LeaseWorker) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        received: list[int] = []
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            if received:
-                os._exit(128 + signum)  # second signal: leave at once, leases expire
-            received.append(signum)
-            worker.stop()
-
-        previous: dict[int, Any] = {}
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, on_signal)
-        return previous

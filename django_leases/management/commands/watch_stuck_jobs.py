@@ -1,10 +1,7 @@
 """`manage.py watch_stuck_jobs`: return expired leases to the pool, or hold them for review."""
 
-import os
 import random
-import signal
 import threading
-from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
@@ -16,6 +13,7 @@ from django_leases.management.commands._options import (
     configure_logging,
     positive_int,
     positive_seconds,
+    stop_signals,
     worker_id,
 )
 from django_leases.watcher import StuckWatcher
@@ -72,9 +70,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
         )
         every = interval if interval is not None else leases_settings.WATCH_INTERVAL
         stop = threading.Event()
-        previous = self._install_signal_handlers(stop)
         total = 0
-        try:
+        with stop_signals(stop.set):
             while True:
                 close_old_connections()
                 try:
@@ -93,22 +90,4 @@ class Command(OneLineErrorsMixin, BaseCommand):
                 # Jitter keeps several watchers from scanning in lockstep.
                 if stop.wait(every * random.uniform(0.8, 1.2)):  # noqa: S311
                     break
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
         self.stdout.write(self.style.SUCCESS(f"watcher stopped: {total} job(s) acted on"))
-
-    def _install_signal_handlers(self, stop: threading.Event) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            if stop.is_set():
-                os._exit(128 + signum)  # second signal: leave at once, mid-pass
-            stop.set()
-
-        previous: dict[int, Any] = {}
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, on_signal)
-        return previous
