@@ -486,11 +486,21 @@ def test_release_stuck__only_expired_leases() -> None:
 
 
 def test_mark_failed_cancel_and_resolve_review() -> None:
+    PaymentJob.objects.enqueue("a")
+    live = claim_one("w1")
     pending = PaymentJob.objects.enqueue("a")
     other = PaymentJob.objects.enqueue("a")
-    live = claim_one("w1", kinds=["a"])
+    # A live lease is neither failed (unless forced) nor cancelled; a pending job is cancelled.
     assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops") == 0
-    assert PaymentJob.objects.filter(pk=pending.pk).cancel() == (1 if live.pk != pending.pk else 0)
+    assert PaymentJob.objects.filter(pk=live.pk).cancel() == 0
+    assert PaymentJob.objects.get(pk=live.pk).status == Status.PROCESSING
+    assert PaymentJob.objects.filter(pk=pending.pk).cancel() == 1
+    assert PaymentJob.objects.get(pk=pending.pk).status == Status.CANCELLED
+    assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops", force=True) == 1
+    failed = PaymentJob.objects.get(pk=live.pk)
+    assert (failed.status, failed.last_error, failed.lease_token) == (Status.FAILED, "ops", 2)
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(live.pk, "w1", live.lease_token)
     PaymentJob.objects.filter(pk=other.pk).update(status=Status.REVIEW)
     assert PaymentJob.objects.filter(pk=other.pk).resolve_review("completed") == 1
     assert PaymentJob.objects.get(pk=other.pk).status == Status.COMPLETED
