@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from functools import reduce, wraps
+from functools import cache, reduce, wraps
 from operator import or_
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -169,6 +169,26 @@ class PrunedBatch:
     keep_ledger: bool
 
 
+@cache
+def ledger_sql(model: type[AbstractLeasedJob], alias: str) -> LedgerSQL | None:
+    """Build the `LedgerSQL` of `model`'s ledger once per process (claim and complete are hot).
+
+    None where the raw-SQL paths do not apply: no ledger, or a ledger with fields of its own.
+    """
+    label = model.attempt_model
+    if not label:
+        return None
+    ledger = apps.get_model(label)
+    fields = {field.name: field for field in ledger._meta.concrete_fields}
+    if set(fields) != LEDGER_FIELDS:
+        return None
+    quote = connections[alias].ops.quote_name
+    return LedgerSQL(
+        table=quote(ledger._meta.db_table),
+        columns={name: quote(str(field.column)) for name, field in fields.items()},
+    )
+
+
 class LeaseQuerySet(models.QuerySet[J]):
     """Reads and lease transitions of any `AbstractLeasedJob` table."""
 
@@ -224,6 +244,26 @@ class LeaseQuerySet(models.QuerySet[J]):
         qs = qs.filter(attempts__lt=F("max_attempts"))
         return qs.filter(kind__in=list(kinds)) if kinds is not None else qs
 
+    def under_review(self) -> LeaseQuerySet[J]:
+        """Jobs the watcher held for review: an operator or a reconcile hook decides."""
+        return self.filter(status=REVIEW)
+
+    def held_by(self, owner: str) -> LeaseQuerySet[J]:
+        """Processing jobs whose lease `owner` holds (live or expired)."""
+        return self.filter(status=PROCESSING, lease_owner=owner)
+
+    def finished_by(self, pk: int, owner: str, token: int) -> bool:
+        """Whether `owner`'s write under `token` already moved the job out of processing.
+
+        A holder whose connection died after sending its completion asks this before it calls
+        itself fenced out: its write may have committed with only the acknowledgement lost.
+        """
+        return (
+            self.filter(pk=pk, lease_owner=owner, lease_token=token)
+            .exclude(status=PROCESSING)
+            .exists()
+        )
+
     def orphaned(self, owners: Collection[str]) -> LeaseQuerySet[J]:
         """Processing jobs with a live lease whose owner is one of `owners` (workers known gone)."""
         return self.filter(status=PROCESSING, lease_until__gte=Now(), lease_owner__in=list(owners))
@@ -259,9 +299,10 @@ class LeaseQuerySet(models.QuerySet[J]):
             if not kinds:
                 return []
         vendor = connections[self.db].vendor
-        if vendor == "postgresql" and self._ledger_sql() is not None:
+        ledger = self._ledger_sql() if vendor == "postgresql" else None
+        if ledger is not None:
             # One statement claims and writes the ledger: atomic without a transaction block.
-            jobs = self._claim_postgresql(owner, seconds, limit, kinds, with_ledger=True)
+            jobs = self._claim_postgresql(owner, seconds, limit, kinds, ledger=ledger)
         else:
             with transaction.atomic(using=self.db):
                 if vendor == "postgresql":
@@ -288,7 +329,7 @@ class LeaseQuerySet(models.QuerySet[J]):
         limit: int,
         kinds: list[str] | None,
         *,
-        with_ledger: bool = False,
+        ledger: LedgerSQL | None = None,
     ) -> list[J]:
         # One statement decides ownership. Each candidate set is a MATERIALIZED CTE with
         # FOR UPDATE SKIP LOCKED: it is evaluated once, so it cannot re-run per row and lock
@@ -326,7 +367,6 @@ class LeaseQuerySet(models.QuerySet[J]):
             owner,
             seconds,
         ]
-        ledger = self._ledger_sql() if with_ledger else None
         if ledger is None:
             main = update
         else:
@@ -927,17 +967,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     def _ledger_sql(self) -> LedgerSQL | None:
         """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
-        ledger = self._ledger()
-        if ledger is None:
-            return None
-        fields = {field.name: field for field in ledger._meta.concrete_fields}
-        if set(fields) != LEDGER_FIELDS:
-            return None
-        quote = connections[self.db].ops.quote_name
-        return LedgerSQL(
-            table=quote(ledger._meta.db_table),
-            columns={name: quote(str(field.column)) for name, field in fields.items()},
-        )
+        return ledger_sql(self.model, self.db)
 
     def _job_column(self, name: str) -> Subquery:
         return Subquery(self.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])

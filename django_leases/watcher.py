@@ -136,7 +136,7 @@ class StuckWatcher:
             return []
         jobs = self._jobs()
         actions = []
-        for job in jobs.filter(status="review", kind__in=hooked).order_by("pk")[: self.batch_size]:
+        for job in jobs.under_review().filter(kind__in=hooked).order_by("pk")[: self.batch_size]:
             verdict = self._ask(job)
             if verdict is None:
                 continue

@@ -338,13 +338,7 @@ class LeaseWorker:
                 result = write()
                 break
             except LeaseLost as exc:
-                if (
-                    had_outage
-                    and self._jobs()
-                    .filter(pk=lease.pk, lease_owner=lease.owner, lease_token=lease.token)
-                    .exclude(status="processing")
-                    .exists()
-                ):
+                if had_outage and self._jobs().finished_by(lease.pk, lease.owner, lease.token):
                     # Our earlier attempt committed; only its acknowledgement was lost.
                     result = "unknown"
                     break

@@ -556,3 +556,16 @@ def test_cancel__says_who_cancelled() -> None:
     assert PaymentJob.objects.filter(pk=job.pk).cancel(by="admin:ops") == 1
     job.refresh_from_db()
     assert (job.status, job.last_error) == (Status.CANCELLED, "cancelled by admin:ops")
+
+
+def test_finished_by__tells_a_lost_acknowledgement_from_a_takeover() -> None:
+    PaymentJob.objects.enqueue("a")
+    PaymentJob.objects.enqueue("a")
+    done, taken = PaymentJob.objects.claim("w1", ttl=60, limit=2)
+    assert not PaymentJob.objects.finished_by(done.pk, "w1", done.lease_token)
+    PaymentJob.objects.complete(done.pk, "w1", done.lease_token)
+    assert PaymentJob.objects.finished_by(done.pk, "w1", done.lease_token)
+    expire(taken)
+    claim_one("w2")
+    assert not PaymentJob.objects.finished_by(taken.pk, "w1", taken.lease_token)
+    assert list(PaymentJob.objects.held_by("w2").values_list("pk", flat=True)) == [taken.pk]

@@ -446,7 +446,7 @@ class Demo:
                 self._step = "done"
 
     def _held(self, scope: Scope, owner: str) -> list[PaymentJob]:
-        return list(scope.jobs().filter(status="processing", lease_owner=owner).order_by("pk"))
+        return list(scope.jobs().held_by(owner).order_by("pk"))
 
     @staticmethod
     def _unfenced(scope: Scope, zombie: Child) -> bool:
