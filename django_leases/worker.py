@@ -295,6 +295,7 @@ class LeaseWorker:
         job = lease.job
         handler = get_handler(job.kind)
         started = time.monotonic()
+        logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
         try:
             handler.func(job, lease)
         except LeaseLost as exc:

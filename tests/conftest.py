@@ -44,21 +44,23 @@ def wait_for(
         time.sleep(interval)
 
 
-def read_until(proc: "subprocess.Popen[str]", text: str, *, timeout: float = 30.0) -> str:
-    """Read the process's output line by line until a line contains `text`."""
+def read_until(proc: "subprocess.Popen[str]", *texts: str, timeout: float = 30.0) -> str:
+    """Read the process's output line by line until every one of `texts` has appeared."""
     assert proc.stdout is not None
-    seen = []
+    seen: list[str] = []
+    missing = set(texts)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.1)
         if ready:
             line = proc.stdout.readline()
             seen.append(line)
-            if text in line:
+            missing = {text for text in missing if text not in line}
+            if not missing:
                 return "".join(seen)
             if not line and proc.poll() is not None:
                 break
-    pytest.fail(f"{text!r} not seen in the output within {timeout}s: {''.join(seen)}")
+    pytest.fail(f"{sorted(missing)} not seen in the output within {timeout}s: {''.join(seen)}")
 
 
 class Processes:

@@ -239,9 +239,10 @@ def test_worker__sigterm_lets_running_jobs_finish_and_exits_zero(processes: Proc
     running = [PaymentJob.objects.enqueue("sleep", {"seconds": 1.5}, priority=1) for _ in range(2)]
     waiting = [PaymentJob.objects.enqueue("noop") for _ in range(3)]
     proc = worker(processes, "graceful", "--concurrency", "2", "--grace-period", "20")
-    wait_for(lambda: all(held_by(job, "graceful") for job in running))
+    # Claimed is not started: a job still queued for a slot would be released, not finished.
+    started = read_until(proc, *(f"started job_id={job.pk} " for job in running))
     proc.send_signal(signal.SIGTERM)
-    out = finish(proc)
+    out = started + finish(proc)
 
     assert proc.returncode == 0, out
     assert [fresh(job).status for job in running] == [Status.COMPLETED] * 2, out
@@ -256,9 +257,10 @@ def test_worker__sigterm_past_grace_period_abandons_to_lease_expiry(processes: P
     proc = worker(
         processes, "impatient", "--grace-period", "0.5", "--ttl", "30", "--heartbeat", "5"
     )
-    wait_for(lambda: held_by(job, "impatient"))
+    # Claimed is not started: wait for the slot to run the handler, or it would be released.
+    started = read_until(proc, f"started job_id={job.pk} ")
     proc.send_signal(signal.SIGTERM)
-    out = finish(proc, timeout=30)
+    out = started + finish(proc, timeout=30)
 
     assert proc.returncode == 0, out
     assert f"abandoned job_id={job.pk}" in out
