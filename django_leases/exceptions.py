@@ -23,3 +23,11 @@ class InvalidDuration(LeaseError, ValueError):
 
 class HandlerError(LeaseError):
     """A job handler is registered twice for one kind, or is missing for a kind."""
+
+
+class HandlerTimeout(LeaseError):
+    """A handler ran past its kind's `timeout`: the attempt ends as timed out."""
+
+
+class WorkerIdTaken(LeaseError):
+    """Another live worker process already runs under this worker id."""

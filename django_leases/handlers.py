@@ -1,14 +1,23 @@
 """The registry of job handlers, filled by `@job_handler` in each installed app's `jobs.py`."""
 
-from collections.abc import Callable
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from django_leases.exceptions import HandlerError
+from asgiref.sync import async_to_sync
+
+from django_leases.conf import to_seconds
+from django_leases.exceptions import HandlerError, HandlerTimeout, InvalidDuration
 
 if TYPE_CHECKING:
     from django_leases.lease import Lease
 
+# A handler is a function of (job, lease): plain, `async def`, or a plain one that returns an
+# awaitable. Whatever it returns that is awaitable is awaited before the job counts as done.
 HandlerFunc = Callable[[Any, "Lease"], object]
 # A reconcile hook is given an expired job and says what became of it: "completed", "retry" or
 # "failed" (see watch_stuck_jobs). It typically asks the PSP about the job's idempotency key.
@@ -22,17 +31,42 @@ class Handler:
     kind: str
     func: HandlerFunc
     reconcile: ReconcileFunc | None = None
+    timeout: float | None = None
+    """Seconds an attempt may run before the worker ends it as timed out; None: no limit."""
 
     @property
     def name(self) -> str:
-        return f"{self.func.__module__}.{self.func.__qualname__}"
+        func = self.func
+        module = getattr(func, "__module__", None) or type(func).__module__
+        qualname = getattr(func, "__qualname__", None) or type(func).__qualname__
+        return f"{module}.{qualname}"
+
+    @property
+    def is_async(self) -> bool:
+        """Whether the handler is an `async def` function (the worker can cancel it)."""
+        return inspect.iscoroutinefunction(self.func)
+
+    def run(self, job: Any, lease: "Lease", *, deadline: float | None = None) -> None:
+        """Call the handler; if it returns an awaitable, await it on an event loop of its own.
+
+        The calling thread (a worker slot) stays the loop's "sync thread": the coroutine's
+        thread-sensitive `sync_to_async` calls (Django's async ORM, `lease.acheckpoint()`, ...)
+        run back on it, with its database connection and inside its transactions. A coroutine
+        still running at `deadline` (monotonic seconds) is cancelled: `HandlerTimeout`.
+        """
+        result = self.func(job, lease)
+        if inspect.isawaitable(result):
+            async_to_sync(_await_until)(result, deadline, self.timeout)
 
 
 _registry: dict[str, Handler] = {}
 
 
 def job_handler(
-    kind: str, *, reconcile: ReconcileFunc | None = None
+    kind: str,
+    *,
+    reconcile: ReconcileFunc | None = None,
+    timeout: float | timedelta | None = None,
 ) -> Callable[[HandlerFunc], HandlerFunc]:
     """Register the decorated function as the handler of jobs of `kind`.
 
@@ -40,14 +74,21 @@ def job_handler(
         kind: the job kind, as given to `enqueue()`.
         reconcile: optional hook the stuck watcher calls with an expired job of this kind; it
             returns "completed", "retry" or "failed".
+        timeout: optional run-time limit of one attempt (seconds or a `timedelta`). An attempt
+            still running then no longer holds its lease: it ends as timed out and the job
+            follows its kind's retry or review policy. An `async def` handler is cancelled.
     """
     if not isinstance(kind, str) or not kind or len(kind) > KIND_MAX_LENGTH:
         raise HandlerError(
             f"job kind must be a non-empty string of at most 100 characters, got {kind!r}"
         )
+    if reconcile is not None and not callable(reconcile):
+        raise HandlerError(f"reconcile hook of job kind {kind!r} is not callable: {reconcile!r}")
+    limit = _timeout(kind, timeout)
 
     def register(func: HandlerFunc) -> HandlerFunc:
-        handler = Handler(kind, func, reconcile)
+        _check_callable(kind, func)
+        handler = Handler(kind, func, reconcile, limit)
         existing = _registry.get(kind)
         # Re-importing the same module (autoreload, tests) registers the same function again.
         if existing is not None and existing.name != handler.name:
@@ -59,6 +100,41 @@ def job_handler(
         return func
 
     return register
+
+
+async def _await_until(
+    awaitable: Awaitable[object], deadline: float | None, timeout: float | None
+) -> None:
+    limit = asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    try:
+        async with limit:
+            await awaitable
+    except TimeoutError:
+        if not limit.expired():
+            raise  # the handler's own TimeoutError (an HTTP client's, say): a failed attempt
+        raise HandlerTimeout(f"the handler ran past its timeout of {timeout:g}s") from None
+
+
+def _timeout(kind: str, timeout: float | timedelta | None) -> float | None:
+    if timeout is None:
+        return None
+    try:
+        return to_seconds(timeout, "timeout")
+    except InvalidDuration as exc:
+        raise HandlerError(f"job kind {kind!r}: {exc}") from None
+
+
+def _check_callable(kind: str, func: object) -> None:
+    """Refuse at import time what the worker could not run as a handler."""
+    if not callable(func):
+        raise HandlerError(f"the handler of job kind {kind!r} is not callable: {func!r}")
+    # A generator's body runs only when iterated: the worker would record a job completed
+    # whose body never ran.
+    if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+        raise HandlerError(
+            f"the handler of job kind {kind!r} is a generator function ({func!r}); a handler "
+            "must be a plain function or an `async def` coroutine function"
+        )
 
 
 def get_handler(kind: str) -> Handler:

@@ -247,6 +247,13 @@ class Worker(models.Model):
     """A worker process, upserted by itself while it runs: who is alive, and since when."""
 
     worker_id = models.CharField(_("worker id"), max_length=255, unique=True)
+    instance = models.CharField(
+        _("process instance"),
+        max_length=32,
+        blank=True,
+        default="",
+        help_text=_("Random per process: which process holds this worker id now."),
+    )
     hostname = models.CharField(_("host"), max_length=255)
     pid = models.PositiveIntegerField(_("process id"))
     kinds = models.JSONField(_("kinds"), default=list)

@@ -41,6 +41,7 @@ PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
 )
 FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
 MAX_ERROR_LENGTH = 2000
+MAX_ERROR_CLASS_LENGTH = 255
 DEADLOCK_RETRIES = 5
 SMALLINT = (-32768, 32767)
 
@@ -59,6 +60,9 @@ def describe_error(error: BaseException | str) -> tuple[str, str]:
             if cls.__module__ == "builtins"
             else f"{cls.__module__}.{cls.__qualname__}"
         )
+        # Cut to the ledger's column: an error that cannot be stored must still end the attempt.
+        if len(name) > MAX_ERROR_CLASS_LENGTH:
+            name = name[: MAX_ERROR_CLASS_LENGTH - 1] + "…"
         return name, str(error)[:MAX_ERROR_LENGTH]
     return "", str(error)[:MAX_ERROR_LENGTH]
 
@@ -666,6 +670,41 @@ class LeaseQuerySet(models.QuerySet[J]):
             self._close_attempt(pk, token, outcome, by=owner, error=(error_class, message))
         return new_status
 
+    @retry_deadlocks
+    def time_out(
+        self, pk: int, owner: str, token: int, *, retry_in: float | None, reason: str
+    ) -> str:
+        """End the holder's attempt at its run-time limit; return the job's new status.
+
+        The job follows its kind's stuck policy, as an expired lease would: held for review
+        after a risky checkpoint, failed without attempts left, else pending after `retry_in`.
+        """
+        guard = takeover_guard()[0]
+        review = ~guard if guard else Q(pk__in=[])
+        final = Q(attempts__gte=F("max_attempts"))
+        delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
+        with transaction.atomic(using=self.db):
+            won = self.held(pk, owner, token).update(
+                status=Case(
+                    When(review, then=Value(REVIEW)),
+                    When(final, then=Value(FAILED)),
+                    default=Value(PENDING),
+                ),
+                completed_at=Case(When(~review & final, then=Now()), default=None),
+                run_at=Case(
+                    When(review | final, then=F("run_at")),
+                    default=after(delay) if delay else Now(),
+                ),
+                last_error=reason[:MAX_ERROR_LENGTH],
+            )
+            if won:
+                new_status = self.filter(pk=pk).values_list("status", flat=True).get()
+                self._close_attempt(pk, token, "timed_out", by=owner, error=("", reason))
+        if not won:
+            self.record_fenced(pk, token)
+            raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
+        return new_status
+
     def release(self, pk: int, owner: str, token: int) -> None:
         """Give a job back unstarted (graceful shutdown): pending, due now.
 
@@ -1205,25 +1244,53 @@ class AttemptQuerySet(models.QuerySet[Any]):
 class WorkerQuerySet(models.QuerySet[Any]):
     """The worker registry: each worker process keeps its own row fresh."""
 
-    def beat(
-        self, worker_id: str, *, hostname: str, pid: int, kinds: list[str], concurrency: int
-    ) -> None:
-        """Insert or refresh the row of `worker_id` (its `last_seen_at` from the database clock)."""
-        if not self.filter(worker_id=worker_id).update(last_seen_at=Now(), stopped_at=None):
-            try:
-                with transaction.atomic(using=self.db):
-                    self.create(
-                        worker_id=worker_id,
-                        hostname=hostname,
-                        pid=pid,
-                        kinds=kinds,
-                        concurrency=concurrency,
-                    )
-            except IntegrityError:
-                self.filter(worker_id=worker_id).update(last_seen_at=Now(), stopped_at=None)
+    def register(
+        self,
+        worker_id: str,
+        *,
+        instance: str,
+        hostname: str,
+        pid: int,
+        kinds: list[str],
+        concurrency: int,
+    ) -> bool:
+        """Take the registry row of `worker_id` for the process `instance`; return whether it did.
 
-    def stopped(self, worker_id: str) -> None:
-        self.filter(worker_id=worker_id).update(stopped_at=Now())
+        A row that is stopped, or was not refreshed within WORKER_GONE_AFTER, is taken over; a
+        live one is not: two processes never share one worker id (one's exit would mark the
+        other stopped, and the watcher would rescue a live worker's jobs).
+        """
+        fields = {
+            "instance": instance,
+            "hostname": hostname,
+            "pid": pid,
+            "kinds": kinds,
+            "concurrency": concurrency,
+            "started_at": Now(),
+            "last_seen_at": Now(),
+            "stopped_at": None,
+        }
+        takeable = self.filter(worker_id=worker_id).exclude(pk__in=self.alive().values("pk"))
+        if takeable.update(**fields):
+            return True
+        try:
+            with transaction.atomic(using=self.db):
+                self.create(worker_id=worker_id, **fields)
+        except IntegrityError:
+            # A row exists: live (refused), or it went stale between our two statements.
+            return bool(takeable.update(**fields))
+        return True
+
+    def beat(self, worker_id: str, instance: str) -> bool:
+        """Refresh `last_seen_at` of the row `instance` holds (database clock); False if lost."""
+        return bool(
+            self.filter(worker_id=worker_id, instance=instance).update(
+                last_seen_at=Now(), stopped_at=None
+            )
+        )
+
+    def stopped(self, worker_id: str, instance: str) -> None:
+        self.filter(worker_id=worker_id, instance=instance).update(stopped_at=Now())
 
     def alive(self, within: float | timedelta | None = None) -> WorkerQuerySet:
         """Workers seen within `within` seconds (default WORKER_GONE_AFTER) and not stopped."""

@@ -3,13 +3,20 @@
 It parses no arguments, prints nothing and installs no signal handlers: `run_lease_worker`
 drives it, and tests or other programs can embed it. Every lease write goes through
 `LeaseQuerySet`.
+
+One lock protocol holds it together. Each slot runs one job at a time on its own thread (and
+database connection); the claim loop hands a claimed lease straight to an idle slot, so a lease
+is only ever held by a slot whose thread is alive. Whatever a handler raises ends that attempt,
+never the thread. The loop supervises every turn: a slot thread that died (a bug of ours) is
+replaced and its lease abandoned; a handler past its kind's `timeout` is timed out and its
+thread abandoned to finish (fenced) on its own. The heartbeat renews only leases that a live
+slot runs within their time limit.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import random
 import secrets
 import socket
@@ -20,11 +27,24 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from django.db import InterfaceError, OperationalError, close_old_connections, connections, router
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+    router,
+)
 
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.exceptions import LeaseLost, PermanentError
+from django_leases.exceptions import (
+    HandlerError,
+    HandlerTimeout,
+    LeaseLost,
+    PermanentError,
+    WorkerIdTaken,
+)
 from django_leases.handlers import get_handler, registered_kinds
 from django_leases.lease import Lease
 from django_leases.listener import Listener
@@ -33,6 +53,9 @@ logger = logging.getLogger("django_leases.worker")
 
 # Errors that mean "the database is unreachable right now", worth a retry after a pause.
 TRANSIENT = (OperationalError, InterfaceError)
+# A coroutine is cancelled at its timeout by its own event loop; the loop supervises it only this
+# much later, for a coroutine that blocks its loop and so cannot be cancelled.
+ASYNC_TIMEOUT_SLACK = 2.0
 T = TypeVar("T")
 
 
@@ -50,6 +73,7 @@ class WorkerStats:
     lost: int = 0
     released: int = 0
     abandoned: int = 0
+    timed_out: int = 0
     outages: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -58,8 +82,28 @@ class WorkerStats:
             setattr(self, name, getattr(self, name) + count)
 
     def summary(self) -> str:
-        names = ("claimed", "completed", "retried", "failed", "lost", "released", "abandoned")
+        names = (
+            "claimed", "completed", "retried", "failed", "lost", "released", "abandoned",
+            "timed_out",
+        )  # fmt: skip
         return " ".join(f"{name}={getattr(self, name)}" for name in names)
+
+
+class Slot:
+    """One job at a time, on its own thread. Its fields change only under the worker's lock."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.thread: threading.Thread | None = None
+        self.lease: Lease | None = None
+        self.started: float | None = None
+        """Monotonic time the handler started; None while the lease waits for the thread."""
+        self.deadline: float | None = None
+        """Monotonic time past which the loop ends the attempt as timed out."""
+
+    @property
+    def running(self) -> bool:
+        return self.lease is not None and self.started is not None
 
 
 class LeaseWorker:
@@ -80,6 +124,7 @@ class LeaseWorker:
         grace_period: float | None = None,
     ) -> None:
         if model is None:
+            # Imported here: this module loads before the app registry is ready.
             from django_leases.models import PaymentJob
 
             model = PaymentJob
@@ -128,20 +173,27 @@ class LeaseWorker:
         )
         self.using = router.db_for_write(model)
         self.stats = WorkerStats()
+        self.failure: str | None = None
+        """Why the worker stopped itself (for its supervisor to restart it); None otherwise."""
+        self._instance = secrets.token_hex(8)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._slot_free = threading.Event()
-        self._queue: queue.Queue[Lease | None] = queue.Queue()
-        self._leases: dict[int, Lease] = {}
-        self._renewed_at: dict[int, float] = {}
-        self._leases_lock = threading.Lock()
-        self._busy = 0
-        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._closing = False
+        self._slots = [Slot(n) for n in range(self.concurrency)]
+        self._abandoned: list[threading.Thread] = []
+        self._heartbeat: threading.Thread | None = None
+        self._reported_lost: set[tuple[int, int]] = set()
 
     # ---- public -----------------------------------------------------------------------------
 
     def run(self) -> WorkerStats:
-        """Run until stopped, or until --burst finds nothing left, or --max-jobs is reached."""
+        """Run until stopped, or until --burst finds nothing left, or --max-jobs is reached.
+
+        Raises `WorkerIdTaken` (before any claim) if a live process already uses the worker id.
+        """
         logger.info(
             "worker starting worker_id=%s kinds=%s concurrency=%s ttl=%s heartbeat=%s",
             self.worker_id,
@@ -150,13 +202,15 @@ class LeaseWorker:
             self.ttl,
             self.heartbeat_interval,
         )
-        self._register()
-        self._start_threads()
         listener = Listener.for_model(self.model, self.using)
         try:
+            self._register()
             while not self._stopping.is_set():
+                self._supervise()
+                if self.failure is not None:
+                    break
                 close_old_connections()
-                free = self.concurrency - self._in_flight()
+                free = len(self._idle_slots())
                 claimed = self.run_once() if free > 0 and not self._quota_reached() else 0
                 if self._finished(claimed):
                     break
@@ -178,8 +232,8 @@ class LeaseWorker:
         return self.stats
 
     def run_once(self) -> int:
-        """Claim jobs for the free slots and hand them out; return how many were claimed."""
-        free = self.concurrency - self._in_flight()
+        """Claim jobs for the idle slots and hand them over; return how many were claimed."""
+        free = len(self._idle_slots())
         if self.max_jobs is not None:
             free = min(free, self.max_jobs - self.stats.claimed)
         if free <= 0:
@@ -191,11 +245,10 @@ class LeaseWorker:
             self._outage("claim", exc)
             return 0
         for job in jobs:
-            lease = Lease(job, ttl=self.ttl)
-            with self._leases_lock:
-                self._leases[lease.pk] = lease
-                self._renewed_at[lease.pk] = started
-                self._busy += 1
+            lease = Lease(job, ttl=self.ttl, renewed_at=started)
+            with self._changed:
+                self._idle_slots()[0].lease = lease
+                self._changed.notify_all()
             self.stats.add("claimed")
             logger.info(
                 "claimed job_id=%s kind=%s attempt=%s token=%s owner=%s",
@@ -205,7 +258,6 @@ class LeaseWorker:
                 job.lease_token,
                 self.worker_id,
             )
-            self._queue.put(lease)
         return len(jobs)
 
     def stop(self) -> None:
@@ -218,9 +270,44 @@ class LeaseWorker:
     def _jobs(self) -> Any:
         return self.model._default_manager.db_manager(self.using)
 
+    def _workers(self) -> Any:
+        # Imported here: this module loads before the app registry is ready.
+        from django_leases.models import Worker
+
+        return Worker.objects.db_manager(self.using)
+
+    def _register(self) -> None:
+        """Take this worker's registry row, waiting out database outages (until stopped)."""
+        while True:
+            try:
+                registered = self._workers().register(self.worker_id, **self._registry_fields())
+            except TRANSIENT as exc:
+                if self._stopping.is_set():
+                    return
+                self._outage("registration", exc)
+                continue
+            if not registered:
+                raise WorkerIdTaken(
+                    f"worker id {self.worker_id!r} is in use by a live worker process; "
+                    "give each process its own --worker-id"
+                )
+            return
+
+    def _registry_fields(self) -> dict[str, Any]:
+        return {
+            "instance": self._instance,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "kinds": self.kinds,
+            "concurrency": self.concurrency,
+        }
+
+    def _idle_slots(self) -> list[Slot]:
+        return [slot for slot in self._slots if slot.lease is None]
+
     def _in_flight(self) -> int:
-        with self._leases_lock:
-            return self._busy
+        with self._lock:
+            return sum(slot.lease is not None for slot in self._slots)
 
     def _quota_reached(self) -> bool:
         return self.max_jobs is not None and self.stats.claimed >= self.max_jobs
@@ -230,15 +317,24 @@ class LeaseWorker:
             return True
         return self.burst and claimed == 0 and self._in_flight() == 0
 
+    def _next_wakeup(self, limit: float) -> float:
+        """Seconds until the earliest run-time limit of a running slot, at most `limit`."""
+        with self._lock:
+            deadlines = [s.deadline for s in self._slots if s.running and s.deadline is not None]
+        if not deadlines:
+            return limit
+        return max(0.01, min(limit, min(deadlines) - time.monotonic()))
+
     def _wait_for_slot(self) -> None:
-        self._slot_free.wait(timeout=self.poll_interval)
+        self._slot_free.wait(timeout=self._next_wakeup(self.poll_interval))
         self._slot_free.clear()
 
     def _wait_for_work(self, listener: Listener | None) -> None:
         if self.burst and self._in_flight() == 0:
             return
         # Jitter keeps idle workers from polling in lockstep.
-        deadline = time.monotonic() + self.poll_interval * random.uniform(0.5, 1.5)  # noqa: S311
+        wait = self.poll_interval * random.uniform(0.5, 1.5)  # noqa: S311
+        deadline = time.monotonic() + self._next_wakeup(wait)
         while not self._stopping.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._slot_free.is_set():
@@ -257,63 +353,187 @@ class LeaseWorker:
         connections[self.using].close()
         self._stopping.wait(timeout=min(5.0, self.poll_interval) * random.uniform(0.5, 1.5))  # noqa: S311
 
+    # ---- supervision ------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Replace dead threads, time out handlers past their limit, count abandoned threads."""
+        now = time.monotonic()
+        with self._changed:
+            for slot in self._slots:
+                if slot.thread is not None and not slot.thread.is_alive():
+                    self._replace_dead_slot(slot)
+            late = [
+                (slot, slot.lease)
+                for slot in self._slots
+                if slot.running and slot.deadline is not None and now >= slot.deadline
+            ]
+        for slot, lease in late:
+            if lease is not None:
+                self._time_out(slot, lease)
+        with self._changed:
+            for slot in self._slots:
+                if slot.thread is None and not self._closing:
+                    slot.thread = threading.Thread(
+                        target=self._slot_main,
+                        args=(slot,),
+                        name=f"lease-slot-{slot.number}",
+                        daemon=True,
+                    )
+                    slot.thread.start()
+            self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+            abandoned = len(self._abandoned)
+        if self._heartbeat is None or not self._heartbeat.is_alive():
+            if self._heartbeat is not None:
+                logger.error("the heartbeat thread died; starting a new one")
+            self._heartbeat = threading.Thread(
+                target=self._heartbeat_loop, name="lease-heartbeat", daemon=True
+            )
+            self._heartbeat.start()
+        if abandoned > self.concurrency and self.failure is None:
+            self.failure = (
+                f"{abandoned} handler thread(s) still running past their timeout, more than "
+                f"--concurrency ({self.concurrency}); stopping so that a supervisor restarts "
+                "the process"
+            )
+            logger.error("%s", self.failure)
+
+    def _replace_dead_slot(self, slot: Slot) -> None:
+        # Called under the lock. The slot's code catches everything a job raises, so this is a
+        # bug of ours: never keep (or renew) a lease whose handler nobody runs.
+        lease = slot.lease
+        logger.error("slot thread %s died; starting a new one", slot.number)
+        if lease is not None:
+            self._abandon(lease, "its slot thread died")
+        slot.thread, slot.lease, slot.started, slot.deadline = None, None, None, None
+        self._slot_free.set()
+
+    def _abandon(self, lease: Lease, why: str) -> None:
+        lease.mark_lost(f"abandoned: {why}")
+        self.stats.add("abandoned")
+        logger.warning(
+            "abandoned job_id=%s token=%s: %s; its lease expires in at most %ss",
+            lease.pk,
+            lease.token,
+            why,
+            self.ttl,
+        )
+
+    def _time_out(self, slot: Slot, lease: Lease) -> None:
+        """End the attempt of a handler past its time limit and give its slot a new thread.
+
+        Python cannot stop a thread: the handler runs on, abandoned, and every lease write it
+        makes later (`lease.atomic()` included) is refused.
+        """
+        reason = f"ran past its timeout of {get_handler(lease.job.kind).timeout:g}s"
+        try:
+            status = lease.time_out(reason, retry_in=retry_delay(lease.attempt))
+        except LeaseLost:
+            status = "lost before its timeout"
+        except DatabaseError as exc:
+            # Without the database we cannot end the attempt: stop renewing, so that the lease
+            # expires and the watcher applies the same policy.
+            logger.warning("could not time out job_id=%s: %s", lease.pk, type(exc).__name__)
+            status = "left to expire"
+        with self._changed:
+            if slot.lease is not lease or slot.thread is None:
+                return  # the handler returned meanwhile; its slot wrote the outcome
+            lease.mark_lost(reason)
+            self._abandoned.append(slot.thread)
+            slot.thread, slot.lease, slot.started, slot.deadline = None, None, None, None
+            self._changed.notify_all()
+        self.stats.add("timed_out")
+        logger.warning(
+            "timed out job_id=%s attempt=%s token=%s: %s; %s; its thread is abandoned",
+            lease.pk,
+            lease.attempt,
+            lease.token,
+            reason,
+            status,
+        )
+        self._slot_free.set()
+
     # ---- slots ------------------------------------------------------------------------------
 
-    def _start_threads(self) -> None:
-        self._threads = [
-            threading.Thread(target=self._slot, name=f"lease-slot-{n}", daemon=True)
-            for n in range(self.concurrency)
-        ]
-        self._threads.append(
-            threading.Thread(target=self._heartbeat_loop, name="lease-heartbeat", daemon=True)
-        )
-        for thread in self._threads:
-            thread.start()
-
-    def _slot(self) -> None:
+    def _slot_main(self, slot: Slot) -> None:
+        me = threading.current_thread()
         try:
             while True:
-                lease = self._queue.get()
-                if lease is None:
-                    return
-                try:
-                    close_old_connections()
-                    if self._stopping.is_set():
-                        self._release_unstarted(lease)
+                with self._changed:
+                    self._changed.wait_for(
+                        lambda: (
+                            slot.thread is not me
+                            or self._closing
+                            or (slot.lease is not None and slot.started is None)
+                        )
+                    )
+                    if slot.thread is not me or slot.lease is None:
+                        return
+                    lease = slot.lease
+                    start = not self._stopping.is_set()
+                    if start:
+                        slot.started = time.monotonic()
+                        slot.deadline = self._deadline(lease, slot.started)
                     else:
-                        self._execute(lease)
-                finally:
-                    with self._leases_lock:
-                        self._leases.pop(lease.pk, None)
-                        self._renewed_at.pop(lease.pk, None)
-                        self._busy -= 1
-                    self._slot_free.set()
+                        slot.lease = None
+                if start:
+                    self._execute(lease)
+                else:
+                    self._release_unstarted(lease)
+                with self._changed:
+                    mine = slot.thread is me
+                    if mine and slot.lease is lease:
+                        slot.lease, slot.started, slot.deadline = None, None, None
+                self._slot_free.set()
+                if not mine:
+                    return  # abandoned past its timeout: the slot has a new thread
+        except BaseException:  # noqa: BLE001 - a bug of ours; the loop abandons the slot's lease
+            logger.exception("slot thread %s failed", slot.number)
+            self._slot_free.set()
         finally:
             connections.close_all()
+
+    @staticmethod
+    def _deadline(lease: Lease, started: float) -> float | None:
+        """When the loop ends this attempt: at the kind's timeout; for a coroutine, which its
+        own event loop cancels at the timeout, only if it blocks that loop."""
+        handler = get_handler(lease.job.kind)
+        if handler.timeout is None:
+            return None
+        slack = ASYNC_TIMEOUT_SLACK if handler.is_async else 0.0
+        return started + handler.timeout + slack
 
     def _execute(self, lease: Lease) -> None:
         job = lease.job
         handler = get_handler(job.kind)
         started = time.monotonic()
         logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
+        error: BaseException | None = None
         try:
-            handler.func(job, lease)
-        except LeaseLost as exc:
-            self._fenced_out(lease, str(exc))
-            return
-        except PermanentError as exc:
-            self._record(lease, "failed", partial(lease.fail, exc, permanent=True), exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - any handler error is a failed attempt
-            if lease.lost:
-                self._fenced_out(
-                    lease, f"handler raised {type(exc).__name__} after the lease was lost"
-                )
-                return
+            close_old_connections()
+            deadline = None if handler.timeout is None else started + handler.timeout
+            handler.run(job, lease, deadline=deadline)
+        except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
+            error = exc
+        left_open = self._restore_connections()
+        if error is None and left_open:
+            error = HandlerError(left_open)
+        if lease.outcome == "timed_out":
+            return  # the loop ended this attempt at its timeout; the handler came back late
+        if isinstance(error, LeaseLost):
+            self._fenced_out(lease, str(error))
+        elif isinstance(error, HandlerTimeout):
             delay = retry_delay(lease.attempt)
-            self._record(lease, "retry", partial(lease.fail, exc, retry_in=delay), exc)
-            return
-        if lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
+            self._record(lease, "timed_out", partial(lease.time_out, str(error), retry_in=delay))
+        elif error is not None and lease.lost:
+            self._fenced_out(
+                lease, f"handler raised {type(error).__name__} after the lease was lost"
+            )
+        elif isinstance(error, PermanentError):
+            self._record(lease, "failed", partial(lease.fail, error, permanent=True), error)
+        elif error is not None:
+            delay = retry_delay(lease.attempt)
+            self._record(lease, "retry", partial(lease.fail, error, retry_in=delay), error)
+        elif lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
             outcome = lease.outcome or "completed"
             self.stats.add(outcome)
             logger.info(
@@ -323,14 +543,46 @@ class LeaseWorker:
                 lease.attempt,
                 time.monotonic() - started,
             )
-            return
-        if lease.lost:
+        elif lease.lost:
             self._fenced_out(lease, "the lease was lost while the handler ran; result discarded")
-            return
-        self._record(lease, "completed", lease.complete, None)
+        else:
+            self._record(lease, "completed", lease.complete)
+
+    def _restore_connections(self) -> str:
+        """Undo a transaction the handler left open on this thread's connections.
+
+        Returns what was wrong, or "". Left as it was, the worker's own write of the outcome
+        would run inside the handler's transaction, and commit or vanish with it.
+        """
+        problems = []
+        for conn in connections.all(initialized_only=True):
+            try:
+                if conn.in_atomic_block:
+                    # An atomic block entered and never exited: the wrapper cannot leave it
+                    # cleanly, so close the connection and forget it; the next use reconnects.
+                    conn.close()
+                    del connections[conn.alias]
+                elif conn.connection is not None and not conn.get_autocommit():
+                    conn.rollback()
+                    conn.set_autocommit(True)
+                else:
+                    continue
+            except DatabaseError:
+                conn.close()
+            problems.append(conn.alias)
+        if not problems:
+            return ""
+        return (
+            f"the handler returned with a transaction open on database(s) "
+            f"{', '.join(problems)}; its uncommitted writes were rolled back"
+        )
 
     def _record(
-        self, lease: Lease, outcome: str, write: Callable[[], object], error: BaseException | None
+        self,
+        lease: Lease,
+        outcome: str,
+        write: Callable[[], object],
+        error: BaseException | None = None,
     ) -> None:
         """Write a job's outcome, retrying while the database is down and the lease may be live."""
         had_outage = False
@@ -346,6 +598,10 @@ class LeaseWorker:
                 self._fenced_out(lease, str(exc))
                 return
             except TRANSIENT as exc:
+                if connections[self.using].is_usable():
+                    # The database answered, and refused this statement: not an outage.
+                    self._unrecordable(lease, outcome, exc)
+                    return
                 had_outage = True
                 if lease.lost:
                     self._fenced_out(lease, "database unreachable for longer than the TTL")
@@ -353,11 +609,27 @@ class LeaseWorker:
                 self._outage(f"{outcome} of job {lease.pk}", exc)
                 if self._stopped.is_set():
                     return
+            except Exception as exc:  # noqa: BLE001 - e.g. a value the database cannot store
+                self._unrecordable(lease, outcome, exc)
+                return
+        self._count(lease, outcome, result, error)
+
+    def _count(
+        self, lease: Lease, outcome: str, result: object, error: BaseException | None
+    ) -> None:
         error_name = type(error).__name__ if error else ""
         if outcome == "completed":
             self.stats.add("completed")
             logger.info(
                 "completed job_id=%s attempt=%s owner=%s", lease.pk, lease.attempt, lease.owner
+            )
+        elif outcome == "timed_out":
+            self.stats.add("timed_out")
+            logger.warning(
+                "timed out job_id=%s attempt=%s: cancelled at its timeout; now %s",
+                lease.pk,
+                lease.attempt,
+                result,
             )
         elif result == "failed" or outcome == "failed":
             self.stats.add("failed")
@@ -373,6 +645,30 @@ class LeaseWorker:
                 "retry job_id=%s attempt=%s error_class=%s", lease.pk, lease.attempt, error_name
             )
 
+    def _unrecordable(self, lease: Lease, outcome: str, exc: Exception) -> None:
+        """The database refused the outcome write itself: fail the attempt without its details,
+        or, if even that is refused, stop renewing so that the lease expires for the watcher."""
+        logger.error(
+            "could not record the outcome %s of job_id=%s: %s",
+            outcome,
+            lease.pk,
+            type(exc).__name__,
+        )
+        if outcome != "failed-unrecordable":
+            reason = (
+                f"the worker could not record the outcome {outcome!r}: the database refused it "
+                f"({type(exc).__name__})"
+            )
+            delay = retry_delay(lease.attempt)
+            self._record(
+                lease,
+                "failed-unrecordable",
+                partial(lease.fail, HandlerError(reason), retry_in=delay),
+                exc,
+            )
+            return
+        self._abandon(lease, "the database refused every outcome write")
+
     def _fenced_out(self, lease: Lease, reason: str) -> None:
         lease.mark_lost(reason)
         self.stats.add("lost")
@@ -385,7 +681,7 @@ class LeaseWorker:
         )
         try:
             self._jobs().record_fenced(lease.pk, lease.token)
-        except TRANSIENT:
+        except DatabaseError:
             close_old_connections()
 
     # ---- heartbeat --------------------------------------------------------------------------
@@ -393,102 +689,109 @@ class LeaseWorker:
     def _heartbeat_loop(self) -> None:
         try:
             while not self._stopped.wait(timeout=self.heartbeat_interval):
-                close_old_connections()
-                self._renew()
-                self._register()
+                try:
+                    close_old_connections()
+                    self._renew()
+                    self._beat()
+                except BaseException:  # noqa: BLE001 - the next beat tries again
+                    logger.exception("heartbeat failed")
+                    connections[self.using].close()
         finally:
             connections.close_all()
 
-    def _register(self) -> None:
-        """Upsert this worker's registry row, so the watcher and the admin know it is alive."""
-        from django_leases.models import Worker
-
+    def _beat(self) -> None:
+        """Refresh this worker's registry row, so the watcher and the admin know it is alive."""
         try:
-            Worker.objects.using(self.using).beat(
-                self.worker_id,
-                hostname=socket.gethostname(),
-                pid=os.getpid(),
-                kinds=self.kinds,
-                concurrency=self.concurrency,
-            )
+            if self._workers().beat(self.worker_id, self._instance):
+                return
+            # Our row was pruned, or taken by another process after we looked gone for longer
+            # than WORKER_GONE_AFTER (a partition): take it back, unless that process is live.
+            if not self._workers().register(self.worker_id, **self._registry_fields()):
+                self.failure = (
+                    f"worker id {self.worker_id!r} was taken by another live worker process"
+                )
+                logger.error("%s; stopping", self.failure)
+                self.stop()
         except TRANSIENT:
             close_old_connections()
 
+    def _held(self) -> list[Lease]:
+        """The leases to renew: handed to a live slot, not lost, within their time limit."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                slot.lease
+                for slot in self._slots
+                if slot.lease is not None
+                and slot.thread is not None
+                and slot.thread.is_alive()
+                and (slot.deadline is None or now < slot.deadline)
+                and not slot.lease.finished
+            ]
+
     def _renew(self) -> None:
-        with self._leases_lock:
-            leases = {pk: lease for pk, lease in self._leases.items() if not lease.lost}
+        leases = []
+        for lease in self._held():
+            if not lease.lost:
+                leases.append(lease)
+            elif lease.key not in self._reported_lost:
+                self._reported_lost.add(lease.key)
+                logger.warning(
+                    "lease lost job_id=%s token=%s: %s", lease.pk, lease.token, lease.lost_reason
+                )
         if not leases:
             return
         started = time.monotonic()
         try:
             renewed = self._jobs().heartbeat(
-                self.worker_id, {pk: lease.token for pk, lease in leases.items()}, ttl=self.ttl
+                self.worker_id, {lease.pk: lease.token for lease in leases}, ttl=self.ttl
             )
         except TRANSIENT as exc:
             logger.warning("heartbeat failed: %s", exc)
             close_old_connections()
             connections[self.using].close()
-            self._expire_unreachable(leases, started)
             return
-        with self._leases_lock:
-            for pk in renewed:
-                self._renewed_at[pk] = started
-        for pk, lease in leases.items():
-            if pk not in renewed and not lease.finished:
+        for lease in leases:
+            if lease.pk in renewed:
+                lease.renewed(started)
+            elif not lease.finished:
                 lease.mark_lost("heartbeat refused: the lease expired or was taken over")
-                logger.warning("lease lost job_id=%s token=%s: heartbeat refused", pk, lease.token)
+                self._reported_lost.add(lease.key)
+                logger.warning(
+                    "lease lost job_id=%s token=%s: heartbeat refused", lease.pk, lease.token
+                )
         logger.debug("heartbeat renewed=%s of %s", len(renewed), len(leases))
-
-    def _expire_unreachable(self, leases: dict[int, Lease], now: float) -> None:
-        # Without the database we cannot renew: once a TTL has passed since the last renewal
-        # that we know reached it, someone else may own the job. Assume so.
-        with self._leases_lock:
-            renewed_at = dict(self._renewed_at)
-        for pk, lease in leases.items():
-            if now - renewed_at.get(pk, now) >= self.ttl:
-                lease.mark_lost("database unreachable for longer than the TTL")
-                logger.warning("lease lost job_id=%s: database unreachable for a whole TTL", pk)
 
     # ---- shutdown ---------------------------------------------------------------------------
 
     def _shutdown(self) -> None:
         """Release unstarted jobs, let running ones finish within the grace period."""
-        for lease in self._drain_queue():
-            try:
+        with self._changed:
+            unstarted = [s.lease for s in self._slots if s.lease is not None and s.started is None]
+            for slot in self._slots:
+                if slot.started is None:
+                    slot.lease = None
+            self._closing = True
+            self._changed.notify_all()
+        for lease in unstarted:
+            if lease is not None:
                 self._release_unstarted(lease)
-            finally:
-                with self._leases_lock:
-                    self._leases.pop(lease.pk, None)
-                    self._busy -= 1
-        for _ in range(self.concurrency):
-            self._queue.put(None)
         deadline = time.monotonic() + self.grace_period
-        slots = [t for t in self._threads if t.name.startswith("lease-slot")]
-        # Join in short slices: a signal the kernel hands to another thread only runs its
+        # Wait in short slices: a signal the kernel hands to another thread only runs its
         # Python handler (a second SIGTERM exits at once) when the main thread runs bytecode.
-        while any(t.is_alive() for t in slots) and time.monotonic() < deadline:
-            for thread in slots:
-                thread.join(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
-        with self._leases_lock:
-            still_running = list(self._leases.values())
+        while self._in_flight() and time.monotonic() < deadline:
+            self._slot_free.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            self._slot_free.clear()
+            self._supervise()
+        with self._lock:
+            still_running = [slot.lease for slot in self._slots if slot.lease is not None]
         for lease in still_running:
             # Releasing a job whose handler still runs would let a second worker start it
             # alongside. Instead stop renewing: the lease expires and the watcher returns it.
-            lease.mark_lost("worker stopped before the job finished")
-            self.stats.add("abandoned")
-            logger.warning(
-                "abandoned job_id=%s token=%s: still running after the %ss grace period; "
-                "its lease expires in at most %ss",
-                lease.pk,
-                lease.token,
-                self.grace_period,
-                self.ttl,
-            )
+            self._abandon(lease, f"still running after the {self.grace_period}s grace period")
         self._stopped.set()
         try:
-            from django_leases.models import Worker
-
-            Worker.objects.using(self.using).stopped(self.worker_id)
+            self._workers().stopped(self.worker_id, self._instance)
         except TRANSIENT:
             pass
         finally:
@@ -502,13 +805,3 @@ class LeaseWorker:
             return
         self.stats.add("released")
         logger.info("released unstarted job_id=%s token=%s", lease.pk, lease.token)
-
-    def _drain_queue(self) -> list[Lease]:
-        drained: list[Lease] = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return drained
-            if item is not None:
-                drained.append(item)

@@ -1,6 +1,9 @@
 """Handlers the worker tests run. Behaviour is steered by the payload, never by globals."""
 
+import asyncio
 import time
+
+from django.db import transaction
 
 from django_leases import PermanentError, job_handler
 
@@ -65,3 +68,96 @@ def risky_reconciled(job, lease):
 def self_fail(job, lease):
     """Record the failure itself, then return."""
     lease.fail("declined by the PSP", permanent=True)
+
+
+# ---- faults of the handler's own making: whatever it raises ends that attempt only ----------
+
+
+class Interrupted(BaseException):
+    """A BaseException that is not an Exception, like KeyboardInterrupt."""
+
+
+LongNamedError = type("Long" + "N" * 300 + "Error", (Exception,), {})
+
+
+@job_handler("exits")
+def exits(job, lease):
+    raise SystemExit(3)
+
+
+@job_handler("interrupted")
+def interrupted(job, lease):
+    raise Interrupted("stop right there")
+
+
+@job_handler("long_named_error")
+def long_named_error(job, lease):
+    raise LongNamedError("a class name longer than the ledger's column")
+
+
+@job_handler("leaves_transaction_open")
+def leaves_transaction_open(job, lease):
+    """Write a charge with autocommit off and return without committing."""
+    transaction.set_autocommit(False)
+    Charge.objects.create(job_ref=job.pk, token=lease.token, owner="never committed")
+
+
+@job_handler("hangs", timeout=1.5)
+def hangs(job, lease):
+    """Block (past the kind's timeout, if the payload says so), then record a charge."""
+    time.sleep(duration(job, lease))
+    with lease.atomic():
+        Charge.objects.create(job_ref=job.pk, token=lease.token, owner=lease.owner)
+
+
+# ---- async handlers ---------------------------------------------------------------------------
+
+
+@job_handler("async_charge")
+async def async_charge(job, lease):
+    """Await, then record a charge and complete the job in one transaction."""
+    await asyncio.sleep(duration(job, lease))
+    await lease.aatomic(Charge.objects.create, job_ref=job.pk, token=lease.token, owner=lease.owner)
+
+
+@job_handler("async_record")
+async def async_record(job, lease):
+    """Record a charge with Django's async ORM; the worker completes the job."""
+    await lease.acheckpoint("started")
+    await asyncio.sleep(duration(job, lease))
+    await Charge.objects.acreate(job_ref=job.pk, token=lease.token, owner=lease.owner)
+
+
+@job_handler("async_boom")
+async def async_boom(job, lease):
+    await asyncio.sleep(0)
+    raise RuntimeError(job.payload.get("message", "async boom"))
+
+
+@job_handler("async_permanent")
+async def async_permanent(job, lease):
+    await asyncio.sleep(0)
+    raise PermanentError("card declined")
+
+
+@job_handler("async_hangs", timeout=1)
+async def async_hangs(job, lease):
+    """Await far past the timeout: the worker cancels it; the charge below is never written."""
+    await asyncio.sleep(60)
+    await Charge.objects.acreate(job_ref=job.pk, token=lease.token, owner="after the timeout")
+
+
+@job_handler("async_blocks_its_loop", timeout=1)
+async def async_blocks_its_loop(job, lease):
+    """Block the event loop itself, so that it cannot be cancelled."""
+    time.sleep(duration(job, lease))
+
+
+async def _write_charge(job, lease):
+    await Charge.objects.acreate(job_ref=job.pk, token=lease.token, owner=lease.owner)
+
+
+@job_handler("returns_coroutine")
+def returns_coroutine(job, lease):
+    """A plain function that hands back a coroutine from a helper: the worker awaits it."""
+    return _write_charge(job, lease)

@@ -5,6 +5,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_leases.conf import leases_settings
+from django_leases.exceptions import WorkerIdTaken
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
     configure_logging,
@@ -16,6 +17,9 @@ from django_leases.management.commands._options import (
 )
 from django_leases.worker import LeaseWorker
 
+# The worker stopped itself and wants a fresh process (documented in --help).
+EXIT_RESTART = 3
+
 
 class Command(OneLineErrorsMixin, BaseCommand):
     help = (
@@ -23,7 +27,10 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "The first SIGTERM/SIGINT stops claiming, lets running jobs finish within the grace "
         "period, releases unstarted ones and exits 0; a second one exits at once with status "
         "128 + the signal number (130 for SIGINT, 143 for SIGTERM), leaving leases to expire. "
-        "Exit status 1: bad options or settings."
+        "Exit status 1: bad options or settings, or another live worker process runs under "
+        "the same --worker-id. Exit status 3: the worker stopped itself for its supervisor to "
+        "restart it (more handler threads still running past their kind's timeout than "
+        "--concurrency)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -118,7 +125,15 @@ class Command(OneLineErrorsMixin, BaseCommand):
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         with stop_signals(worker.stop):
-            stats = worker.run()
+            try:
+                stats = worker.run()
+            except WorkerIdTaken as exc:
+                raise CommandError(str(exc)) from None
+        if worker.failure is not None:
+            raise CommandError(
+                f"worker {worker.worker_id} stopped itself: {worker.failure} ({stats.summary()})",
+                returncode=EXIT_RESTART,
+            )
         self.stdout.write(
             self.style.SUCCESS(f"worker {worker.worker_id} stopped: {stats.summary()}")
         )
