@@ -293,8 +293,12 @@ def test_worker__unstarted_jobs_are_released_on_stop() -> None:
     assert (stats.claimed, stats.released, stats.completed) == (1, 1, 0)
 
 
-def test_worker__lease_atomic_rolls_back_the_zombies_writes(processes: Processes) -> None:
-    job = PaymentJob.objects.enqueue("charge", {"durations": [3, 2]})
+# "async_charge" is the same handler as an `async def`, writing under `await lease.aatomic()`.
+@pytest.mark.parametrize("kind", ["charge", "async_charge"])
+def test_worker__lease_atomic_rolls_back_the_zombies_writes(
+    processes: Processes, kind: str
+) -> None:
+    job = PaymentJob.objects.enqueue(kind, {"durations": [3, 2]})
     zombie = worker(processes, "zombie", "--ttl", "1.5", "--heartbeat", "0.3")
     wait_for(lambda: held_by(job, "zombie"))
     os.killpg(zombie.pid, signal.SIGSTOP)
@@ -308,6 +312,8 @@ def test_worker__lease_atomic_rolls_back_the_zombies_writes(processes: Processes
         lambda: JobAttempt.objects.filter(job_ref=job.pk, token=1, fenced_at__isnull=False).exists()
     )
     assert list(Charge.objects.values_list("job_ref", "token", "owner")) == [(job.pk, 2, "owner")]
+    assert ledger(job) == [(1, "zombie", "lease_lost"), (2, "owner", "completed")]
+    assert zombie.poll() is None, "the zombie must keep running, not crash"
 
 
 @pytest.mark.parametrize(
