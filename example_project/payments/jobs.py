@@ -9,6 +9,9 @@ Every handler follows the same three steps:
    after its lease was taken over, sends the same key and the PSP moves no money twice;
 3. `lease.atomic()` around the shop's own write: the payment's new status and the job's
    completion commit together, and not at all if the lease was lost meanwhile.
+
+`refund` is an `async def` handler, as a shop calling its PSP with an async HTTP client would
+write it: the same steps with `await lease.acheckpoint()` and `await lease.aatomic()`.
 """
 
 from __future__ import annotations
@@ -62,17 +65,22 @@ def capture(job, lease):
         record_capture(job.payment_id, result)
 
 
+def record_refund(payment_id: str) -> int:
+    return Payment.objects.filter(pk=payment_id).update(status=Status.REFUNDED, updated_at=Now())
+
+
 @job_handler("refund")
-def refund(job, lease):
-    payment = Payment.objects.get(pk=job.payment_id)
-    lease.checkpoint("psp_called")
-    result = psp.refund(
+async def refund(job, lease):
+    """The same three steps from async code: an async PSP client, awaited lease writes."""
+    payment = await Payment.objects.aget(pk=job.payment_id)
+    await lease.acheckpoint("psp_called")
+    result = await psp.arefund(
         str(payment.pk), payment.amount, payment.currency, idempotency_key=job.idempotency_key
     )
     if not result.succeeded:
         raise PermanentError(f"the PSP refused the refund: {result.message}")
-    with lease.atomic():
-        Payment.objects.filter(pk=payment.pk).update(status=Status.REFUNDED, updated_at=Now())
+    # The async counterpart of `with lease.atomic():`, for a synchronous function.
+    await lease.aatomic(record_refund, job.payment_id)
 
 
 @job_handler("reconcile")

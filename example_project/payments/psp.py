@@ -18,6 +18,7 @@ gets the same answer: about 4 in 100 are declined, 2 in 100 rejected (authorizat
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import random
@@ -27,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.db import IntegrityError, transaction
 from django.db.models import F, QuerySet
 
@@ -96,6 +98,25 @@ def refund(payment_ref: str, amount: int, currency: str, *, idempotency_key: str
     return _call(REFUND, payment_ref, amount, currency, idempotency_key)
 
 
+async def arefund(
+    payment_ref: str, amount: int, currency: str, *, idempotency_key: str
+) -> PspResult:
+    """`refund()` for async code, as an async HTTP client would call the PSP: the network legs
+    are awaited, so one event loop can wait on many PSP calls; the books are kept on the
+    caller's database thread (`sync_to_async`)."""
+    moods = Moods.from_env()
+    await _apause(moods.latency / 2)
+    if random.random() < moods.error_rate:  # noqa: S311 - a fake's mood, not cryptography
+        raise PspUnavailableError("503 Service Unavailable")
+    if random.random() < moods.stall_rate:  # noqa: S311
+        await asyncio.sleep(moods.stall_seconds)
+    result = await sync_to_async(_act)(REFUND, payment_ref, amount, currency, idempotency_key)
+    await _apause(moods.latency / 2)
+    if not result.replayed and random.random() < moods.timeout_rate:  # noqa: S311
+        raise PspTimeoutError("read timed out; the request may have been processed")
+    return result
+
+
 def lookup(idempotency_key: str) -> PspResult | None:
     """Return what the PSP did under `idempotency_key`, or None if it never acted on it."""
     charge = FakePspCharge.objects.filter(idempotency_key=idempotency_key).first()
@@ -136,6 +157,10 @@ def _call(operation: str, payment_ref: str, amount: int, currency: str, key: str
 
 def _pause(mean: float) -> None:
     time.sleep(mean * random.uniform(0.5, 1.5))  # noqa: S311
+
+
+async def _apause(mean: float) -> None:
+    await asyncio.sleep(mean * random.uniform(0.5, 1.5))  # noqa: S311
 
 
 def _act(
