@@ -529,8 +529,10 @@ def test_attempt_admin__read_only_list_filters_and_search(
 
 def test_worker_admin__alive_and_gone(admin_client: Client) -> None:
     for name in ("alive-1", "stopped-1", "silent-1"):
-        Worker.objects.beat(name, hostname="h", pid=1, kinds=["capture"], concurrency=2)
-    Worker.objects.stopped("stopped-1")
+        Worker.objects.register(
+            name, instance="test", hostname="h", pid=1, kinds=["capture"], concurrency=2
+        )
+    Worker.objects.stopped("stopped-1", "test")
     Worker.objects.filter(worker_id="silent-1").update(last_seen_at=Now() - timedelta(hours=1))
     url = reverse("admin:django_leases_worker_changelist")
 
@@ -549,9 +551,13 @@ def test_worker_admin__alive_and_gone(admin_client: Client) -> None:
 
 
 def test_overview__counts_and_lists(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
-    Worker.objects.beat("worker-a", hostname="h", pid=1, kinds=["capture"], concurrency=4)
-    Worker.objects.beat("worker-b", hostname="h", pid=2, kinds=[], concurrency=1)
-    Worker.objects.stopped("worker-b")
+    Worker.objects.register(
+        "worker-a", instance="test", hostname="h", pid=1, kinds=["capture"], concurrency=4
+    )
+    Worker.objects.register(
+        "worker-b", instance="test", hostname="h", pid=2, kinds=[], concurrency=1
+    )
+    Worker.objects.stopped("worker-b", "test")
     PaymentJob.objects.filter(pk=jobs["pending"].pk).update(run_at=Now() - timedelta(minutes=3))
     response = admin_client.get(reverse(OVERVIEW))
     assert response.status_code == 200
@@ -633,7 +639,9 @@ def bulk_jobs(n: int) -> None:
         )
     PaymentJob.objects.filter(pk__in=share["review"]).update(status=Status.REVIEW)
     for i in range(min(n // 100, 30)):
-        Worker.objects.beat(f"bulk-{i}", hostname="h", pid=i, kinds=["k0"], concurrency=1)
+        Worker.objects.register(
+            f"bulk-{i}", instance="test", hostname="h", pid=i, kinds=["k0"], concurrency=1
+        )
 
 
 # Session, user, the kind filter's lookups, COUNT, the page. Every filter combination is

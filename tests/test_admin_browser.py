@@ -78,8 +78,13 @@ def queue_at_3am() -> dict[str, int]:
         PaymentJob.objects.filter(pk=job.pk).update(
             status=status, completed_at=Now() - timedelta(seconds=(i * 29) % 3500)
         )
-    Worker.objects.beat(
-        "host-1:1234:ab12", hostname="host-1", pid=1234, kinds=["capture"], concurrency=4
+    Worker.objects.register(
+        "host-1:1234:ab12",
+        instance="test",
+        hostname="host-1",
+        pid=1234,
+        kinds=["capture"],
+        concurrency=4,
     )
     return made
 

@@ -116,7 +116,7 @@ def test_overview__seven_queries(django_assert_num_queries: Any) -> None:
     job_in("processing", lease_until=Now() - timedelta(seconds=5))
     job_in("pending", run_at=Now() - timedelta(minutes=2))
     job_in("review")
-    Worker.objects.beat("w1", hostname="h", pid=1, kinds=[], concurrency=1)
+    Worker.objects.register("w1", instance="test", hostname="h", pid=1, kinds=[], concurrency=1)
     with django_assert_num_queries(7):
         data = stats.overview(PaymentJob.objects.all(), Worker.objects.all(), near_expiry=20)
     assert (data.total, data.stuck, data.near_expiry, data.under_review) == (3, 1, 0, 1)
