@@ -255,21 +255,27 @@ def check_database_clock(
     ]
 
 
+def sqlite_without_immediate(databases: dict[str, Any]) -> list[str]:
+    """Return the aliases of SQLite databases in `databases` (a DATABASES setting) whose
+    transactions do not take the write lock when they start."""
+    return [
+        alias
+        for alias, config in databases.items()
+        if str(config.get("ENGINE", "")).endswith("sqlite3")
+        and str((config.get("OPTIONS") or {}).get("transaction_mode", "")).upper() != "IMMEDIATE"
+    ]
+
+
 def check_sqlite_transaction_mode(**kwargs: Any) -> list[CheckMessage]:
     """Warn about SQLite databases whose transactions do not take the write lock at once."""
     return [
         Warning(
-            f'SQLite database {alias!r} has no "OPTIONS": {{"transaction_mode": '
-            '"IMMEDIATE"}}: an operator action reads before it writes, and another process\'s '
+            f"SQLite database {alias!r} has no \"OPTIONS\": {{\"transaction_mode\": "
+            "\"IMMEDIATE\"}}: an operator action reads before it writes, and another process's "
             "write in between makes it fail with 'database is locked' instead of waiting.",
-            hint='Add "transaction_mode": "IMMEDIATE" to the OPTIONS of this database '
+            hint="Add \"transaction_mode\": \"IMMEDIATE\" to the OPTIONS of this database "
             "(Django 5.1+).",
             id="django_leases.W003",
         )
-        for alias in connections
-        if connections[alias].vendor == "sqlite"
-        and str(
-            connections[alias].settings_dict.get("OPTIONS", {}).get("transaction_mode", "")
-        ).upper()
-        != "IMMEDIATE"
+        for alias in sqlite_without_immediate(settings.DATABASES)
     ]

@@ -3,6 +3,7 @@
 import time
 
 from django_leases import PermanentError, job_handler
+from django_leases.models import PaymentJob
 
 from .models import Charge
 
@@ -65,3 +66,9 @@ def risky_reconciled(job, lease):
 def self_fail(job, lease):
     """Record the failure itself, then return."""
     lease.fail("declined by the PSP", permanent=True)
+
+
+@job_handler("leaky")
+def leaky(job, lease):
+    """Insert a job whose idempotency key already exists: the IntegrityError quotes the card."""
+    PaymentJob.objects.create(kind="noop", idempotency_key=job.payload["card"])
