@@ -30,8 +30,8 @@ from django.utils.translation import gettext_lazy as _
 
 from django_leases import stats
 from django_leases.conf import leases_settings
-from django_leases.exceptions import InvalidPayload
-from django_leases.limits import JOB_ID, bad_character, check_json
+from django_leases.exceptions import InvalidArgument, InvalidPayload
+from django_leases.limits import JOB_ID, PRIORITY, bad_character, check_int, check_json
 from django_leases.models import JobAttempt, JobStatus, PaymentJob, Worker
 from django_leases.querysets import (
     CANCELLED,
@@ -147,18 +147,6 @@ class ReadOnlyMixin:
         return False
 
 
-class StoredTextSearchMixin:
-    """A search term no database stores (a NUL character) finds nothing, on every database:
-    PostgreSQL would refuse the query with an error page."""
-
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
-    ) -> tuple[QuerySet[Any], bool]:
-        if bad_character(search_term):
-            return queryset.none(), False
-        return super().get_search_results(request, queryset, search_term)  # type: ignore[misc]
-
-
 class IndexedSearchMixin:
     """Search with `search(queryset, term)`, lookups an index serves, instead of Django's
     icontains on every search field, which scans the whole table."""
@@ -170,8 +158,6 @@ class IndexedSearchMixin:
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
         term = search_term.strip()
-        if bad_character(term):
-            return queryset.none(), False
         return (self.search(queryset, term) if term else queryset), False
 
 
@@ -295,7 +281,7 @@ class WorkerStateFilter(admin.SimpleListFilter):
 
 
 @admin.register(Worker)
-class WorkerAdmin(StoredTextSearchMixin, ReadOnlyMixin, admin.ModelAdmin):
+class WorkerAdmin(ReadOnlyMixin, admin.ModelAdmin):
     list_display = (
         "worker_id",
         "state",
@@ -446,7 +432,8 @@ def operator_action(
 
 
 class PaymentJobForm(ModelForm[Any]):
-    """The change form: a payload must be JSON that every database stores."""
+    """The change form: the bounds of `enqueue()`, the same on every database (SQLite would
+    store a priority PostgreSQL refuses)."""
 
     def clean_payload(self) -> Any:
         payload = self.cleaned_data["payload"]
@@ -455,6 +442,14 @@ class PaymentJobForm(ModelForm[Any]):
         except InvalidPayload as exc:
             raise ValidationError(str(exc)) from None
         return payload
+
+    def clean_priority(self) -> Any:
+        priority = self.cleaned_data["priority"]
+        try:
+            check_int(priority, "priority", PRIORITY)
+        except InvalidArgument as exc:
+            raise ValidationError(str(exc)) from None
+        return priority
 
 
 @admin.register(PaymentJob)

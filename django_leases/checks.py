@@ -270,10 +270,10 @@ def check_sqlite_transaction_mode(**kwargs: Any) -> list[CheckMessage]:
     """Warn about SQLite databases whose transactions do not take the write lock at once."""
     return [
         Warning(
-            f"SQLite database {alias!r} has no \"OPTIONS\": {{\"transaction_mode\": "
-            "\"IMMEDIATE\"}}: an operator action reads before it writes, and another process's "
+            f'SQLite database {alias!r} has no "OPTIONS": {{"transaction_mode": '
+            '"IMMEDIATE"}}: an operator action reads before it writes, and another process\'s '
             "write in between makes it fail with 'database is locked' instead of waiting.",
-            hint="Add \"transaction_mode\": \"IMMEDIATE\" to the OPTIONS of this database "
+            hint='Add "transaction_mode": "IMMEDIATE" to the OPTIONS of this database '
             "(Django 5.1+).",
             id="django_leases.W003",
         )
