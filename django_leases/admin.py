@@ -431,7 +431,7 @@ def operator_action(
     return action
 
 
-class PaymentJobForm(ModelForm[Any]):
+class PaymentJobForm(ModelForm):
     """The change form: the bounds of `enqueue()`, the same on every database (SQLite would
     store a priority PostgreSQL refuses)."""
 
