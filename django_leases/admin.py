@@ -163,8 +163,9 @@ class IndexedSearchMixin:
 
 def job_id(term: str) -> int | None:
     """Return `term` as a job id if it is one: ASCII digits within the BIGINT range."""
-    # Not str.isdigit(): it is true for "²" and other digits int() refuses.
-    if not term.isascii() or not term.isdigit():
+    # Not str.isdigit() alone: it is true for "²" and other digits int() refuses. The length
+    # bound keeps int() from parsing (or refusing) thousands of digits.
+    if not term.isascii() or not term.isdigit() or len(term) > len(str(JOB_ID[1])):
         return None
     number = int(term)
     return number if JOB_ID[0] <= number <= JOB_ID[1] else None
