@@ -186,7 +186,11 @@ def test_prune__refuses_bad_arguments(kwargs: dict, message: str) -> None:
     [
         (["--batch-size", "0"], "argument --batch-size: '0' must be from 1 to 10000"),
         (["--batch-size", "lots"], "argument --batch-size: 'lots' is not a whole number"),
-        (["--older-than=-5"], "argument --older-than: '-5' must be a positive number of seconds"),
+        (
+            ["--older-than=-5"],
+            "argument --older-than: '-5' must be a positive number of seconds up to "
+            "3153600000 (100 years)",
+        ),
         (["--older-than", "soon"], "argument --older-than: 'soon' is not a number of seconds"),
         (["--dry-run", "yes"], "unrecognized arguments: yes"),
     ],
