@@ -14,12 +14,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, cast
+from weakref import WeakKeyDictionary
 
 from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Exists, OuterRef, QuerySet
 from django.forms import ModelForm
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
@@ -29,6 +30,8 @@ from django.utils.translation import gettext_lazy as _
 
 from django_leases import stats
 from django_leases.conf import leases_settings
+from django_leases.exceptions import InvalidArgument, InvalidPayload
+from django_leases.limits import JOB_ID, PRIORITY, bad_character, check_int, check_json
 from django_leases.models import JobAttempt, JobStatus, PaymentJob, Worker
 from django_leases.querysets import (
     CANCELLED,
@@ -123,6 +126,8 @@ class KindFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
         value = self.value()
+        if value and bad_character(value):  # no kind has one; PostgreSQL would raise
+            return queryset.none()
         return queryset.filter(kind=value) if value else None
 
 
@@ -154,6 +159,16 @@ class IndexedSearchMixin:
     ) -> tuple[QuerySet[Any], bool]:
         term = search_term.strip()
         return (self.search(queryset, term) if term else queryset), False
+
+
+def job_id(term: str) -> int | None:
+    """Return `term` as a job id if it is one: ASCII digits within the BIGINT range."""
+    # Not str.isdigit() alone: it is true for "²" and other digits int() refuses. The length
+    # bound keeps int() from parsing (or refusing) thousands of digits.
+    if not term.isascii() or not term.isdigit() or len(term) > len(str(JOB_ID[1])):
+        return None
+    number = int(term)
+    return number if JOB_ID[0] <= number <= JOB_ID[1] else None
 
 
 def short_text(text: str) -> str:
@@ -241,8 +256,9 @@ class JobAttemptAdmin(IndexedSearchMixin, ReadOnlyMixin, admin.ModelAdmin):
         return attempt_error(attempt)
 
     def search(self, queryset: QuerySet[Any], term: str) -> QuerySet[Any]:
-        if term.isdigit():  # (job_ref, ended_at) is indexed
-            return queryset.filter(job_ref=int(term))
+        pk = job_id(term)
+        if pk is not None:  # (job_ref, ended_at) is indexed
+            return queryset.filter(job_ref=pk)
         return queryset.filter(owner__startswith=term)
 
 
@@ -317,9 +333,15 @@ LEASE_FIELDS = (
     "created_at",
     "completed_at",
 )
-# The only fields an operator edits, saved with update_fields so a save never writes a lease
-# field back over a claim that happened while the form was open.
+# The only fields an operator edits, and only while the job is pending: a running job's payload
+# is in its handler's hands. The save is one UPDATE that restates `status = pending`, so a job
+# claimed while the form was open is left alone, and it never writes a lease field.
 EDITABLE_FIELDS = ("priority", "payload")
+# The kinds of `LeaseBackend` tasks (backends.TASK_KIND_PREFIX, not imported here: that module
+# needs the Tasks framework). Their payload names the callable to run, so it is never edited.
+TASK_KINDS = "tasks."
+# Why a change form's save wrote nothing, per request, for `response_change()` to say.
+NOT_SAVED: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
 
 STATE_LABELS = {
     stats.STUCK: _("Stuck"),
@@ -410,6 +432,27 @@ def operator_action(
     return action
 
 
+class PaymentJobForm(ModelForm):
+    """The change form: the bounds of `enqueue()`, the same on every database (SQLite would
+    store a priority PostgreSQL refuses)."""
+
+    def clean_payload(self) -> Any:
+        payload = self.cleaned_data["payload"]
+        try:
+            check_json(payload, "payload")
+        except InvalidPayload as exc:
+            raise ValidationError(str(exc)) from None
+        return payload
+
+    def clean_priority(self) -> Any:
+        priority = self.cleaned_data["priority"]
+        try:
+            check_int(priority, "priority", PRIORITY)
+        except InvalidArgument as exc:
+            raise ValidationError(str(exc)) from None
+        return priority
+
+
 @admin.register(PaymentJob)
 class PaymentJobAdmin(IndexedSearchMixin, admin.ModelAdmin):
     # Status and lease state first: they are what an operator scans for.
@@ -435,6 +478,7 @@ class PaymentJobAdmin(IndexedSearchMixin, admin.ModelAdmin):
     # One COUNT of the filtered rows per page, not a second one of the whole table.
     show_full_result_count = False
     inlines = (AttemptInline,)
+    form = PaymentJobForm
     readonly_fields = ("kind", "payment_id", "idempotency_key", *LEASE_FIELDS, "lease", "heartbeat")
     fieldsets = (
         (None, {"fields": ("kind", "payment_id", "idempotency_key", "priority", "payload")}),
@@ -480,10 +524,57 @@ class PaymentJobAdmin(IndexedSearchMixin, admin.ModelAdmin):
         # finished jobs go with prune_jobs.
         return False
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        fields = tuple(super().get_readonly_fields(request, obj))
+        if obj is None or obj.status != PENDING:
+            return (*fields, *EDITABLE_FIELDS)
+        if obj.kind.startswith(TASK_KINDS):
+            return (*fields, "payload")
+        return fields
+
     def save_model(
         self, request: HttpRequest, obj: Any, form: ModelForm[Any], change: bool
     ) -> None:
-        obj.save(update_fields=[name for name in form.changed_data if name in EDITABLE_FIELDS])
+        # Fields the operator's (older) page posted that are read-only now: the job left pending.
+        stale = [
+            name for name in EDITABLE_FIELDS if name in request.POST and name not in form.fields
+        ]
+        edits = {
+            name: form.cleaned_data[name] for name in form.changed_data if name in EDITABLE_FIELDS
+        }
+        if stale and obj.status == PENDING:  # a task job, whose payload names what it runs
+            NOT_SAVED[request] = gettext(
+                "Nothing was saved: the payload of task job %(id)s cannot be changed here."
+            ) % {"id": obj.pk}
+            return
+        if stale:
+            NOT_SAVED[request] = gettext(
+                "Nothing was saved: job %(id)s is %(status)s now, and only a pending job's "
+                "%(fields)s can be changed."
+            ) % {"id": obj.pk, "status": obj.get_status_display(), "fields": ", ".join(stale)}
+            return
+        if not edits:
+            return
+        jobs = cast(LeaseQuerySet[Any], self.model._default_manager.all()).pending()
+        if "payload" in edits:
+            jobs = jobs.exclude(kind__startswith=TASK_KINDS)
+        if not jobs.filter(pk=obj.pk).update(**edits):
+            NOT_SAVED[request] = gettext(
+                "Nothing was saved: job %(id)s left pending (a worker claimed it, or an operator "
+                "acted on it) while the form was open."
+            ) % {"id": obj.pk}
+
+    def log_change(self, request: HttpRequest, obj: Any, message: Any) -> Any:
+        if request in NOT_SAVED:
+            return None  # nothing changed: the admin's history must not say otherwise
+        return super().log_change(request, obj, message)
+
+    def response_change(self, request: HttpRequest, obj: Any) -> HttpResponse:
+        reason = NOT_SAVED.pop(request, None)
+        if reason is None:
+            return super().response_change(request, obj)
+        self.message_user(request, reason, messages.WARNING)
+        return HttpResponseRedirect(request.path)
 
     # ---- columns ------------------------------------------------------------------------------
 

@@ -15,5 +15,8 @@ class LeasesConfig(AppConfig):
         from django_leases import conf, handlers
 
         checks.register(lease_checks.check_settings)
+        checks.register(lease_checks.check_sqlite_transaction_mode)
+        # Asks the database itself: runs under `manage.py check --database ALIAS` (and migrate).
+        checks.register(lease_checks.check_database_clock, checks.Tags.database)
         conf.connect_signals()
         handlers.autodiscover()

@@ -1,12 +1,17 @@
-"""System checks for `settings.DJANGO_LEASES`. Ids are stable: never renumber or reuse one."""
+"""System checks for `settings.DJANGO_LEASES` and the database sessions. Ids are stable: never
+renumber or reuse one."""
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
+from django.db import connections
+from django.utils.module_loading import import_string
 
 from django_leases.conf import DEFAULTS
+from django_leases.limits import BATCH_SIZE, CONCURRENCY, DURATION_RANGE, MAX_ATTEMPTS, MAX_DURATION
 
 DURATIONS = (
     "TTL",
@@ -19,18 +24,19 @@ DURATIONS = (
     "WATCH_INTERVAL",
     "WORKER_GONE_AFTER",
 )
-COUNTS = ("CONCURRENCY", "MAX_ATTEMPTS", "PRUNE_BATCH_SIZE")
+COUNTS = {"CONCURRENCY": CONCURRENCY, "MAX_ATTEMPTS": MAX_ATTEMPTS, "PRUNE_BATCH_SIZE": BATCH_SIZE}
 BOOLEANS = ("PRUNE_LEDGER", "USE_NOTIFY")
 POLICIES = ("retry", "review")
 FINAL_STATUSES = ("completed", "failed", "cancelled")
 
 
 def _is_positive_number(value: Any) -> bool:
+    """Whether `value` is a duration in range: positive seconds up to `limits.MAX_DURATION`."""
     return (
         isinstance(value, int | float)
         and not isinstance(value, bool)
         and math.isfinite(value)
-        and value > 0
+        and 0 < value <= MAX_DURATION
     )
 
 
@@ -59,18 +65,19 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
         if not _is_positive_number(values[key]):
             messages.append(
                 Error(
-                    f"DJANGO_LEASES[{key!r}] must be a positive number of seconds, "
-                    f"got {values[key]!r}.",
+                    f"DJANGO_LEASES[{key!r}] must be a positive number of seconds up to "
+                    f"{MAX_DURATION} (100 years), got {values[key]!r}.",
                     hint=f"The default is {DEFAULTS[key]!r}.",
                     id="django_leases.E002",
                 )
             )
-    for key in COUNTS:
+    for key, (low, high) in COUNTS.items():
         value = values[key]
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
             messages.append(
                 Error(
-                    f"DJANGO_LEASES[{key!r}] must be a whole number of at least 1, got {value!r}.",
+                    f"DJANGO_LEASES[{key!r}] must be a whole number from {low} to {high}, "
+                    f"got {value!r}.",
                     hint=f"The default is {DEFAULTS[key]!r}.",
                     id="django_leases.E004",
                 )
@@ -127,6 +134,7 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
         )
     messages.extend(_check_policies(values))
     messages.extend(_check_retention(values["RETENTION"]))
+    messages.extend(_check_redactor(values["REDACT_ERRORS"]))
     return messages
 
 
@@ -166,9 +174,108 @@ def _check_retention(retention: Any) -> list[CheckMessage]:
     return [
         Error(
             "DJANGO_LEASES['RETENTION'] must map final statuses "
-            f"{FINAL_STATUSES} to positive seconds, got {retention!r}.",
+            f"{FINAL_STATUSES} to {DURATION_RANGE.removesuffix(' or a timedelta')}, "
+            f"got {retention!r}.",
             hint="For example {'completed': 7 * 86400, 'failed': 30 * 86400}; a status left "
             "out is never pruned.",
             id="django_leases.E007",
         )
+    ]
+
+
+def _check_redactor(path: Any) -> list[CheckMessage]:
+    problem = ""
+    if not isinstance(path, str):
+        problem = f"must be the dotted path of a callable, got {path!r}"
+    else:
+        try:
+            hook = import_string(path)
+        except ImportError as exc:
+            problem = f"{path!r} cannot be imported: {exc}"
+        else:
+            if not callable(hook):
+                problem = f"{path!r} is not callable"
+    if not problem:
+        return []
+    return [
+        Error(
+            f"DJANGO_LEASES['REDACT_ERRORS'] {problem}.",
+            hint="Name a function (exception, text) -> text that returns what to keep of an "
+            "error's text, e.g. the default 'django_leases.redaction.redact_database_values'.",
+            id="django_leases.E012",
+        )
+    ]
+
+
+# The names MariaDB/MySQL report for a UTC session zone (named zones need the zone tables).
+UTC_ZONES = {"+00:00", "-00:00", "utc", "etc/utc", "gmt", "etc/gmt", "universal", "zulu"}
+
+
+def database_clock_problems(alias: str) -> list[str]:
+    """Return what is wrong with the clock of database `alias`'s session, one line each.
+
+    Lease times are written and compared with the database's `NOW()`. On MariaDB/MySQL, `NOW()`
+    is in the session's time zone while Django stores UTC: with any other zone every lease
+    comparison is off by the offset (and a DST change looks like mass expiry). PostgreSQL's
+    `now()` is a `timestamptz` and SQLite's is UTC, whatever the session says: nothing to check.
+    """
+    connection = connections[alias]
+    if connection.vendor != "mysql":
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT @@session.time_zone, @@system_time_zone, "
+            "TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())"
+        )
+        session_zone, system_zone, offset = cursor.fetchone()
+    zone = system_zone if session_zone == "SYSTEM" else session_zone
+    if offset == 0 and str(zone).lower() in UTC_ZONES:
+        return []
+    shown = f"SYSTEM ({system_zone})" if session_zone == "SYSTEM" else session_zone
+    return [
+        f"database {alias!r}: the session time zone is {shown!r} (NOW() is {offset:+d} s from "
+        'UTC), not UTC; lease times would be off by that offset. Add "OPTIONS": '
+        '{"init_command": "SET time_zone = \'+00:00\'"} to its DATABASES entry.'
+    ]
+
+
+def check_database_clock(
+    app_configs: Any = None, databases: Iterable[str] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Report a MariaDB/MySQL session whose time zone is not UTC (`check --database ALIAS`)."""
+    return [
+        Error(
+            problem,
+            hint="django-leases compares lease times with the database's NOW(), which must be "
+            "UTC like the times Django stores.",
+            id="django_leases.E013",
+        )
+        for alias in databases or ()
+        for problem in database_clock_problems(alias)
+    ]
+
+
+def sqlite_without_immediate(databases: dict[str, Any]) -> list[str]:
+    """Return the aliases of SQLite databases in `databases` (a DATABASES setting) whose
+    transactions do not take the write lock when they start."""
+    return [
+        alias
+        for alias, config in databases.items()
+        if str(config.get("ENGINE", "")).endswith("sqlite3")
+        and str((config.get("OPTIONS") or {}).get("transaction_mode", "")).upper() != "IMMEDIATE"
+    ]
+
+
+def check_sqlite_transaction_mode(**kwargs: Any) -> list[CheckMessage]:
+    """Warn about SQLite databases whose transactions do not take the write lock at once."""
+    return [
+        Warning(
+            f'SQLite database {alias!r} has no "OPTIONS": {{"transaction_mode": '
+            '"IMMEDIATE"}}: an operator action reads before it writes, and another process\'s '
+            "write in between makes it fail with 'database is locked' instead of waiting.",
+            hint='Add "transaction_mode": "IMMEDIATE" to the OPTIONS of this database '
+            "(Django 5.1+).",
+            id="django_leases.W003",
+        )
+        for alias in sqlite_without_immediate(settings.DATABASES)
     ]

@@ -10,8 +10,7 @@ from django.conf import settings
 from django.core.signals import setting_changed
 
 from django_leases.exceptions import InvalidDuration
-
-DAY = 24 * 3600
+from django_leases.limits import DAY, DURATION_RANGE, MAX_DURATION, shown
 
 # Every default, in the order the README documents them.
 DEFAULTS: dict[str, Any] = {
@@ -49,6 +48,9 @@ DEFAULTS: dict[str, Any] = {
     "USE_NOTIFY": True,
     # A worker whose registry row was not refreshed for this many seconds is presumed gone.
     "WORKER_GONE_AFTER": 120.0,
+    # Dotted path of a callable (exception, text) -> text: what is kept of an error's text in
+    # the ledger, `last_error` and the logs. The default strips values from database errors.
+    "REDACT_ERRORS": "django_leases.redaction.redact_database_values",
 }
 
 
@@ -94,16 +96,18 @@ def to_seconds(value: float | timedelta, name: str = "duration") -> float:
     """Return `value` (seconds or a `timedelta`) as positive float seconds.
 
     Raises:
-        InvalidDuration: for anything that is not a positive, finite duration.
+        InvalidDuration: naming `name`, for anything that is not a positive duration of at
+            most `limits.MAX_DURATION` (about 100 years).
     """
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond any float
+            seconds = float("inf")
     else:
-        raise InvalidDuration(
-            f"{name} must be seconds (int or float) or a timedelta, got {value!r}"
-        )
-    if not 0 < seconds < float("inf"):
-        raise InvalidDuration(f"{name} must be positive and finite, got {value!r}")
+        raise InvalidDuration(f"{name} must be {DURATION_RANGE}, got {shown(value)}")
+    if not 0 < seconds <= MAX_DURATION:  # NaN fails too
+        raise InvalidDuration(f"{name} must be {DURATION_RANGE}, got {shown(value)}")
     return seconds

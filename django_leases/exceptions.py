@@ -13,12 +13,20 @@ class PermanentError(LeaseError):
     """Raised by a handler for an error that must not be retried: the job fails at once."""
 
 
-class InvalidPayload(LeaseError, ValueError):
-    """The payload cannot be stored as JSON; nothing was written."""
+class InvalidTaskJob(PermanentError):
+    """A job of a task queue names no task of a `LeaseBackend`: it fails without running."""
 
 
-class InvalidDuration(LeaseError, ValueError):
-    """A duration argument is not positive seconds or a `timedelta`."""
+class InvalidArgument(LeaseError, ValueError):
+    """An argument is of the wrong type or outside its range; nothing was written."""
+
+
+class InvalidPayload(InvalidArgument):
+    """The payload (or a task's result) cannot be stored as JSON; nothing was written."""
+
+
+class InvalidDuration(InvalidArgument):
+    """A duration argument is not positive seconds or a `timedelta`, or is too long."""
 
 
 class HandlerError(LeaseError):

@@ -14,6 +14,7 @@ from django.db import connections
 
 from django_leases.conf import leases_settings
 from django_leases.querysets import notify_channel
+from django_leases.redaction import error_text
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -54,7 +55,9 @@ class Listener:
             for _ in self._conn.notifies(timeout=timeout, stop_after=1):
                 return True
         except psycopg.Error as exc:
-            logger.warning("LISTEN connection failed (%s); polling until it is back", exc)
+            logger.warning(
+                "LISTEN connection failed (%s); polling until it is back", error_text(exc)
+            )
             self.close()
             time.sleep(timeout)
         return False

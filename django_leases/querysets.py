@@ -8,7 +8,6 @@ cannot touch a job that someone else now owns. Every lease time comes from the d
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -24,7 +23,23 @@ from django.db.models import Case, F, OuterRef, Q, Subquery, Value, When
 from django.db.models.functions import Greatest, Now
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.exceptions import InvalidPayload, LeaseError, LeaseLost
+from django_leases.exceptions import LeaseError, LeaseLost
+from django_leases.limits import (
+    CHECKPOINT_LENGTH,
+    CLAIM_LIMIT,
+    IDEMPOTENCY_KEY_LENGTH,
+    JOB_ID,
+    KIND_LENGTH,
+    MAX_ATTEMPTS,
+    OWNER_LENGTH,
+    PAYMENT_ID_LENGTH,
+    PRIORITY,
+    check_datetime,
+    check_int,
+    check_json,
+    check_text,
+)
+from django_leases.redaction import error_text
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractJobAttempt, AbstractLeasedJob, PaymentJob
@@ -43,7 +58,6 @@ FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
 MAX_ERROR_LENGTH = 2000
 MAX_ERROR_CLASS_LENGTH = 255
 DEADLOCK_RETRIES = 5
-SMALLINT = (-32768, 32767)
 
 
 def after(seconds: float) -> Any:
@@ -52,7 +66,11 @@ def after(seconds: float) -> Any:
 
 
 def describe_error(error: BaseException | str) -> tuple[str, str]:
-    """Return (error class, message) for the ledger: never the payload, never a traceback."""
+    """Return (error class, message) for the ledger: never the payload, never a traceback.
+
+    An exception's message goes through the `REDACT_ERRORS` hook (see `redaction`); a string
+    (an operator's reason) is kept as given.
+    """
     if isinstance(error, BaseException):
         cls = type(error)
         name = (
@@ -63,8 +81,16 @@ def describe_error(error: BaseException | str) -> tuple[str, str]:
         # Cut to the ledger's column: an error that cannot be stored must still end the attempt.
         if len(name) > MAX_ERROR_CLASS_LENGTH:
             name = name[: MAX_ERROR_CLASS_LENGTH - 1] + "…"
-        return name, str(error)[:MAX_ERROR_LENGTH]
-    return "", str(error)[:MAX_ERROR_LENGTH]
+        return storable(name), storable(error_text(error))[:MAX_ERROR_LENGTH]
+    return "", storable(str(error))[:MAX_ERROR_LENGTH]
+
+
+def storable(text: str) -> str:
+    """Return `text` with what no database column stores escaped: NUL characters (PostgreSQL
+    refuses them) and lone surrogates (not UTF-8), as backslash escapes."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -296,10 +322,9 @@ class LeaseQuerySet(models.QuerySet[J]):
         """
         seconds = to_seconds(ttl, "ttl")
         _check_owner(owner)
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ValueError(f"limit must be a whole number of at least 1, got {limit!r}")
+        check_int(limit, "limit", CLAIM_LIMIT)
         if kinds is not None:
-            kinds = list(kinds)
+            kinds = [check_text(kind, "kinds", KIND_LENGTH) for kind in kinds]
             if not kinds:
                 return []
         vendor = connections[self.db].vendor
@@ -528,6 +553,7 @@ class LeaseQuerySet(models.QuerySet[J]):
     @retry_deadlocks
     def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
         """Claim the job `pk` for `owner` if it is claimable; return it, or None if not."""
+        check_int(pk, "pk", JOB_ID)
         seconds = to_seconds(ttl, "ttl")
         _check_owner(owner)
         with transaction.atomic(using=self.db):
@@ -577,11 +603,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     def checkpoint(self, pk: int, owner: str, token: int, step: str) -> None:
         """Record that the holder reached `step`; the watcher's review policy reads it."""
-        if not isinstance(step, str) or not step or len(step) > 100:
-            raise ValueError(
-                f"checkpoint step must be a non-empty string of at most 100 characters, "
-                f"got {step!r}"
-            )
+        check_text(step, "checkpoint step", CHECKPOINT_LENGTH)
         self._holder_write(pk, owner, token, None, None, checkpoint=step)
 
     def complete(self, pk: int, owner: str, token: int, *, result: Any = None) -> None:
@@ -1096,15 +1118,7 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
         """
         fields = _job_fields(kind, payload, payment_id, run_at, priority, max_attempts)
         if idempotency_key is not None:
-            if (
-                not isinstance(idempotency_key, str)
-                or not idempotency_key
-                or len(idempotency_key) > 255
-            ):
-                raise ValueError(
-                    "idempotency_key must be a non-empty string of at most 255 characters, "
-                    f"got {idempotency_key!r}"
-                )
+            check_text(idempotency_key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
         with transaction.atomic(using=self.db):
             if idempotency_key is None:
                 job = self.create(**fields)
@@ -1182,10 +1196,7 @@ def notify_channel(model: type[models.Model]) -> str:
 
 
 def _check_owner(owner: str) -> None:
-    if not isinstance(owner, str) or not owner or len(owner) > 255:
-        raise ValueError(
-            f"owner must be a non-empty string of at most 255 characters, got {owner!r}"
-        )
+    check_text(owner, "owner", OWNER_LENGTH)
 
 
 def _job_fields(
@@ -1196,28 +1207,20 @@ def _job_fields(
     priority: int,
     max_attempts: int | None,
 ) -> dict[str, Any]:
-    if not isinstance(kind, str) or not kind or len(kind) > 100:
-        raise ValueError(f"kind must be a non-empty string of at most 100 characters, got {kind!r}")
+    """Check every argument of `enqueue()` against `limits` and return the job's fields.
+
+    Raises `InvalidArgument` (`InvalidPayload`, `InvalidDuration`) naming the argument; nothing
+    has been written then.
+    """
+    check_text(kind, "kind", KIND_LENGTH)
     payload = {} if payload is None else payload
-    try:
-        # allow_nan=False: NaN and Infinity are not JSON, and PostgreSQL's jsonb refuses them.
-        json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidPayload(f"payload of a {kind!r} job is not JSON-serialisable: {exc}") from exc
-    if (
-        not isinstance(priority, int)
-        or isinstance(priority, bool)
-        or not SMALLINT[0] <= priority <= SMALLINT[1]
-    ):
-        raise ValueError(f"priority must be a whole number from -32768 to 32767, got {priority!r}")
+    check_json(payload, "payload")
+    check_int(priority, "priority", PRIORITY)
     if max_attempts is None:
         max_attempts = leases_settings.MAX_ATTEMPTS
-    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
-        raise ValueError(f"max_attempts must be a whole number of at least 1, got {max_attempts!r}")
-    if payment_id is not None and (not isinstance(payment_id, str) or len(payment_id) > 64):
-        raise ValueError(
-            f"payment_id must be a string of at most 64 characters, got {payment_id!r}"
-        )
+    check_int(max_attempts, "max_attempts", MAX_ATTEMPTS)
+    if payment_id is not None:
+        check_text(payment_id, "payment_id", PAYMENT_ID_LENGTH, blank=True)
     fields: dict[str, Any] = {
         "kind": kind,
         "payload": payload,
@@ -1226,9 +1229,7 @@ def _job_fields(
         "max_attempts": max_attempts,
     }
     if isinstance(run_at, datetime):
-        if run_at.tzinfo is None:
-            raise ValueError("run_at must be an aware datetime (USE_TZ = True)")
-        fields["run_at"] = run_at
+        fields["run_at"] = check_datetime(run_at, "run_at")
     elif run_at is not None:
         fields["run_at"] = after(to_seconds(run_at, "run_at"))
     return fields

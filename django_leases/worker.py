@@ -48,6 +48,7 @@ from django_leases.exceptions import (
 from django_leases.handlers import get_handler, registered_kinds
 from django_leases.lease import Lease
 from django_leases.listener import Listener
+from django_leases.redaction import error_text
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -348,7 +349,7 @@ class LeaseWorker:
     def _outage(self, what: str, exc: Exception) -> None:
         """Log a database outage, drop the broken connection and back off (jittered)."""
         self.stats.add("outages")
-        logger.warning("database unavailable during %s: %s; retrying", what, exc)
+        logger.warning("database unavailable during %s: %s; retrying", what, error_text(exc))
         close_old_connections()
         connections[self.using].close()
         self._stopping.wait(timeout=min(5.0, self.poll_interval) * random.uniform(0.5, 1.5))  # noqa: S311
@@ -747,7 +748,7 @@ class LeaseWorker:
                 self.worker_id, {lease.pk: lease.token for lease in leases}, ttl=self.ttl
             )
         except TRANSIENT as exc:
-            logger.warning("heartbeat failed: %s", exc)
+            logger.warning("heartbeat failed: %s", error_text(exc))
             close_old_connections()
             connections[self.using].close()
             return
@@ -801,7 +802,7 @@ class LeaseWorker:
         try:
             lease.release()
         except (LeaseLost, *TRANSIENT) as exc:
-            logger.warning("could not release job_id=%s: %s", lease.pk, exc)
+            logger.warning("could not release job_id=%s: %s", lease.pk, error_text(exc))
             return
         self.stats.add("released")
         logger.info("released unstarted job_id=%s token=%s", lease.pk, lease.token)

@@ -73,6 +73,11 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 if DATABASES["default"]["ENGINE"].endswith("mysql"):
+    # The database clock tests start processes whose session time zone is not UTC.
+    if env("LEASES_TEST_SESSION_TZ", default=""):
+        DATABASES["default"]["OPTIONS"]["init_command"] = (
+            f"SET time_zone = '{env('LEASES_TEST_SESSION_TZ')}'"
+        )
     # MariaDB/MySQL build the lease indexes without their WHERE condition (status leads each
     # index, so claims still read one range); Django 6 warns about that on every command.
     SILENCED_SYSTEM_CHECKS = ["models.W037"]

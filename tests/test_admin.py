@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission
 from django.db import connection, transaction
 from django.db.models.functions import Now
@@ -443,7 +444,7 @@ def test_change_form__lease_fields_are_read_only(
 ) -> None:
     response = admin_client.get(change_url(jobs["stuck"]))
     assert response.status_code == 200
-    assert set(response.context["adminform"].form.fields) == {"priority", "payload"}
+    assert set(response.context["adminform"].form.fields) == set()  # not pending
     html = response.content.decode()
     assert re.search(r'dl-stuck">Stuck</span> <span class="dl-when">expired \d+ s ago', html)
     assert "worker-stuck" in html
@@ -469,29 +470,177 @@ def test_change_form__inline_ledger_newest_first(admin_client: Client) -> None:
     assert not inline.has_add_permission and not inline.has_change_permission
 
 
-def test_change_form__save_writes_only_the_edited_fields(admin_client: Client) -> None:
-    job = PaymentJob.objects.enqueue("capture", {"amount": 1})
-    data = {
-        "priority": "7",
-        "payload": json.dumps({"amount": 2}),
+def form_data(**fields: str) -> dict[str, str]:
+    return {
+        **fields,
         "attempt_log-TOTAL_FORMS": "0",
         "attempt_log-INITIAL_FORMS": "0",
         "attempt_log-MIN_NUM_FORMS": "0",
         "attempt_log-MAX_NUM_FORMS": "0",
         "_save": "Save",
     }
-    # A worker claims the job while the operator's form is open.
-    claimed = claim(job.pk, "w1")
+
+
+def warnings_of(response: Any) -> list[str]:
+    return [str(m) for m in response.context["messages"] if m.level_tag == "warning"]
+
+
+def test_change_form__save_of_a_pending_job_restates_pending(admin_client: Client) -> None:
+    job = PaymentJob.objects.enqueue("capture", {"amount": 1})
+    data = form_data(priority="7", payload=json.dumps({"amount": 2}))
     with CaptureQueriesContext(connection) as ctx:
         response = admin_client.post(change_url(job), data)
     assert response.status_code == 302
     job.refresh_from_db()
-    assert (job.priority, job.payload) == (7, {"amount": 2})
-    # The save wrote no lease field: the worker still holds its lease.
+    assert (job.priority, job.payload, job.status) == (7, {"amount": 2}, "pending")
+    updates = [q["sql"] for q in ctx.captured_queries if q["sql"].startswith("UPDATE")]
+    assert len(updates) == 1
+    set_clause, where = updates[0].split(" WHERE ")
+    assert "lease_" not in set_clause and "status" not in set_clause
+    assert "status" in where and "'pending'" in where.replace('"', "'")
+
+
+def test_change_form__job_claimed_while_the_form_was_open_is_not_changed(
+    admin_client: Client,
+) -> None:
+    job = PaymentJob.objects.enqueue("capture", {"amount": 1})
+    assert set(admin_client.get(change_url(job)).context["adminform"].form.fields) == {
+        "priority",
+        "payload",
+    }
+    # A worker claims the job while the operator's form is open.
+    claimed = claim(job.pk, "w1")
+    response = admin_client.post(
+        change_url(job), form_data(priority="7", payload=json.dumps({"amount": 2})), follow=True
+    )
+    assert response.status_code == 200
+    (warning,) = warnings_of(response)
+    assert f"Nothing was saved: job {job.pk} is Processing now" in warning
+    job.refresh_from_db()
+    assert (job.priority, job.payload) == (0, {"amount": 1})
     assert (job.status, job.lease_owner, job.lease_token) == ("processing", "w1", 1)
     assert PaymentJob.objects.heartbeat("w1", {job.pk: claimed.lease_token}, ttl=60) == {job.pk}
-    updates = [q["sql"] for q in ctx.captured_queries if q["sql"].startswith("UPDATE")]
-    assert len(updates) == 1 and "lease_" not in updates[0] and "status" not in updates[0]
+    assert not LogEntry.objects.exists(), "the history must not claim a change"
+
+
+def test_change_form__claimed_between_form_check_and_update_is_not_changed(
+    admin_client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The UPDATE itself restates pending: a claim that lands after the form was validated
+    still wins, and the operator is told."""
+    job = PaymentJob.objects.enqueue("capture", {"amount": 1})
+    validate = PaymentJobAdmin.save_model
+
+    def claim_first(self: Any, request: Any, obj: Any, form: Any, change: bool) -> None:
+        claim(job.pk, "w1")
+        validate(self, request, obj, form, change)
+
+    monkeypatch.setattr(PaymentJobAdmin, "save_model", claim_first)
+    response = admin_client.post(
+        change_url(job), form_data(priority="7", payload=json.dumps({"amount": 2})), follow=True
+    )
+    (warning,) = warnings_of(response)
+    assert f"job {job.pk} left pending" in warning
+    job.refresh_from_db()
+    assert (job.priority, job.payload, job.status) == (0, {"amount": 1}, "processing")
+
+
+def test_change_form__only_pending_jobs_are_editable(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    for name, job in jobs.items():
+        fields = set(admin_client.get(change_url(job)).context["adminform"].form.fields)
+        assert fields == ({"priority", "payload"} if name == "pending" else set()), name
+
+
+def test_change_form__task_payload_is_never_editable(admin_client: Client) -> None:
+    payload = {
+        "task": "tests.testapp.tasks.add",
+        "args": [1, 2],
+        "kwargs": {},
+        "backend": "default",
+    }
+    job = PaymentJob.objects.enqueue("tasks.default", payload)
+    form = admin_client.get(change_url(job)).context["adminform"].form
+    assert set(form.fields) == {"priority"}
+
+    crafted = {**payload, "task": "os.system", "args": ["id"]}
+    response = admin_client.post(
+        change_url(job), form_data(priority="3", payload=json.dumps(crafted)), follow=True
+    )
+    (warning,) = warnings_of(response)
+    assert "payload of task job" in warning
+    job.refresh_from_db()
+    assert (job.payload, job.priority) == (payload, 0)
+
+    admin_client.post(change_url(job), form_data(priority="3"))
+    job.refresh_from_db()
+    assert (job.payload, job.priority) == (payload, 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"payload": json.dumps({"card": "41\u0000"}), "priority": "0"}, "NUL"),
+        ({"payload": "[" * 40 + "]" * 40, "priority": "0"}, "nested deeper"),
+        ({"payload": "{}", "priority": "40000"}, "32767"),
+    ],
+)
+def test_change_form__bad_values_are_form_errors(
+    admin_client: Client, fields: dict[str, str], error: str
+) -> None:
+    job = PaymentJob.objects.enqueue("capture", {"amount": 1})
+    response = admin_client.post(change_url(job), form_data(**fields))
+    assert response.status_code == 200
+    assert error in str(response.context["adminform"].form.errors)
+    job.refresh_from_db()
+    assert (job.payload, job.priority) == ({"amount": 1}, 0)
+
+
+@pytest.mark.parametrize(
+    "term", ["²", "١٢", "99999999999999999999", "9223372036854775808", "9" * 5000]
+)
+@pytest.mark.parametrize(
+    "url",
+    [
+        "admin:django_leases_jobattempt_changelist",
+        CHANGELIST,
+        "admin:django_leases_worker_changelist",
+    ],
+)
+def test_search__odd_terms_find_nothing_instead_of_failing(
+    admin_client: Client, jobs: dict[str, PaymentJob], url: str, term: str
+) -> None:
+    response = admin_client.get(reverse(url), {"q": term})
+    assert response.status_code == 200
+    assert list(response.context["cl"].result_list) == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "admin:django_leases_jobattempt_changelist",
+        CHANGELIST,
+        "admin:django_leases_worker_changelist",
+    ],
+)
+def test_search__nul_is_refused_by_the_search_form(
+    admin_client: Client, jobs: dict[str, PaymentJob], url: str
+) -> None:
+    # Django's search form refuses NUL characters and lists everything, on every database.
+    response = admin_client.get(reverse(url), {"q": "worker\x00"})
+    assert response.status_code == 200
+    assert response.context["cl"].query == ""
+
+
+def test_search__ledger_by_the_largest_job_id(admin_client: Client) -> None:
+    url = reverse("admin:django_leases_jobattempt_changelist")
+    response = admin_client.get(url, {"q": "9223372036854775807"})
+    assert response.status_code == 200 and list(response.context["cl"].result_list) == []
+
+
+def test_kind_filter__nul_finds_nothing(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
+    assert listed(changelist(admin_client, kind="cap\x00ture")) == set()
 
 
 def test_add_and_delete__are_not_offered(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:

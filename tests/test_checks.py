@@ -1,11 +1,23 @@
 """System checks for DJANGO_LEASES: each bad value is reported with a stable id."""
 
+from collections.abc import Iterator
+
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
+from django.db import connection
 from django.test import override_settings
 
-from django_leases.checks import check_settings
+from django_leases.checks import (
+    check_database_clock,
+    check_settings,
+    check_sqlite_transaction_mode,
+    database_clock_problems,
+    sqlite_without_immediate,
+)
+from django_leases.limits import BATCH_SIZE, MAX_ATTEMPTS, MAX_DURATION
+
+from .conftest import Processes, subprocess_env
 
 
 def ids(**settings: object) -> list[str]:
@@ -26,9 +38,12 @@ def test_check_settings__unknown_key_warns() -> None:
     assert ids(TTL=60, HEARTBAET=10) == ["django_leases.W001"]
 
 
-@pytest.mark.parametrize("value", [0, -5, "60", None, True, float("nan"), float("inf")])
-def test_check_settings__non_positive_or_non_numeric_duration(value: object) -> None:
+@pytest.mark.parametrize(
+    "value", [0, -5, "60", None, True, float("nan"), float("inf"), 1e300, MAX_DURATION + 1]
+)
+def test_check_settings__non_positive_non_numeric_or_too_long_duration(value: object) -> None:
     assert "django_leases.E002" in ids(TTL=value)
+    assert ids(WATCH_INTERVAL=value) == ["django_leases.E002"]
 
 
 def test_check_settings__heartbeat_not_shorter_than_ttl() -> None:
@@ -41,9 +56,16 @@ def test_check_settings__near_expiry_not_shorter_than_ttl_warns() -> None:
     assert ids(TTL=30, HEARTBEAT=10, NEAR_EXPIRY=30) == ["django_leases.W002"]
 
 
-@pytest.mark.parametrize("value", [0, 2.5, "4", True])
-def test_check_settings__counts_must_be_whole_and_positive(value: object) -> None:
+@pytest.mark.parametrize("value", [0, 2.5, "4", True, 1001])
+def test_check_settings__counts_must_be_whole_and_in_range(value: object) -> None:
     assert ids(CONCURRENCY=value) == ["django_leases.E004"]
+
+
+def test_check_settings__count_bounds_come_from_limits() -> None:
+    assert ids(MAX_ATTEMPTS=2**31) == ["django_leases.E004"]
+    assert ids(MAX_ATTEMPTS=MAX_ATTEMPTS[1], PRUNE_BATCH_SIZE=BATCH_SIZE[1]) == []
+    assert ids(PRUNE_BATCH_SIZE=BATCH_SIZE[1] + 1) == ["django_leases.E004"]
+    assert ids(RETENTION={"completed": 1e300}) == ["django_leases.E007"]
 
 
 def test_check_settings__policies() -> None:
@@ -76,3 +98,107 @@ def test_check_settings__manage_py_check_fails_on_errors() -> None:
 def test_check_settings__worker_gone_after_needs_two_heartbeats() -> None:
     assert ids(HEARTBEAT=20, WORKER_GONE_AFTER=30) == ["django_leases.E010"]
     assert ids(HEARTBEAT=20, WORKER_GONE_AFTER=40) == []
+
+
+def redactor_hook(exc: BaseException, text: str) -> str:
+    return text
+
+
+def test_check_settings__redact_errors_must_be_an_importable_callable() -> None:
+    assert ids(REDACT_ERRORS="tests.test_checks.redactor_hook") == []
+    assert ids(REDACT_ERRORS="tests.test_checks.nowhere") == ["django_leases.E012"]
+    assert ids(REDACT_ERRORS="no_such_module.hook") == ["django_leases.E012"]
+    assert ids(REDACT_ERRORS="tests.test_checks.MAX_DURATION") == ["django_leases.E012"]
+    assert ids(REDACT_ERRORS=redactor_hook) == ["django_leases.E012"]
+
+
+def test_check_sqlite_transaction_mode__warns_without_immediate() -> None:
+    assert check_sqlite_transaction_mode() == []  # the test settings have it
+    sqlite = {"ENGINE": "django.db.backends.sqlite3", "NAME": "x.sqlite3"}
+    databases = {
+        "plain": sqlite,
+        "deferred": {**sqlite, "OPTIONS": {"transaction_mode": "DEFERRED"}},
+        "immediate": {**sqlite, "OPTIONS": {"transaction_mode": "immediate"}},
+        "postgres": {"ENGINE": "django.db.backends.postgresql", "NAME": "x"},
+    }
+    assert sqlite_without_immediate(databases) == ["plain", "deferred"]
+
+
+ON_MYSQL = connection.vendor == "mysql"
+
+
+@pytest.fixture
+def session_zone_plus_two() -> Iterator[None]:
+    """Give the test's own connection a session time zone of +02:00; the server is untouched."""
+    statement = {
+        "mysql": "SET time_zone = %s",
+        "postgresql": "SET TIME ZONE %s",
+    }.get(connection.vendor)
+    if statement is not None:
+        with connection.cursor() as cursor:
+            cursor.execute(statement, ["+02:00"])
+    yield
+    if statement is not None:
+        with connection.cursor() as cursor:
+            cursor.execute(statement, ["+00:00"])
+
+
+@pytest.mark.django_db
+def test_database_clock_problems__none_on_utc() -> None:
+    assert database_clock_problems("default") == []
+    assert check_database_clock(databases=["default"]) == []
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("session_zone_plus_two")
+def test_database_clock_problems__session_zone_not_utc() -> None:
+    problems = database_clock_problems("default")
+    if not ON_MYSQL:
+        # PostgreSQL's now() is a timestamptz and SQLite's clock is UTC: the zone is harmless.
+        assert problems == []
+        return
+    assert len(problems) == 1
+    assert "'+02:00'" in problems[0] and "+7200 s from UTC" in problems[0]
+    assert "SET time_zone = '+00:00'" in problems[0]
+    assert [m.id for m in check_database_clock(databases=["default"])] == ["django_leases.E013"]
+
+
+CLOCK_COMMANDS = [
+    ["check", "--database", "default"],
+    ["run_lease_worker", "--burst"],
+    ["watch_stuck_jobs", "--once"],
+]
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(not ON_MYSQL, reason="only MariaDB/MySQL have a session zone that moves NOW()")
+@pytest.mark.parametrize("command", CLOCK_COMMANDS, ids=lambda args: args[0])
+def test_commands__refuse_a_session_zone_that_is_not_utc(
+    processes: Processes, command: list[str]
+) -> None:
+    from django_leases.models import JobAttempt, PaymentJob
+
+    job = PaymentJob.objects.enqueue("noop")
+    env = subprocess_env(LEASES_TEST_SESSION_TZ="+02:00")
+    proc = processes.manage(*command, env=env)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, out
+    assert "session time zone is '+02:00'" in out, out
+    if command[0] == "check":
+        assert "django_leases.E013" in out
+    else:
+        assert out.startswith("CommandError: database 'default': "), out
+        assert len(out.strip().splitlines()) == 1, out
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == ("pending", 0)
+    assert not JobAttempt.objects.exists()
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_commands__start_on_a_utc_session(processes: Processes) -> None:
+    proc = processes.manage("check", "--database", "default", "--fail-level", "WARNING")
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    assert "no issues" in out

@@ -170,7 +170,7 @@ def test_prune__spares_a_job_requeued_after_its_batch_was_read() -> None:
     ("kwargs", "message"),
     [
         ({"retention": {"pending": 60}}, "pending, processing and under-review jobs are never"),
-        ({"retention": {"completed": 0}}, "retention of completed must be positive"),
+        ({"retention": {"completed": 0}}, "retention of completed must be a positive number"),
         ({"batch_size": 0}, "batch_size must be a whole number of at least 1"),
     ],
 )
@@ -184,9 +184,13 @@ def test_prune__refuses_bad_arguments(kwargs: dict, message: str) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--batch-size", "0"], "argument --batch-size: '0' must be at least 1"),
+        (["--batch-size", "0"], "argument --batch-size: '0' must be from 1 to 10000"),
         (["--batch-size", "lots"], "argument --batch-size: 'lots' is not a whole number"),
-        (["--older-than=-5"], "argument --older-than: '-5' must be a positive number of seconds"),
+        (
+            ["--older-than=-5"],
+            "argument --older-than: '-5' must be a positive number of seconds up to "
+            "3153600000 (100 years)",
+        ),
         (["--older-than", "soon"], "argument --older-than: 'soon' is not a number of seconds"),
         (["--dry-run", "yes"], "unrecognized arguments: yes"),
     ],

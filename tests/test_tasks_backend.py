@@ -1,17 +1,30 @@
 """`LeaseBackend`: Django Tasks enqueued as leased jobs and run by the lease worker."""
 
+import os
+import signal
 from datetime import timedelta
+from pathlib import Path
 
 import django
 import pytest
 from django.db.models.functions import Now
+from django.test import override_settings
 from django.utils import timezone
 
+from django_leases.backends import LeaseBackend
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
-from tests.testapp.tasks import add, explode, send_receipt, which_attempt
+from tests.testapp.tasks import (
+    UNSTORABLE,
+    add,
+    explode,
+    send_receipt,
+    slow_first,
+    unstorable,
+    which_attempt,
+)
 
-from .conftest import Processes
+from .conftest import Processes, wait_for
 
 if django.VERSION >= (6, 0):
     from django.tasks import TaskResultStatus, task_backends
@@ -53,19 +66,126 @@ def test_lease_backend__queue_and_priority_map_to_kind_and_priority() -> None:
     }
 
 
-def test_lease_backend__failing_task_is_retried_then_failed_with_errors() -> None:
+def ledger(result_id: str) -> list[tuple[str, str, str]]:
+    return list(
+        JobAttempt.objects.filter(job_ref=int(result_id))
+        .order_by("token")
+        .values_list("outcome", "error_class", "error_message")
+    )
+
+
+def test_lease_backend__raising_task_fails_at_once_with_its_error() -> None:
     result = explode.enqueue()
     drain()
     result.refresh()
-    assert result.status == TaskResultStatus.READY, "retry scheduled after the first failure"
-    assert [e.exception_class_path for e in result.errors] == ["ValueError"]
+
+    assert result.status == TaskResultStatus.FAILED
+    (error,) = result.errors
+    assert error.exception_class_path == "builtins.ValueError"
+    assert error.exception_class is ValueError
+    assert error.traceback == "ValueError: nope\n"
+    assert result.attempts == 1 and result.finished_at is not None
+    assert ledger(result.id) == [("failed", "ValueError", "nope")]
+    job = PaymentJob.objects.get(pk=int(result.id))
+    assert (job.status, job.last_error) == ("failed", "ValueError: nope")
+
+
+RETRYING = {
+    "default": {
+        "BACKEND": "django_leases.backends.LeaseBackend",
+        "QUEUES": ["default", "emails"],
+        "OPTIONS": {"RETRIES": 1, "MAX_ATTEMPTS": 3},
+    }
+}
+
+
+@override_settings(TASKS=RETRYING)
+def test_lease_backend__retries_option_runs_a_raising_task_again() -> None:
+    result = explode.enqueue()
+    assert PaymentJob.objects.get(pk=int(result.id)).max_attempts == 3
+    drain()
+    result.refresh()
+    assert result.status == TaskResultStatus.READY, "one retry scheduled, with backoff"
+    assert ledger(result.id) == [("retried", "ValueError", "nope")]
 
     PaymentJob.objects.filter(pk=int(result.id)).update(run_at=Now())
     drain()
     result.refresh()
     assert result.status == TaskResultStatus.FAILED
-    assert len(result.errors) == 2 and result.errors[-1].traceback == "nope"
-    assert result.attempts == 2
+    assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"] * 2
+    assert ledger(result.id) == [
+        ("retried", "ValueError", "nope"),
+        ("failed", "ValueError", "nope"),
+    ]
+    assert result.attempts == 2, "the third acquisition is left for crashes, never used"
+
+
+def test_lease_backend__options_are_checked() -> None:
+    def ids(**options: object) -> list[str]:
+        backend = LeaseBackend("x", {"QUEUES": ["default"], "OPTIONS": options})
+        return [message.id for message in backend.check()]
+
+    assert ids() == []
+    assert ids(RETRIES=2, MAX_ATTEMPTS=3) == []
+    assert ids(RETRIES=3, MAX_ATTEMPTS=3) == ["django_leases.E014"]
+    assert ids(RETRIES=-1) == ["django_leases.E014"]
+    assert ids(RETRIES="1") == ["django_leases.E014"]
+    assert ids(MAX_ATTEMPTS=0) == ["django_leases.E014"]
+    assert ids(MAX_ATTEMPTS=2**31) == ["django_leases.E014"]
+    assert ids(MAX_ATTEMPT=3) == ["django_leases.W004"]
+
+
+@pytest.mark.parametrize("kind", [*UNSTORABLE, "object"])
+def test_lease_backend__result_that_cannot_be_stored_fails_once(kind: str) -> None:
+    result = unstorable.enqueue(kind)
+    drain()
+    result.refresh()
+
+    assert result.status == TaskResultStatus.FAILED
+    (error,) = result.errors
+    assert error.exception_class_path == "django_leases.exceptions.InvalidPayload"
+    assert "the return value of task tests.testapp.tasks.unstorable" in error.traceback
+    assert [outcome for outcome, _, _ in ledger(result.id)] == ["failed"]
+    job = PaymentJob.objects.get(pk=int(result.id))
+    assert (job.attempts, job.max_attempts, job.result) == (1, 2, None)
+
+
+CRAFTED = [
+    {"task": "os.system"},
+    {"task": "subprocess.run"},
+    {"task": "django_leases.backends.run_task"},
+    {"task": "tests.testapp.jobs.noop"},
+    {"task": "tests.testapp.tasks.not_a_task"},
+    {"task": "tests.testapp.tasks.no_such_name"},
+    {"task": "tests.testapp.no_such_module.add"},
+    {"task": ["tests.testapp.tasks.add"]},
+    {"backend": "nope"},
+    {"args": "rm -rf /"},
+]
+
+
+@pytest.mark.parametrize("crafted", CRAFTED, ids=str)
+def test_run_task__crafted_payload_fails_the_job_without_calling_anything(
+    crafted: dict[str, object], tmp_path: Path
+) -> None:
+    marker = tmp_path / "called"
+    payload = {
+        "task": "tests.testapp.tasks.add",
+        "args": [f"touch {marker}"],
+        "kwargs": {},
+        "backend": "default",
+        **crafted,
+    }
+    # Written straight into the table, as anyone with write access to it could.
+    job = PaymentJob.objects.enqueue("tasks.default", payload)
+    drain()
+
+    job.refresh_from_db()
+    assert job.status == "failed" and job.attempts == 1
+    assert job.last_error.startswith("django_leases.exceptions.InvalidTaskJob: "), job.last_error
+    assert not marker.exists()
+    with pytest.raises(TaskResultDoesNotExist):
+        task_backends["default"].get_result(str(job.pk))
 
 
 def test_lease_backend__run_after_defers_and_context_counts_attempts() -> None:
@@ -95,3 +215,33 @@ def test_lease_backend__runs_on_run_lease_worker(processes: Processes) -> None:
     assert proc.returncode == 0, out
     result.refresh()
     assert (result.status, result.return_value) == (TaskResultStatus.SUCCESSFUL, 42)
+
+
+@pytest.mark.concurrency
+def test_lease_backend__raising_task_is_failed_by_a_burst_worker(processes: Processes) -> None:
+    result = explode.enqueue()
+    proc = processes.manage("run_lease_worker", "--burst", "--kind", "tasks.default")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED, out
+    assert [e.exception_class for e in result.errors] == [ValueError]
+
+
+@pytest.mark.concurrency
+def test_lease_backend__worker_killed_mid_task_runs_it_again(processes: Processes) -> None:
+    result = slow_first.enqueue(600)
+    proc = processes.manage(
+        "run_lease_worker", "--kind", "tasks.default", "--ttl", "2", "--heartbeat", "0.5"
+    )
+    wait_for(lambda: PaymentJob.objects.filter(pk=int(result.id), status="processing").exists())
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+    # The dead worker's lease runs out; the next worker takes the task over and runs it again.
+    wait_for(lambda: PaymentJob.objects.expired().filter(pk=int(result.id)).exists(), timeout=60)
+    drain()
+    result.refresh()
+    assert (result.status, result.return_value) == (TaskResultStatus.SUCCESSFUL, 2)
+    assert result.errors == []
+    assert [outcome for outcome, _, _ in ledger(result.id)] == ["lease_lost", "completed"]

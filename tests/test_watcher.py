@@ -229,7 +229,7 @@ def test_watch_stuck_jobs__once_prints_each_job_and_a_summary(processes: Process
     [
         (["--interval", "0"], "must be a positive number of seconds"),
         (["--interval", "soon"], "is not a number of seconds"),
-        (["--batch-size", "-1"], "must be at least 1"),
+        (["--batch-size", "-1"], "must be from 1 to 10000"),
     ],
 )
 def test_watch_stuck_jobs__bad_flags_fail_cleanly(

@@ -323,7 +323,7 @@ def test_worker__lease_atomic_rolls_back_the_zombies_writes(
         (["--ttl", "-3"], "must be a positive number of seconds"),
         (["--ttl", "10", "--heartbeat", "10"], "heartbeat (10s) must be shorter than ttl (10s)"),
         (["--heartbeat", "abc"], "'abc' is not a number of seconds"),
-        (["--concurrency", "0"], "must be at least 1"),
+        (["--concurrency", "0"], "must be from 1 to 1000"),
         (["--kind", "nope"], "no handler for job kind(s) nope"),
         (["--worker-id", "has space"], "not a valid worker id"),
     ],

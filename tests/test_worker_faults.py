@@ -27,7 +27,13 @@ Status = PaymentJob.Status
 def test_worker__whatever_a_handler_raises_ends_only_that_attempt(processes: Processes) -> None:
     faulty = {
         kind: PaymentJob.objects.enqueue(kind, priority=1)
-        for kind in ("exits", "interrupted", "long_named_error", "leaves_transaction_open")
+        for kind in (
+            "exits",
+            "interrupted",
+            "long_named_error",
+            "unstorable_error",
+            "leaves_transaction_open",
+        )
     }
     behind = [PaymentJob.objects.enqueue("noop") for _ in range(5)]
     proc = worker(processes, "sturdy", "--burst", "--concurrency", "1")
@@ -43,12 +49,13 @@ def test_worker__whatever_a_handler_raises_ends_only_that_attempt(processes: Pro
     assert len(long_name) == 255 and long_name.startswith("tests.testapp.jobs.LongNNN")
     assert long_name.endswith("…")
     assert "transaction open" in rows["leaves_transaction_open"].error_message
+    assert rows["unstorable_error"].error_message == "card\\x00 declined \\udc80"
     # The handler's uncommitted write was rolled back, not committed by the worker's outcome.
     assert not Charge.objects.filter(owner="never committed").exists()
     for job in faulty.values():
         job = fresh(job)
         assert (job.status, job.attempts) == (Status.PENDING, 1)
-    assert "claimed=9 completed=5 retried=4" in out
+    assert "claimed=10 completed=5 retried=5" in out
 
 
 def test_worker__handler_past_its_timeout_is_ended_and_the_slot_goes_on(

@@ -6,6 +6,7 @@ import time
 from django.db import transaction
 
 from django_leases import PermanentError, job_handler
+from django_leases.models import PaymentJob
 
 from .models import Charge
 
@@ -95,6 +96,12 @@ def long_named_error(job, lease):
     raise LongNamedError("a class name longer than the ledger's column")
 
 
+@job_handler("unstorable_error")
+def unstorable_error(job, lease):
+    """An error whose text no column stores as it is: a NUL and a lone surrogate."""
+    raise RuntimeError("card\x00 declined \udc80")
+
+
 @job_handler("leaves_transaction_open")
 def leaves_transaction_open(job, lease):
     """Write a charge with autocommit off and return without committing."""
@@ -161,3 +168,9 @@ async def _write_charge(job, lease):
 def returns_coroutine(job, lease):
     """A plain function that hands back a coroutine from a helper: the worker awaits it."""
     return _write_charge(job, lease)
+
+
+@job_handler("leaky")
+def leaky(job, lease):
+    """Insert a job whose idempotency key already exists: the IntegrityError quotes the card."""
+    PaymentJob.objects.create(kind="noop", idempotency_key=job.payload["card"])

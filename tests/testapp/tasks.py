@@ -1,5 +1,7 @@
 """Tasks of Django's Tasks framework, run through `LeaseBackend`."""
 
+import time
+
 import django
 
 if django.VERSION >= (6, 0):
@@ -26,3 +28,36 @@ def explode():
 @task(takes_context=True)
 def which_attempt(context):
     return context.attempt
+
+
+deep: list = []
+for _ in range(40):
+    deep = [deep]
+
+UNSTORABLE = {
+    "nan": float("nan"),
+    "infinity": float("inf"),
+    "nul": "card\x00",
+    "surrogate": "\ud800",
+    "too deep": deep,
+    "huge int": 2**80,
+}
+
+
+@task
+def unstorable(kind):
+    """Return a value no database stores alike (or one that is not JSON at all)."""
+    if kind == "object":
+        return object()
+    return {"value": UNSTORABLE[kind]}
+
+
+@task(takes_context=True)
+def slow_first(context, seconds):
+    """Take `seconds` on the first attempt only; return the attempt that finished."""
+    if context.attempt == 1:
+        time.sleep(seconds)
+    return context.attempt
+
+
+not_a_task = add.func

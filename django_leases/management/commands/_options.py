@@ -2,7 +2,6 @@
 
 import argparse
 import logging
-import math
 import os
 import re
 import signal
@@ -15,35 +14,49 @@ from typing import Any, NoReturn
 
 from django.core.management.base import CommandError, CommandParser
 
+from django_leases.limits import MAX_DURATION
+
 WORKER_ID = re.compile(r"^[\w.:@/-]{1,255}$")
 
 
 def positive_seconds(value: str) -> float:
-    """Parse seconds: a positive, finite number, fractions allowed ("0.5")."""
+    """Parse seconds: a positive number up to `limits.MAX_DURATION`, fractions allowed ("0.5")."""
     try:
         seconds = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be a positive number of seconds")
+    if not 0 < seconds <= MAX_DURATION:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"{value!r} must be a positive number of seconds up to {MAX_DURATION} (100 years)"
+        )
     return seconds
 
 
 def non_negative_seconds(value: str) -> float:
     """Parse seconds that may be zero (e.g. a grace period)."""
-    if value.strip() in ("0", "0.0"):
-        return 0.0
+    try:
+        if float(value) == 0:
+            return 0.0
+    except ValueError:
+        pass
     return positive_seconds(value)
 
 
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
-    return number
+def whole_number(bounds: tuple[int, int]) -> Callable[[str], int]:
+    """Return an argparse type that parses a whole number within `bounds` (see `limits`)."""
+    low, high = bounds
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{value!r} must be from {low} to {high}")
+        return number
+
+    parse.__name__ = "whole number"  # argparse names the type in its own messages
+    return parse
 
 
 def worker_id(value: str) -> str:

@@ -9,11 +9,12 @@ from django.db import router
 from django.db.models import Count
 
 from django_leases.conf import leases_settings
+from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
     configure_logging,
-    positive_int,
     positive_seconds,
+    whole_number,
 )
 from django_leases.models import PaymentJob
 from django_leases.querysets import PrunedBatch
@@ -37,7 +38,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         )
         parser.add_argument(
             "--batch-size",
-            type=positive_int,
+            type=whole_number(BATCH_SIZE),
             default=None,
             help="jobs deleted per statement and transaction "
             f"(default: DJANGO_LEASES['PRUNE_BATCH_SIZE'], {leases_settings.PRUNE_BATCH_SIZE})",

@@ -4,15 +4,17 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_leases.checks import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.exceptions import WorkerIdTaken
+from django_leases.limits import CONCURRENCY, MAX_JOBS
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
     configure_logging,
     non_negative_seconds,
-    positive_int,
     positive_seconds,
     stop_signals,
+    whole_number,
     worker_id,
 )
 from django_leases.worker import LeaseWorker
@@ -27,7 +29,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "The first SIGTERM/SIGINT stops claiming, lets running jobs finish within the grace "
         "period, releases unstarted ones and exits 0; a second one exits at once with status "
         "128 + the signal number (130 for SIGINT, 143 for SIGTERM), leaving leases to expire. "
-        "Exit status 1: bad options or settings, or another live worker process runs under "
+        "Exit status 1: bad options or settings, a database session clock that is not UTC, "
+        "or another live worker process running under "
         "the same --worker-id. Exit status 3: the worker stopped itself for its supervisor to "
         "restart it (more handler threads still running past their kind's timeout than "
         "--concurrency)."
@@ -49,7 +52,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         )
         parser.add_argument(
             "--concurrency",
-            type=positive_int,
+            type=whole_number(CONCURRENCY),
             default=None,
             help="jobs run at once, one thread each "
             f"(default: DJANGO_LEASES['CONCURRENCY'], {leases_settings.CONCURRENCY})",
@@ -69,7 +72,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         )
         parser.add_argument(
             "--max-jobs",
-            type=positive_int,
+            type=whole_number(MAX_JOBS),
             default=None,
             help="exit after running this many jobs",
         )
@@ -124,6 +127,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
+        problems = database_clock_problems(worker.using)
+        if problems:
+            raise CommandError(problems[0])
         with stop_signals(worker.stop):
             try:
                 stats = worker.run()

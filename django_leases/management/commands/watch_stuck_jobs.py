@@ -4,18 +4,21 @@ import random
 import threading
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import InterfaceError, OperationalError, close_old_connections
 
+from django_leases.checks import database_clock_problems
 from django_leases.conf import leases_settings
+from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
     configure_logging,
-    positive_int,
     positive_seconds,
     stop_signals,
+    whole_number,
     worker_id,
 )
+from django_leases.redaction import error_text
 from django_leases.watcher import StuckWatcher
 from django_leases.worker import default_worker_id
 
@@ -27,7 +30,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "hooks resolve jobs under review. Prints one line per job acted on and a summary. "
         "Runs until SIGTERM/SIGINT (exit 0 after the current pass; a second signal exits at once "
         "with status 128 + the signal number), or one pass with --once. "
-        "Exit status 1: bad options."
+        "Exit status 1: bad options, or a database session clock that is not UTC."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -41,7 +44,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         parser.add_argument("--once", action="store_true", help="run one pass and exit (for cron)")
         parser.add_argument(
             "--batch-size",
-            type=positive_int,
+            type=whole_number(BATCH_SIZE),
             default=500,
             help="jobs handled per pass and kind of action (default: %(default)r)",
         )
@@ -68,6 +71,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
         watcher = StuckWatcher(
             watcher_id=watcher_id or f"watcher:{default_worker_id()}", batch_size=batch_size
         )
+        problems = database_clock_problems(watcher.using)
+        if problems:
+            raise CommandError(problems[0])
         every = interval if interval is not None else leases_settings.WATCH_INTERVAL
         stop = threading.Event()
         total = 0
@@ -77,7 +83,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
                 try:
                     actions = watcher.run_once()
                 except (OperationalError, InterfaceError) as exc:
-                    self.stderr.write(f"database unavailable: {exc}; retrying next pass")
+                    reason = error_text(exc)
+                    self.stderr.write(f"database unavailable: {reason}; retrying next pass")
                     actions = []
                 for action in actions:
                     self.stdout.write(action.describe())

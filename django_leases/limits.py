@@ -1,0 +1,156 @@
+"""The bounds of every argument and setting of django-leases, defined once.
+
+Each bound is one that SQLite, PostgreSQL and MariaDB/MySQL all store, so that bad input gets
+the same `InvalidArgument` (a `ValueError`) naming the argument and its range on every database,
+before anything is written, instead of a database error on one of them and silent acceptance on
+another.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+from django_leases.exceptions import InvalidArgument, InvalidPayload
+
+DAY = 24 * 3600
+# About 100 years: `database now + MAX_DURATION` stays far inside the DATETIME range of every
+# database (MariaDB/MySQL end at year 9999), and `timedelta` never overflows.
+MAX_DURATION = 100 * 365 * DAY
+DURATION_RANGE = f"a positive number of seconds up to {MAX_DURATION} (100 years) or a timedelta"
+
+# Datetimes given as `run_at`: inside MariaDB/MySQL's DATETIME (years 1000-9999), PostgreSQL's
+# timestamptz and Python's datetime, with room for any time zone offset.
+EARLIEST_DATETIME = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_DATETIME = datetime(9999, 1, 1, tzinfo=UTC)
+
+# Whole-number arguments and settings: (lowest, highest).
+PRIORITY = (-32768, 32767)  # a SMALLINT on every database
+# A PositiveIntegerField (signed 32-bit on PostgreSQL); each graceful release adds one more, so
+# keep far below 2**31.
+MAX_ATTEMPTS = (1, 1_000_000)
+# Jobs one claim() takes, and ids in one `IN (...)` list: below SQLite's 32766 bound variables.
+CLAIM_LIMIT = (1, 10_000)
+BATCH_SIZE = (1, 10_000)
+# One thread and one database connection each.
+CONCURRENCY = (1, 1_000)
+MAX_JOBS = (1, 2**31 - 1)
+# A job's id: a BIGINT.
+JOB_ID = (1, 2**63 - 1)
+
+# Characters of each text field (as the model declares them).
+KIND_LENGTH = 100
+OWNER_LENGTH = 255
+PAYMENT_ID_LENGTH = 64
+IDEMPOTENCY_KEY_LENGTH = 255
+CHECKPOINT_LENGTH = 100
+
+# JSON: MariaDB's JSON_VALID (the CHECK of its JSON columns) refuses 32 levels of nesting;
+# MySQL's JSON type keeps integers of 64 bits exactly.
+MAX_JSON_DEPTH = 31
+JSON_INT = (-(2**63), 2**63 - 1)
+
+# PostgreSQL refuses NUL in text and jsonb, and no database's UTF-8 can hold a lone surrogate;
+# SQLite would store both. Refused everywhere, so that no database is the odd one out.
+BAD_CHARACTER = re.compile("[\x00\ud800-\udfff]")
+
+
+def shown(value: Any, width: int = 60) -> str:
+    """Return `repr(value)`, cut to `width` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[: width - 3]}..."
+
+
+def bad_character(text: str) -> str | None:
+    """Describe the first character of `text` that no database stores alike, or None."""
+    match = BAD_CHARACTER.search(text)
+    if match is None:
+        return None
+    char = match.group()
+    return "a NUL character" if char == "\x00" else f"a lone surrogate (U+{ord(char):04X})"
+
+
+def check_text(value: Any, name: str, max_length: int, *, blank: bool = False) -> str:
+    """Return `value` if it is a string of at most `max_length` characters that every database
+    stores; raise `InvalidArgument` naming `name` otherwise."""
+    least = 0 if blank else 1
+    if not isinstance(value, str) or not least <= len(value) <= max_length:
+        size = f"at most {max_length}" if blank else f"1 to {max_length}"
+        raise InvalidArgument(f"{name} must be a string of {size} characters, got {shown(value)}")
+    problem = bad_character(value)
+    if problem:
+        raise InvalidArgument(
+            f"{name} contains {problem}, which is not stored alike on every database: "
+            f"got {shown(value)}"
+        )
+    return value
+
+
+def check_int(value: Any, name: str, bounds: tuple[int, int]) -> int:
+    """Return `value` if it is a whole number within `bounds`; raise `InvalidArgument`."""
+    low, high = bounds
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidArgument(
+            f"{name} must be a whole number from {low} to {high}, got {shown(value)}"
+        )
+    return value
+
+
+def check_datetime(value: datetime, name: str) -> datetime:
+    """Return `value` if it is an aware datetime within the stored range."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidArgument(f"{name} must be an aware datetime (USE_TZ = True), got {value!r}")
+    if not EARLIEST_DATETIME <= value < LATEST_DATETIME:
+        raise InvalidArgument(
+            f"{name} must be from {EARLIEST_DATETIME.isoformat()} to before "
+            f"{LATEST_DATETIME.isoformat()}, got {value.isoformat()}"
+        )
+    return value
+
+
+def check_json(value: Any, name: str) -> None:
+    """Raise `InvalidPayload` naming `name` and the place if `value` is not JSON that every
+    database stores alike: only dicts, lists, strings, finite numbers, booleans and None, at
+    most MAX_JSON_DEPTH levels deep, no NUL or lone surrogate, integers of 64 bits."""
+    # Iterative, so that a deeply nested (or self-containing) value is refused by the depth
+    # bound instead of a RecursionError.
+    stack: list[tuple[Any, str, int]] = [(value, name, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if depth >= MAX_JSON_DEPTH:
+                raise InvalidPayload(
+                    f"{name} is nested deeper than {MAX_JSON_DEPTH} levels (at {where})"
+                )
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    _check_json_scalar(key, f"a key of {where}", name, key=True)
+                    stack.append((child, f"{where}[{shown(key, 30)}]", depth + 1))
+            else:
+                stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
+        else:
+            _check_json_scalar(item, where, name)
+
+
+def _check_json_scalar(item: Any, where: str, name: str, *, key: bool = False) -> None:
+    if item is None or isinstance(item, bool):
+        return
+    if isinstance(item, str):
+        problem = bad_character(item)
+        if problem:
+            raise InvalidPayload(f"{name} contains {problem} at {where}")
+    elif isinstance(item, int):
+        if not JSON_INT[0] <= item <= JSON_INT[1]:
+            raise InvalidPayload(
+                f"{name} has an integer outside {JSON_INT[0]} to {JSON_INT[1]} at {where}"
+            )
+    elif isinstance(item, float):
+        if not math.isfinite(item):
+            raise InvalidPayload(f"{name} has {item!r}, which is not JSON, at {where}")
+    else:
+        kind = "key" if key else "value"
+        raise InvalidPayload(
+            f"{name} has a {kind} of type {type(item).__name__}, which is not JSON, at {where}"
+        )
