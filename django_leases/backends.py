@@ -76,7 +76,7 @@ class LeaseBackend(BaseTaskBackend):
     """
 
     supports_defer = True
-    supports_async_task = False
+    supports_async_task = True
     supports_get_result = True
     supports_priority = True
 

@@ -14,9 +14,12 @@ from django.utils import timezone
 from django_leases.backends import LeaseBackend
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
+from tests.testapp.models import Charge
 from tests.testapp.tasks import (
     UNSTORABLE,
     add,
+    async_charge,
+    async_explode,
     explode,
     send_receipt,
     slow_first,
@@ -245,3 +248,19 @@ def test_lease_backend__worker_killed_mid_task_runs_it_again(processes: Processe
     assert (result.status, result.return_value) == (TaskResultStatus.SUCCESSFUL, 2)
     assert result.errors == []
     assert [outcome for outcome, _, _ in ledger(result.id)] == ["lease_lost", "completed"]
+
+
+@pytest.mark.concurrency
+def test_lease_backend__async_tasks_run_awaited_on_run_lease_worker(processes: Processes) -> None:
+    assert task_backends["default"].supports_async_task
+    charged = async_charge.enqueue(7)
+    exploded = async_explode.enqueue()
+    proc = processes.manage("run_lease_worker", "--burst", "--kind", "tasks.default")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    charged.refresh()
+    assert charged.status == TaskResultStatus.SUCCESSFUL, out
+    assert list(Charge.objects.values_list("pk", "job_ref")) == [(charged.return_value, 7)]
+    exploded.refresh()
+    assert exploded.status == TaskResultStatus.FAILED
+    assert [e.exception_class for e in exploded.errors] == [ValueError]

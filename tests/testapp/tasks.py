@@ -1,5 +1,6 @@
 """Tasks of Django's Tasks framework, run through `LeaseBackend`."""
 
+import asyncio
 import time
 
 import django
@@ -61,3 +62,19 @@ def slow_first(context, seconds):
 
 
 not_a_task = add.func
+
+
+@task
+async def async_charge(job_ref):
+    """An async task: awaits, then writes a charge with Django's async ORM."""
+    from .models import Charge
+
+    await asyncio.sleep(0.05)
+    charge = await Charge.objects.acreate(job_ref=job_ref, token=0, owner="async task")
+    return charge.pk
+
+
+@task
+async def async_explode():
+    await asyncio.sleep(0)
+    raise ValueError("async nope")
