@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from django.db.models.functions import Now
+from django.test import override_settings
 from playwright.sync_api import Page, expect, sync_playwright
 
 from django_leases.models import PaymentJob, Worker
@@ -68,7 +69,9 @@ def queue_at_3am() -> dict[str, int]:
     PaymentJob.objects.filter(pk__in=[made["stuck-a"], made["stuck-b"]]).update(
         lease_until=Now() - timedelta(minutes=5)
     )
-    PaymentJob.objects.filter(pk=made["near"]).update(lease_until=Now() + timedelta(seconds=12))
+    # Near expiry by the test's NEAR_EXPIRY of 300 s, yet minutes away from expiring: a slow run
+    # (a loaded machine) must not see it turn stuck halfway through.
+    PaymentJob.objects.filter(pk=made["near"]).update(lease_until=Now() + timedelta(seconds=240))
     PaymentJob.objects.filter(pk=made["waiting"]).update(run_at=Now() - timedelta(minutes=4))
     history = PaymentJob.objects.bulk_create(
         PaymentJob(kind="refund", payment_id=f"old_{i}") for i in range(120)
@@ -89,6 +92,7 @@ def queue_at_3am() -> dict[str, int]:
     return made
 
 
+@override_settings(DJANGO_LEASES={"NEAR_EXPIRY": 300})
 def test_admin__release_a_stuck_lease_from_the_overview(live_server: Any, admin_user: Any) -> None:
     made = queue_at_3am()
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
