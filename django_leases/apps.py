@@ -15,5 +15,6 @@ class LeasesConfig(AppConfig):
         from django_leases import conf, handlers
 
         checks.register(lease_checks.check_settings)
+        checks.register(lease_checks.check_tasks_framework)
         conf.connect_signals()
         handlers.autodiscover()

@@ -3,10 +3,12 @@
 import math
 from typing import Any
 
+import django
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 
 from django_leases.conf import DEFAULTS
+from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 
 DURATIONS = (
     "TTL",
@@ -170,5 +172,20 @@ def _check_retention(retention: Any) -> list[CheckMessage]:
             hint="For example {'completed': 7 * 86400, 'failed': 30 * 86400}; a status left "
             "out is never pruned.",
             id="django_leases.E007",
+        )
+    ]
+
+
+def check_tasks_framework(**kwargs: Any) -> list[CheckMessage]:
+    """Report a `LeaseBackend` in `settings.TASKS` where no Tasks framework is installed."""
+    if not (lease_task_queues() and tasks_framework_missing()):
+        return []
+    return [
+        Error(
+            f"settings.TASKS uses {BACKEND_PATH}, but Django {django.get_version()} has no "
+            "Tasks framework and the django-tasks backport is not installed.",
+            hint='Install the backport with pip install "django-leases[tasks]" and add '
+            '"django_tasks" to INSTALLED_APPS, or upgrade to Django 6, which has it built in.',
+            id="django_leases.E018",
         )
     ]

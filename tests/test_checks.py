@@ -1,11 +1,14 @@
 """System checks for DJANGO_LEASES: each bad value is reported with a stable id."""
 
+import sys
+
+import django
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
-from django_leases.checks import check_settings
+from django_leases.checks import check_settings, check_tasks_framework
 
 
 def ids(**settings: object) -> list[str]:
@@ -76,3 +79,23 @@ def test_check_settings__manage_py_check_fails_on_errors() -> None:
 def test_check_settings__worker_gone_after_needs_two_heartbeats() -> None:
     assert ids(HEARTBEAT=20, WORKER_GONE_AFTER=30) == ["django_leases.E010"]
     assert ids(HEARTBEAT=20, WORKER_GONE_AFTER=40) == []
+
+
+LEASE_TASKS = {"default": {"BACKEND": "django_leases.backends.LeaseBackend"}}
+
+
+@pytest.mark.parametrize("tasks", [LEASE_TASKS, {}])
+def test_check_tasks_framework__backport_missing(
+    monkeypatch: pytest.MonkeyPatch, tasks: dict[str, object]
+) -> None:
+    with override_settings(TASKS=tasks), monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "django_tasks", None)  # as if it were not installed
+        messages = check_tasks_framework()
+    needed = bool(tasks) and django.VERSION < (6, 0)  # Django 6 has the framework built in
+    assert [message.id for message in messages] == (["django_leases.E018"] if needed else [])
+    assert all('"django-leases[tasks]"' in message.hint for message in messages)
+
+
+def test_check_tasks_framework__backport_or_django_6_present() -> None:
+    with override_settings(TASKS=LEASE_TASKS):
+        assert check_tasks_framework() == []
