@@ -1,5 +1,7 @@
 """`LeaseBackend`: Django Tasks enqueued as leased jobs and run by the lease worker."""
 
+import subprocess
+import sys
 from datetime import timedelta
 
 import django
@@ -11,7 +13,7 @@ from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.tasks import add, explode, send_receipt, which_attempt
 
-from .conftest import Processes
+from .conftest import Processes, subprocess_env
 
 if django.VERSION >= (6, 0):
     from django.tasks import TaskResultStatus, task_backends
@@ -95,3 +97,19 @@ def test_lease_backend__runs_on_run_lease_worker(processes: Processes) -> None:
     assert proc.returncode == 0, out
     result.refresh()
     assert (result.status, result.return_value) == (TaskResultStatus.SUCCESSFUL, 42)
+
+
+@pytest.mark.skipif(django.VERSION >= (6, 0), reason="Django 6 has the framework: nothing to miss")
+def test_lease_backend__import_without_the_backport_names_the_extra() -> None:
+    hide_the_backport = "sys.modules['django_tasks'] = None"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import sys; {hide_the_backport}; import django_leases.backends"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("django.core.exceptions.ImproperlyConfigured: ")
+    assert 'pip install "django-leases[tasks]"' in last_line
