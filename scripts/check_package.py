@@ -63,8 +63,9 @@ def check_dist(dist: Path) -> None:
         (info,) = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
         metadata = email.parser.Parser().parsestr(whl.read(f"{info}/METADATA").decode())
     package = {f for f in files if f.startswith("django_leases/")}
-    if {n for n in names if n.startswith("django_leases/")} != package:
-        fail(f"the wheel's django_leases/ differs from git's: {sorted(package ^ names)}")
+    installed = {n for n in names if not n.startswith(f"{info}/")}
+    if installed != package:
+        fail(f"the wheel differs from git's django_leases/: {sorted(package ^ installed)}")
     if f"{info}/licenses/LICENSE" not in names:
         fail("the wheel has no license text")
 
