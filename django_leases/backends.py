@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import django
 from django.apps import apps
 from django.core.checks import CheckMessage, Error, Warning
+from django.core.exceptions import ImproperlyConfigured
 from django.db import router
 from django.utils.module_loading import import_string
 
@@ -36,7 +37,14 @@ if TYPE_CHECKING or django.VERSION >= (6, 0):
     from django.tasks.signals import task_enqueued, task_finished, task_started
     from django.utils.json import normalize_json
 else:  # Django 5.2 with the django-tasks backport, which has the same API
-    from django_tasks import task_backends
+    try:
+        from django_tasks import task_backends
+    except ModuleNotFoundError as exc:
+        # As Django reports a missing database driver: the fix, not a bare module name.
+        raise ImproperlyConfigured(
+            f"django_leases.backends needs Django 6 or the django-tasks backport, and Django "
+            f'{django.get_version()} has no backport installed: pip install "django-leases[tasks]"'
+        ) from exc
     from django_tasks.backends.base import BaseTaskBackend
     from django_tasks.base import TaskContext, TaskError, TaskResult, TaskResultStatus
     from django_tasks.exceptions import TaskResultDoesNotExist

@@ -5,12 +5,14 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import django
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
 from django.utils.module_loading import import_string
 
 from django_leases.conf import DEFAULTS
+from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 from django_leases.limits import BATCH_SIZE, CONCURRENCY, DURATION_RANGE, MAX_ATTEMPTS, MAX_DURATION
 
 DURATIONS = (
@@ -278,4 +280,19 @@ def check_sqlite_transaction_mode(**kwargs: Any) -> list[CheckMessage]:
             id="django_leases.W003",
         )
         for alias in sqlite_without_immediate(settings.DATABASES)
+    ]
+
+
+def check_tasks_framework(**kwargs: Any) -> list[CheckMessage]:
+    """Report a `LeaseBackend` in `settings.TASKS` where no Tasks framework is installed."""
+    if not (lease_task_queues() and tasks_framework_missing()):
+        return []
+    return [
+        Error(
+            f"settings.TASKS uses {BACKEND_PATH}, but Django {django.get_version()} has no "
+            "Tasks framework and the django-tasks backport is not installed.",
+            hint='Install the backport with pip install "django-leases[tasks]" and add '
+            '"django_tasks" to INSTALLED_APPS, or upgrade to Django 6, which has it built in.',
+            id="django_leases.E018",
+        )
     ]

@@ -1,7 +1,9 @@
 """System checks for DJANGO_LEASES: each bad value is reported with a stable id."""
 
+import sys
 from collections.abc import Iterator
 
+import django
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
@@ -12,6 +14,7 @@ from django_leases.checks import (
     check_database_clock,
     check_settings,
     check_sqlite_transaction_mode,
+    check_tasks_framework,
     database_clock_problems,
     sqlite_without_immediate,
 )
@@ -202,3 +205,23 @@ def test_commands__start_on_a_utc_session(processes: Processes) -> None:
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
     assert "no issues" in out
+
+
+LEASE_TASKS = {"default": {"BACKEND": "django_leases.backends.LeaseBackend"}}
+
+
+@pytest.mark.parametrize("tasks", [LEASE_TASKS, {}])
+def test_check_tasks_framework__backport_missing(
+    monkeypatch: pytest.MonkeyPatch, tasks: dict[str, object]
+) -> None:
+    with override_settings(TASKS=tasks), monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "django_tasks", None)  # as if it were not installed
+        messages = check_tasks_framework()
+    needed = bool(tasks) and django.VERSION < (6, 0)  # Django 6 has the framework built in
+    assert [message.id for message in messages] == (["django_leases.E018"] if needed else [])
+    assert all('"django-leases[tasks]"' in message.hint for message in messages)
+
+
+def test_check_tasks_framework__backport_or_django_6_present() -> None:
+    with override_settings(TASKS=LEASE_TASKS):
+        assert check_tasks_framework() == []

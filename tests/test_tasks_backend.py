@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from tests.testapp.tasks import (
     which_attempt,
 )
 
-from .conftest import Processes, wait_for
+from .conftest import Processes, subprocess_env, wait_for
 
 if django.VERSION >= (6, 0):
     from django.tasks import TaskResultStatus, task_backends
@@ -264,3 +266,19 @@ def test_lease_backend__async_tasks_run_awaited_on_run_lease_worker(processes: P
     exploded.refresh()
     assert exploded.status == TaskResultStatus.FAILED
     assert [e.exception_class for e in exploded.errors] == [ValueError]
+
+
+@pytest.mark.skipif(django.VERSION >= (6, 0), reason="Django 6 has the framework: nothing to miss")
+def test_lease_backend__import_without_the_backport_names_the_extra() -> None:
+    hide_the_backport = "sys.modules['django_tasks'] = None"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import sys; {hide_the_backport}; import django_leases.backends"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("django.core.exceptions.ImproperlyConfigured: ")
+    assert 'pip install "django-leases[tasks]"' in last_line

@@ -340,6 +340,24 @@ def test_worker__bad_options_fail_with_one_line_before_any_claim(
     assert fresh(job).attempts == 0
 
 
+def test_run_lease_worker__kind_takes_several_values_per_flag_and_repeated_flags(
+    processes: Processes,
+) -> None:
+    jobs = {
+        kind: PaymentJob.objects.enqueue(kind) for kind in ("noop", "sleep", "permanent", "boom")
+    }
+    proc = worker(processes, "picky", "--burst", "--kind", "noop", "sleep", "--kind", "permanent")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert "kinds=noop,permanent,sleep" in out
+    assert {kind: fresh(job).status for kind, job in jobs.items()} == {
+        "noop": Status.COMPLETED,
+        "sleep": Status.COMPLETED,
+        "permanent": Status.FAILED,
+        "boom": Status.PENDING,
+    }
+
+
 def test_worker__outcome_written_by_the_handler_is_counted_as_such() -> None:
     job = PaymentJob.objects.enqueue("self_fail")
     stats = LeaseWorker(worker_id="w", burst=True, ttl=30, heartbeat=5, poll_interval=0.05).run()

@@ -59,11 +59,13 @@ class Command(OneLineErrorsMixin, BaseCommand):
         )
         parser.add_argument(
             "--kind",
-            action="append",
+            action="extend",
+            nargs="+",
             dest="kinds",
             metavar="K",
             default=None,
-            help="claim only this job kind; repeat for several (default: every registered kind)",
+            help="claim only these job kinds: '--kind a b', '--kind a --kind b' or both "
+            "(default: every registered kind)",
         )
         parser.add_argument(
             "--burst",
