@@ -1,5 +1,6 @@
 """`run_lease_worker` end to end: real worker processes against the real test database."""
 
+import json
 import os
 import shutil
 import signal
@@ -13,7 +14,7 @@ from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
 
-from .conftest import ON_SQLITE, Processes, read_until, wait_for
+from .conftest import ON_SQLITE, Processes, read_until, subprocess_env, wait_for
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -65,7 +66,16 @@ def test_worker__burst_runs_every_job_and_exits_zero(processes: Processes) -> No
     declined = PaymentJob.objects.enqueue("permanent")
     unknown = PaymentJob.objects.enqueue("no-such-kind")
 
-    proc = worker(processes, "burst-1", "--burst", "--concurrency", "3")
+    # A backoff of minutes: the retried job is still waiting when we look, however slow the run.
+    slow_backoff = json.dumps({"BACKOFF_BASE": 300, "BACKOFF_MAX": 600})
+    proc = worker(
+        processes,
+        "burst-1",
+        "--burst",
+        "--concurrency",
+        "3",
+        env=subprocess_env(LEASES_TEST_SETTINGS=slow_backoff),
+    )
     out = finish(proc)
 
     assert proc.returncode == 0, out
@@ -236,7 +246,8 @@ def test_worker__survives_the_database_going_away(processes: Processes) -> None:
 
 
 def test_worker__sigterm_lets_running_jobs_finish_and_exits_zero(processes: Processes) -> None:
-    running = [PaymentJob.objects.enqueue("sleep", {"seconds": 1.5}, priority=1) for _ in range(2)]
+    # Long enough that SIGTERM lands while both run, even when the test process is slow to send it.
+    running = [PaymentJob.objects.enqueue("sleep", {"seconds": 5}, priority=1) for _ in range(2)]
     waiting = [PaymentJob.objects.enqueue("noop") for _ in range(3)]
     proc = worker(processes, "graceful", "--concurrency", "2", "--grace-period", "20")
     # Claimed is not started: a job still queued for a slot would be released, not finished.
