@@ -460,26 +460,25 @@ class LeaseWorker:
         try:
             while True:
                 with self._changed:
+                    # Once stop is requested an unstarted lease stays where it is: the
+                    # shutdown releases it (and counts it) before it waits for running ones.
                     self._changed.wait_for(
                         lambda: (
                             slot.thread is not me
                             or self._closing
-                            or (slot.lease is not None and slot.started is None)
+                            or (
+                                slot.lease is not None
+                                and slot.started is None
+                                and not self._stopping.is_set()
+                            )
                         )
                     )
-                    if slot.thread is not me or slot.lease is None:
+                    if slot.thread is not me or slot.lease is None or slot.started is not None:
                         return
                     lease = slot.lease
-                    start = not self._stopping.is_set()
-                    if start:
-                        slot.started = time.monotonic()
-                        slot.deadline = self._deadline(lease, slot.started)
-                    else:
-                        slot.lease = None
-                if start:
-                    self._execute(lease)
-                else:
-                    self._release_unstarted(lease)
+                    slot.started = time.monotonic()
+                    slot.deadline = self._deadline(lease, slot.started)
+                self._execute(lease)
                 with self._changed:
                     mine = slot.thread is me
                     if mine and slot.lease is lease:

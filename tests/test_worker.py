@@ -246,10 +246,11 @@ def test_worker__survives_the_database_going_away(processes: Processes) -> None:
 
 
 def test_worker__sigterm_lets_running_jobs_finish_and_exits_zero(processes: Processes) -> None:
-    # Long enough that SIGTERM lands while both run, even when the test process is slow to send it.
-    running = [PaymentJob.objects.enqueue("sleep", {"seconds": 5}, priority=1) for _ in range(2)]
+    # Long enough that SIGTERM lands while both run, even when a loaded machine delays the test
+    # process by seconds between reading "started" and sending the signal.
+    running = [PaymentJob.objects.enqueue("sleep", {"seconds": 15}, priority=1) for _ in range(2)]
     waiting = [PaymentJob.objects.enqueue("noop") for _ in range(3)]
-    proc = worker(processes, "graceful", "--concurrency", "2", "--grace-period", "20")
+    proc = worker(processes, "graceful", "--concurrency", "2", "--grace-period", "40")
     # Claimed is not started: a job still queued for a slot would be released, not finished.
     started = read_until(proc, *(f"started job_id={job.pk} " for job in running))
     proc.send_signal(signal.SIGTERM)
@@ -300,6 +301,22 @@ def test_worker__unstarted_jobs_are_released_on_stop() -> None:
 
     job = fresh(job)
     assert (job.status, job.attempts, job.max_attempts) == (Status.PENDING, 1, 6)
+    assert ledger(job) == [(1, "in-process", "released")]
+    assert (stats.claimed, stats.released, stats.completed) == (1, 1, 0)
+
+
+def test_worker__a_job_claimed_as_stop_arrives_is_released_once_and_counted() -> None:
+    job = PaymentJob.objects.enqueue("noop")
+    lease_worker = LeaseWorker(worker_id="in-process", concurrency=1, ttl=30, heartbeat=5)
+    lease_worker._supervise()  # the slot thread runs and waits for a lease
+    lease_worker.stop()
+    # The claim in flight when the signal lands: its lease reaches a live slot thread, which
+    # leaves it to the shutdown instead of releasing it behind the shutdown's back.
+    assert lease_worker.run_once() == 1
+    stats = lease_worker.run()
+
+    job = fresh(job)
+    assert (job.status, job.attempts) == (Status.PENDING, 1)
     assert ledger(job) == [(1, "in-process", "released")]
     assert (stats.claimed, stats.released, stats.completed) == (1, 1, 0)
 
