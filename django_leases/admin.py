@@ -33,16 +33,8 @@ from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidArgument, InvalidPayload
 from django_leases.limits import JOB_ID, PRIORITY, bad_character, check_int, check_json
 from django_leases.models import JobAttempt, JobStatus, PaymentJob, Worker
-from django_leases.querysets import (
-    CANCELLED,
-    COMPLETED,
-    FAILED,
-    PENDING,
-    REVIEW,
-    AttemptQuerySet,
-    LeaseQuerySet,
-    WorkerQuerySet,
-)
+from django_leases.querysets import AttemptQuerySet, LeaseQuerySet, WorkerQuerySet
+from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW
 
 EMPTY = "—"
 SHORT_ERROR = 60

@@ -8,218 +8,51 @@ cannot touch a job that someone else now owns. Every lease time comes from the d
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
-from datetime import datetime, timedelta
-from functools import cache, reduce, wraps
+from collections.abc import Collection, Mapping
+from datetime import timedelta
+from functools import reduce
 from operator import or_
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from django.apps import apps
-from django.db import IntegrityError, OperationalError, connections, models, transaction
-from django.db.models import Case, F, OuterRef, Q, Subquery, Value, When
+from django.db import connections, transaction
+from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Greatest, Now
 
+from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.exceptions import LeaseError, LeaseLost
 from django_leases.limits import (
     CHECKPOINT_LENGTH,
     CLAIM_LIMIT,
-    IDEMPOTENCY_KEY_LENGTH,
     JOB_ID,
     KIND_LENGTH,
-    MAX_ATTEMPTS,
     OWNER_LENGTH,
-    PAYMENT_ID_LENGTH,
-    PRIORITY,
-    check_datetime,
     check_int,
-    check_json,
     check_text,
 )
-from django_leases.redaction import error_text
+from django_leases.querysets.base import after, retry_deadlocks
+from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
+from django_leases.querysets.prune import Pruning
+from django_leases.sql import postgresql, sqlite
+from django_leases.sql.postgresql import LedgerNames
+from django_leases.status import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    PENDING,
+    PROCESSING,
+    REVIEW,
+    TIMED_OUT,
+    AttemptOutcome,
+    StuckPolicy,
+    Verdict,
+)
 
 if TYPE_CHECKING:
-    from django_leases.models import AbstractJobAttempt, AbstractLeasedJob, PaymentJob
-
-J = TypeVar("J", bound="AbstractLeasedJob")
-
-PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
-    "pending",
-    "processing",
-    "completed",
-    "failed",
-    "review",
-    "cancelled",
-)
-FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
-MAX_ERROR_LENGTH = 2000
-MAX_ERROR_CLASS_LENGTH = 255
-DEADLOCK_RETRIES = 5
+    from django_leases.models import AbstractLeasedJob
 
 
-def after(seconds: float) -> Any:
-    """Return the SQL expression "database now + `seconds`"."""
-    return Now() + timedelta(seconds=seconds)
-
-
-def describe_error(error: BaseException | str) -> tuple[str, str]:
-    """Return (error class, message) for the ledger: never the payload, never a traceback.
-
-    An exception's message goes through the `REDACT_ERRORS` hook (see `redaction`); a string
-    (an operator's reason) is kept as given.
-    """
-    if isinstance(error, BaseException):
-        cls = type(error)
-        name = (
-            cls.__qualname__
-            if cls.__module__ == "builtins"
-            else f"{cls.__module__}.{cls.__qualname__}"
-        )
-        # Cut to the ledger's column: an error that cannot be stored must still end the attempt.
-        if len(name) > MAX_ERROR_CLASS_LENGTH:
-            name = name[: MAX_ERROR_CLASS_LENGTH - 1] + "…"
-        return storable(name), storable(error_text(error))[:MAX_ERROR_LENGTH]
-    return "", storable(str(error))[:MAX_ERROR_LENGTH]
-
-
-def storable(text: str) -> str:
-    """Return `text` with what no database column stores escaped: NUL characters (PostgreSQL
-    refuses them) and lone surrogates (not UTF-8), as backslash escapes."""
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-@dataclass(frozen=True)
-class Rescue:
-    """What the watcher did with one expired lease."""
-
-    pk: int
-    kind: str
-    previous_owner: str
-    token: int
-    attempts: int
-    action: str
-    expired_for: float
-
-
-def deadlocked(exc: OperationalError, vendor: str) -> bool:
-    """Whether the database rolled the transaction back to break a deadlock or lock wait."""
-    if vendor == "mysql":
-        # 1213: deadlock found; 1205: lock wait timeout. InnoDB rolls the transaction back.
-        return bool(exc.args) and exc.args[0] in (1205, 1213)
-    if vendor == "postgresql":
-        return getattr(exc.__cause__, "sqlstate", None) in ("40001", "40P01")
-    return False
-
-
-F_ = TypeVar("F_", bound=Callable[..., Any])
-
-
-def retry_deadlocks(method: F_) -> F_:
-    """Run a lease transition again when the database aborted it to break a deadlock.
-
-    InnoDB picks deadlock victims among concurrent claims and completions even when every
-    statement is correct. The victim's transaction was rolled back whole, and every transition
-    here is a conditional UPDATE, so running it again is safe. Inside a caller's transaction
-    nothing can be retried: the error propagates.
-    """
-
-    @wraps(method)
-    def wrapper(self: LeaseQuerySet[Any], *args: Any, **kwargs: Any) -> Any:
-        connection = connections[self.db]
-        nested = connection.in_atomic_block
-        attempt = 1
-        while True:
-            try:
-                return method(self, *args, **kwargs)
-            except OperationalError as exc:
-                if nested or attempt >= DEADLOCK_RETRIES or not deadlocked(exc, connection.vendor):
-                    raise
-            time.sleep(random.uniform(0.005, 0.05) * attempt)  # noqa: S311 - jitter
-            attempt += 1
-
-    return wrapper  # type: ignore[return-value]
-
-
-# The ledger columns the PostgreSQL fast paths write: a ledger model with other fields (a
-# project's own AbstractJobAttempt subclass that adds some) takes the ORM path instead.
-LEDGER_FIELDS = {
-    "id", "job", "job_ref", "attempt", "token", "owner", "claimed_at", "last_heartbeat_at",
-    "lease_until", "checkpoint", "ended_at", "outcome", "ended_by", "fenced_at", "error_class",
-    "error_message", "resolution", "resolved_by", "resolved_at",
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class LedgerSQL:
-    """Quoted names of the attempt ledger, for statements that write it in raw SQL."""
-
-    table: str
-    columns: dict[str, str]
-
-    def __getattr__(self, name: str) -> str:
-        try:
-            return self.columns[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    @property
-    def insert_columns(self) -> str:
-        names = ("job", "job_ref", "attempt", "token", "owner", "claimed_at",
-                 "last_heartbeat_at", "lease_until", "checkpoint", "outcome", "ended_by",
-                 "error_class", "error_message", "resolution", "resolved_by")  # fmt: skip
-        return ", ".join(self.columns[name] for name in names)
-
-    @property
-    def insert_values(self) -> str:
-        """The values of `insert_columns`, read from the `claimed` CTE (the new leases)."""
-        return (
-            "claimed.id, claimed.id, claimed.attempts, claimed.lease_token, %s, "
-            "STATEMENT_TIMESTAMP(), claimed.heartbeat_at, claimed.lease_until, "
-            "claimed.checkpoint, %s, '', '', '', '', ''"
-        )
-
-    @staticmethod
-    def insert_params(owner: str) -> list[Any]:
-        return [owner, "running"]
-
-
-@dataclass(frozen=True)
-class PrunedBatch:
-    """One batch deleted by `prune()`, in its own transaction."""
-
-    status: str
-    jobs: int
-    attempts: int
-    """Ledger rows of those jobs: deleted, or kept with `job` set to NULL (`keep_ledger`)."""
-    keep_ledger: bool
-
-
-@cache
-def ledger_sql(model: type[AbstractLeasedJob], alias: str) -> LedgerSQL | None:
-    """Build the `LedgerSQL` of `model`'s ledger once per process (claim and complete are hot).
-
-    None where the raw-SQL paths do not apply: no ledger, or a ledger with fields of its own.
-    """
-    label = model.attempt_model
-    if not label:
-        return None
-    ledger = apps.get_model(label)
-    fields = {field.name: field for field in ledger._meta.concrete_fields}
-    if set(fields) != LEDGER_FIELDS:
-        return None
-    quote = connections[alias].ops.quote_name
-    return LedgerSQL(
-        table=quote(ledger._meta.db_table),
-        columns={name: quote(str(field.column)) for name, field in fields.items()},
-    )
-
-
-class LeaseQuerySet(models.QuerySet[J]):
+class LeaseQuerySet(Pruning[J]):
     """Reads and lease transitions of any `AbstractLeasedJob` table."""
 
     # ---- reads -------------------------------------------------------------------------------
@@ -261,7 +94,7 @@ class LeaseQuerySet(models.QuerySet[J]):
 
     def claimable(self, kinds: Collection[str] | None = None) -> LeaseQuerySet[J]:
         """Due pending jobs and expired leases that still have an attempt left."""
-        guard, _, _ = takeover_guard()
+        guard, _ = takeover_guard()
         qs = self.filter(
             Q(status=PENDING, run_at__lte=Now())
             | (Q(status=PROCESSING, lease_until__lt=Now()) & guard),
@@ -328,7 +161,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             if not kinds:
                 return []
         vendor = connections[self.db].vendor
-        ledger = self._ledger_sql() if vendor == "postgresql" else None
+        ledger = self._ledger_names() if vendor == "postgresql" else None
         if ledger is not None:
             # One statement claims and writes the ledger: atomic without a transaction block.
             jobs = self._claim_postgresql(owner, seconds, limit, kinds, ledger=ledger)
@@ -343,14 +176,6 @@ class LeaseQuerySet(models.QuerySet[J]):
         jobs.sort(key=lambda job: (not job.taken_over, -job.priority, job.run_at, job.pk))  # type: ignore[attr-defined]
         return jobs
 
-    def _claim_sql_parts(self, kinds: list[str] | None) -> tuple[str, str, list[Any]]:
-        connection = connections[self.db]
-        table = connection.ops.quote_name(self.model._meta.db_table)
-        if not kinds:
-            return table, "", []
-        placeholders = ", ".join(["%s"] * len(kinds))
-        return table, f"AND kind IN ({placeholders})", list(kinds)
-
     def _claim_postgresql(
         self,
         owner: str,
@@ -358,91 +183,22 @@ class LeaseQuerySet(models.QuerySet[J]):
         limit: int,
         kinds: list[str] | None,
         *,
-        ledger: LedgerSQL | None = None,
+        ledger: LedgerNames | None = None,
     ) -> list[J]:
-        # One statement decides ownership. Each candidate set is a MATERIALIZED CTE with
-        # FOR UPDATE SKIP LOCKED: it is evaluated once, so it cannot re-run per row and lock
-        # more than LIMIT rows (the trap of `UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR
-        # UPDATE SKIP LOCKED)`, which PostgreSQL may re-execute and then over-claim). Rows
-        # locked by a concurrent claim are skipped, not waited for; a row changed by a commit
-        # before we lock it is rechecked against the CTE's WHERE (READ COMMITTED EvalPlanQual).
-        # Expired leases are taken first; `due` is only read as far as the outer LIMIT needs.
-        # Each CTE walks its own partial index, so the cost does not grow with finished rows.
-        # Tested on PostgreSQL 15.
-        table, kind_sql, kind_params = self._claim_sql_parts(kinds)
-        _, guard_sql, guard_params = takeover_guard()
-        update = f"""
-            UPDATE {table} AS job
-            SET status = %s,
-                lease_owner = %s,
-                lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %s),
-                heartbeat_at = STATEMENT_TIMESTAMP(),
-                lease_token = job.lease_token + 1,
-                attempts = job.attempts + 1
-            FROM picked
-            WHERE job.id = picked.id
-            RETURNING job.*, picked.taken_over
-        """  # noqa: S608 - table name quoted by the backend, values are parameters
-        params: list[Any] = [
-            PROCESSING,
-            *kind_params,
-            *guard_params,
-            limit,
-            PENDING,
-            *kind_params,
-            limit,
-            limit,
-            PROCESSING,
-            owner,
-            seconds,
-        ]
-        if ledger is None:
-            main = update
-        else:
-            # The ledger writes ride in the same statement as data-modifying CTEs: the open row
-            # of each new attempt, and the closing of the rows of holders whose expired lease
-            # this claim took over. All parts run on one snapshot, so the UPDATE cannot see
-            # (and close) the rows the INSERT adds.
-            main = f"""
-            , claimed AS ({update}
-            ), lost AS (
-                UPDATE {ledger.table} AS a
-                SET {ledger.outcome} = %s,
-                    {ledger.ended_at} = STATEMENT_TIMESTAMP(),
-                    {ledger.ended_by} = %s
-                FROM claimed
-                WHERE claimed.taken_over AND a.{ledger.job_ref} = claimed.id
-                  AND a.{ledger.ended_at} IS NULL
-            ), opened AS (
-                INSERT INTO {ledger.table} ({ledger.insert_columns})
-                SELECT {ledger.insert_values} FROM claimed
-            )
-            SELECT * FROM claimed
-            """  # noqa: S608 - names quoted by the backend, values are parameters
-            params += ["lease_lost", owner, *ledger.insert_params(owner)]
-        sql = f"""
-            WITH expired AS MATERIALIZED (
-                SELECT id FROM {table}
-                WHERE status = %s AND lease_until < STATEMENT_TIMESTAMP()
-                  AND attempts < max_attempts {kind_sql} {guard_sql}
-                ORDER BY lease_until
-                LIMIT %s
-                FOR UPDATE SKIP LOCKED
-            ), due AS MATERIALIZED (
-                SELECT id FROM {table}
-                WHERE status = %s AND run_at <= STATEMENT_TIMESTAMP()
-                  AND attempts < max_attempts {kind_sql}
-                ORDER BY priority DESC, run_at, id
-                LIMIT %s
-                FOR UPDATE SKIP LOCKED
-            ), picked AS MATERIALIZED (
-                SELECT id, TRUE AS taken_over FROM expired
-                UNION ALL
-                SELECT id, FALSE AS taken_over FROM due
-                LIMIT %s
-            ){main}
-        """  # noqa: S608 - table and column names quoted by the backend, values are parameters
-        return list(self.raw(sql, params))
+        statement = postgresql.claim(
+            self._table(),
+            owner=owner,
+            seconds=seconds,
+            limit=limit,
+            kinds=sql.kinds_filter(kinds),
+            guard=takeover_guard()[1],
+            ledger=ledger,
+            pending=PENDING,
+            processing=PROCESSING,
+            running=AttemptOutcome.RUNNING,
+            lease_lost=AttemptOutcome.LEASE_LOST,
+        )
+        return list(self.raw(*statement))
 
     def _claim_portable(
         self, owner: str, seconds: float, limit: int, kinds: list[str] | None, vendor: str
@@ -466,56 +222,18 @@ class LeaseQuerySet(models.QuerySet[J]):
     def _claim_pass_sqlite(
         self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
     ) -> list[J]:
-        # SQLite runs one writer at a time and evaluates the IN (... LIMIT n) subquery once
-        # into a temporary table, so this single statement claims at most `limit` rows and no
-        # two connections can claim one row. The UPDATE is the transaction's first statement,
-        # so it takes the write lock at once (waiting up to the busy timeout) instead of
-        # failing to upgrade a read lock. Needs SQLite >= 3.35 for RETURNING.
-        table, kind_sql, kind_params = self._claim_sql_parts(kinds)
-        guard_sql = ""
-        guard_params: list[Any] = []
-        now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
-        if takeover:
-            predicate, order, status = (
-                f"status = %s AND lease_until < {now}",
-                "lease_until",
-                PROCESSING,
-            )
-            _, guard_sql, guard_params = takeover_guard()
-        else:
-            # `+run_at`: once ANALYZE has run, SQLite would rather range-scan run_at and sort
-            # every due job; the unary plus keeps it walking the due index in claim order.
-            predicate, order, status = (
-                f"status = %s AND +run_at <= {now}",
-                "priority DESC, run_at, id",
-                PENDING,
-            )
-        sql = f"""
-            UPDATE {table}
-            SET status = %s,
-                lease_owner = %s,
-                lease_until = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %s),
-                heartbeat_at = {now},
-                lease_token = lease_token + 1,
-                attempts = attempts + 1
-            WHERE id IN (
-                SELECT id FROM {table}
-                WHERE {predicate} AND attempts < max_attempts {kind_sql} {guard_sql}
-                ORDER BY {order}
-                LIMIT %s
-            )
-            RETURNING *
-        """  # noqa: S608 - table name quoted by the backend, values are parameters
-        params = [
-            PROCESSING,
-            owner,
-            f"+{seconds:.6f} seconds",
-            status,
-            *kind_params,
-            *guard_params,
-            limit,
-        ]
-        return list(self.raw(sql, params))
+        statement = sqlite.claim_pass(
+            self._table(),
+            owner=owner,
+            seconds=seconds,
+            limit=limit,
+            takeover=takeover,
+            kinds=sql.kinds_filter(kinds),
+            guard=takeover_guard()[1] if takeover else ("", {}),
+            pending=PENDING,
+            processing=PROCESSING,
+        )
+        return list(self.raw(*statement))
 
     def _claim_pass_locking(
         self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
@@ -549,6 +267,9 @@ class LeaseQuerySet(models.QuerySet[J]):
             "lease_token": F("lease_token") + 1,
             "attempts": F("attempts") + 1,
         }
+
+    def _table(self) -> str:
+        return connections[self.db].ops.quote_name(self.model._meta.db_table)
 
     @retry_deadlocks
     def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
@@ -611,42 +332,28 @@ class LeaseQuerySet(models.QuerySet[J]):
 
         Raises `LeaseLost` if `owner` no longer holds the job.
         """
-        ledger = self._ledger_sql() if connections[self.db].vendor == "postgresql" else None
+        ledger = self._ledger_names() if connections[self.db].vendor == "postgresql" else None
         if ledger is not None and result is None:
             self._complete_postgresql(pk, owner, token, ledger)
             return
         values: dict[str, Any] = {"status": COMPLETED, "completed_at": Now(), "last_error": ""}
         if result is not None:
             values["result"] = result
-        self._holder_write(pk, owner, token, "completed", None, **values)
+        self._holder_write(pk, owner, token, AttemptOutcome.COMPLETED, None, **values)
 
     @retry_deadlocks
-    def _complete_postgresql(self, pk: int, owner: str, token: int, ledger: LedgerSQL) -> None:
-        # The hot path of every job: the conditional UPDATE of the job and the closing of its
-        # ledger row in one statement (a data-modifying CTE), so one round trip and no
-        # transaction block. The ledger row is closed only if the job's UPDATE won.
-        table = connections[self.db].ops.quote_name(self.model._meta.db_table)
-        sql = f"""
-            WITH done AS (
-                UPDATE {table}
-                SET status = %s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
-                WHERE id = %s AND status = %s AND lease_owner = %s AND lease_token = %s
-                RETURNING id, lease_token, checkpoint
-            ), closed AS (
-                UPDATE {ledger.table} AS a
-                SET {ledger.outcome} = %s,
-                    {ledger.ended_at} = STATEMENT_TIMESTAMP(),
-                    {ledger.ended_by} = %s,
-                    {ledger.checkpoint} = done.checkpoint,
-                    {ledger.error_class} = '',
-                    {ledger.error_message} = ''
-                FROM done
-                WHERE a.{ledger.job_ref} = done.id AND a.{ledger.token} = done.lease_token
-            )
-            SELECT count(*) FROM done
-        """  # noqa: S608 - table and column names quoted by the backend, values are parameters
+    def _complete_postgresql(self, pk: int, owner: str, token: int, ledger: LedgerNames) -> None:
+        statement = postgresql.complete(
+            self._table(),
+            ledger,
+            pk=pk,
+            owner=owner,
+            token=token,
+            processing=PROCESSING,
+            completed=COMPLETED,
+        )
         with connections[self.db].cursor() as cursor:
-            cursor.execute(sql, [COMPLETED, pk, PROCESSING, owner, token, "completed", owner])
+            cursor.execute(*statement)
             (won,) = cursor.fetchone()
         if not won:
             self.record_fenced(pk, token)
@@ -688,7 +395,7 @@ class LeaseQuerySet(models.QuerySet[J]):
                 raise LeaseLost(f"job {pk}: lease lost before its failure could be recorded")
             # The row is ours until commit; read back which branch the UPDATE took.
             new_status = self.filter(pk=pk).values_list("status", flat=True).get()
-            outcome = "failed" if new_status == FAILED else "retried"
+            outcome = AttemptOutcome.FAILED if new_status == FAILED else AttemptOutcome.RETRIED
             self._close_attempt(pk, token, outcome, by=owner, error=(error_class, message))
         return new_status
 
@@ -721,7 +428,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             )
             if won:
                 new_status = self.filter(pk=pk).values_list("status", flat=True).get()
-                self._close_attempt(pk, token, "timed_out", by=owner, error=("", reason))
+                self._close_attempt(pk, token, TIMED_OUT, by=owner, error=("", reason))
         if not won:
             self.record_fenced(pk, token)
             raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
@@ -737,7 +444,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             pk,
             owner,
             token,
-            "released",
+            AttemptOutcome.RELEASED,
             None,
             status=PENDING,
             run_at=Now(),
@@ -803,13 +510,14 @@ class LeaseQuerySet(models.QuerySet[J]):
         the expiry. Returns whether this call won.
         """
         values: dict[str, Any]
-        if action == "retry":
+        outcome: str
+        if action == Verdict.RETRY:
             delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
             values = {"status": PENDING, "run_at": after(delay) if delay else Now()}
-            outcome = "rescued"
-        elif action == "review":
+            outcome = AttemptOutcome.RESCUED
+        elif action == StuckPolicy.REVIEW:
             values = {"status": REVIEW}
-            outcome = "review"
+            outcome = AttemptOutcome.REVIEW
         elif action in (FAILED, COMPLETED):
             values = {"status": action, "completed_at": Now()}
             outcome = action
@@ -850,7 +558,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
             "lease_token": F("lease_token") + 1,
         }
-        return self._operator_write(eligible, values, "requeued", by)
+        return self._operator_write(eligible, values, AttemptOutcome.REQUEUED, by)
 
     def release_stuck(self, *, by: str = "operator") -> int:
         """Return the selected jobs whose lease expired to pending (the watcher's retry).
@@ -864,7 +572,7 @@ class LeaseQuerySet(models.QuerySet[J]):
                 "run_at": Now(),
                 "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
             },
-            "rescued",
+            AttemptOutcome.RESCUED,
             by,
         )
 
@@ -880,7 +588,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             "last_error": reason[:MAX_ERROR_LENGTH],
             "lease_token": F("lease_token") + 1,
         }
-        return self._operator_write(eligible, values, "failed", by, reason)
+        return self._operator_write(eligible, values, AttemptOutcome.FAILED, by, reason)
 
     def cancel(self, *, by: str = "operator") -> int:
         """Cancel the selected pending jobs; return how many changed."""
@@ -893,7 +601,7 @@ class LeaseQuerySet(models.QuerySet[J]):
         The verdict and who gave it are recorded on the ledger row that put the job under review.
         """
         values: dict[str, Any]
-        if verdict == "retry":
+        if verdict == Verdict.RETRY:
             values = {
                 "status": PENDING,
                 "run_at": Now(),
@@ -935,378 +643,25 @@ class LeaseQuerySet(models.QuerySet[J]):
                         )
         return changed
 
-    # ---- pruning -----------------------------------------------------------------------------
 
-    def prunable(
-        self, retention: Mapping[str, float | timedelta] | None = None
-    ) -> LeaseQuerySet[J]:
-        """Finished jobs whose `completed_at` is older than their status's retention.
+def takeover_guard() -> tuple[Q, tuple[str, sql.Params]]:
+    """Return the filter (as a Q and as an SQL fragment) of expired leases a claim may take over.
 
-        `retention` maps final statuses ("completed", "failed", "cancelled") to seconds or a
-        `timedelta`; a status left out is never pruned. Default: `DJANGO_LEASES["RETENTION"]`.
-        Ages are measured by the database clock.
-        """
-        ages = _retention(retention)
-        if not ages:
-            return self.none()
-        return self.filter(
-            reduce(or_, (Q(status=status, completed_at__lt=ago(s)) for status, s in ages.items()))
-        )
-
-    def prune(
-        self,
-        retention: Mapping[str, float | timedelta] | None = None,
-        *,
-        batch_size: int | None = None,
-        keep_ledger: bool | None = None,
-        on_batch: Callable[[PrunedBatch], object] | None = None,
-    ) -> dict[str, int]:
-        """Delete the `prunable(retention)` jobs in batches; return how many went per status.
-
-        Each batch reads at most `batch_size` ids by the `(status, completed_at)` index, then
-        deletes them in one transaction with one DELETE that restates the whole precondition,
-        so a job requeued meanwhile stays. Its attempt ledger goes with it, unless `keep_ledger`:
-        then the ledger rows stay, with `job` set to NULL and `job_ref` still naming the job.
-        Pending, processing and under-review jobs are never touched. No delete signals are sent,
-        as with `update()`.
-
-        Args:
-            retention: final status -> age; default `DJANGO_LEASES["RETENTION"]`.
-            batch_size: jobs per batch; default `DJANGO_LEASES["PRUNE_BATCH_SIZE"]`.
-            keep_ledger: keep the ledger rows; default `not DJANGO_LEASES["PRUNE_LEDGER"]`.
-            on_batch: called after each committed batch.
-        """
-        ages = _retention(retention)
-        size = leases_settings.PRUNE_BATCH_SIZE if batch_size is None else batch_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"batch_size must be a whole number of at least 1, got {size!r}")
-        keep = not leases_settings.PRUNE_LEDGER if keep_ledger is None else keep_ledger
-        deleted: dict[str, int] = {}
-        for status, seconds in ages.items():
-            stale = self.filter(status=status, completed_at__lt=ago(seconds))
-            deleted[status] = 0
-            while True:
-                # Oldest first, in index order: the read stops after `size` rows of the index.
-                pks = list(stale.order_by("completed_at").values_list("pk", flat=True)[:size])
-                if not pks:
-                    break
-                batch = self._prune_batch(status, stale.filter(pk__in=pks), keep)
-                deleted[status] += batch.jobs
-                if on_batch is not None:
-                    on_batch(batch)
-        return deleted
-
-    @retry_deadlocks
-    def _prune_batch(self, status: str, batch: LeaseQuerySet[J], keep_ledger: bool) -> PrunedBatch:
-        # One transaction per batch: a batch's jobs and their ledger rows go (or are detached)
-        # together, and a long prune never holds locks for longer than one batch.
-        attempts = 0
-        with transaction.atomic(using=self.db):
-            if connections[self.db].features.has_select_for_update:
-                # PostgreSQL, MariaDB/MySQL: lock the batch's rows first, so that an operator's
-                # requeue of one of them waits for our commit instead of losing its ledger.
-                locked = batch.select_for_update().values_list("pk", flat=True)
-                batch = batch.filter(pk__in=list(locked))
-            # SQLite has no row locks: the ledger write below is the transaction's first write
-            # and takes the database's write lock, so the batch cannot change before the DELETE.
-            ledger = self._ledger()
-            if ledger is not None:
-                rows = ledger.objects.using(self.db).filter(job_ref__in=batch.values("pk"))
-                # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
-                detach = {"job_id": None}
-                attempts = rows.update(**detach) if keep_ledger else rows._raw_delete(self.db)
-            # _raw_delete: ONE statement for the whole batch. QuerySet.delete() would collect
-            # the ledger's SET_NULL relation and delete in chunks of 100 ids.
-            jobs = batch._raw_delete(self.db)
-        return PrunedBatch(status, jobs, attempts, keep_ledger)
-
-    # ---- the attempt ledger ------------------------------------------------------------------
-
-    def _ledger(self) -> type[AbstractJobAttempt] | None:
-        label = self.model.attempt_model
-        return apps.get_model(label) if label else None
-
-    def _ledger_sql(self) -> LedgerSQL | None:
-        """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
-        return ledger_sql(self.model, self.db)
-
-    def _job_column(self, name: str) -> Subquery:
-        return Subquery(self.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])
-
-    def _open_attempts(self, jobs: Iterable[J], owner: str) -> None:
-        ledger = self._ledger()
-        jobs = list(jobs)
-        if ledger is None or not jobs:
-            return
-        taken = [job.pk for job in jobs if getattr(job, "taken_over", False)]
-        if taken:
-            # The previous holders of expired leases lost them to this claim.
-            ledger.objects.using(self.db).filter(job_ref__in=taken, ended_at__isnull=True).update(
-                outcome="lease_lost", ended_at=Now(), ended_by=owner
-            )
-        ledger.objects.using(self.db).bulk_create(
-            ledger(
-                # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
-                **{"job_id": job.pk},
-                job_ref=job.pk,
-                attempt=job.attempts,
-                token=job.lease_token,
-                owner=owner,
-                last_heartbeat_at=job.heartbeat_at,
-                lease_until=job.lease_until,
-                checkpoint=job.checkpoint,
-            )
-            for job in jobs
-        )
-
-    def _ledger_update(self, leases: Mapping[int, int], **values: Any) -> int:
-        ledger = self._ledger()
-        if ledger is None:
-            return 0
-        pairs = reduce(or_, (Q(job_ref=pk, token=token) for pk, token in leases.items()))
-        return ledger.objects.using(self.db).filter(pairs).update(**values)
-
-    def _close_attempt(
-        self,
-        pk: int,
-        token: int,
-        outcome: str,
-        *,
-        by: str,
-        error: tuple[str, str] | None,
-    ) -> None:
-        error_class, message = error or ("", "")
-        self._ledger_update(
-            {pk: token},
-            outcome=outcome,
-            ended_at=Now(),
-            ended_by=by,
-            checkpoint=self._job_column("checkpoint"),
-            error_class=error_class,
-            error_message=message,
-        )
-
-    def record_fenced(self, pk: int, token: int) -> None:
-        """Note in the ledger that the holder of `token` came back and was refused."""
-        ledger = self._ledger()
-        if ledger is not None:
-            ledger.objects.using(self.db).filter(
-                job_ref=pk, token=token, fenced_at__isnull=True
-            ).update(fenced_at=Now())
-
-
-class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
-    """`LeaseQuerySet` plus enqueueing of payment jobs."""
-
-    def enqueue(
-        self,
-        kind: str,
-        payload: Any = None,
-        *,
-        payment_id: str | None = None,
-        idempotency_key: str | None = None,
-        run_at: datetime | float | timedelta | None = None,
-        priority: int = 0,
-        max_attempts: int | None = None,
-    ) -> PaymentJob:
-        """Add a pending job and return it.
-
-        Enqueueing an `idempotency_key` that already exists returns the first job and creates
-        nothing. `run_at` is a datetime, or a delay (seconds or `timedelta`) from the database
-        clock; None means now. Raises `InvalidPayload` (and writes nothing) if `payload` is not
-        JSON.
-        """
-        fields = _job_fields(kind, payload, payment_id, run_at, priority, max_attempts)
-        if idempotency_key is not None:
-            check_text(idempotency_key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
-        with transaction.atomic(using=self.db):
-            if idempotency_key is None:
-                job = self.create(**fields)
-            else:
-                # The unique index decides between racing enqueues of one key, not a prior read:
-                # the loser's INSERT fails inside its savepoint and it returns the winner's row.
-                try:
-                    with transaction.atomic(using=self.db):
-                        job = self.create(idempotency_key=idempotency_key, **fields)
-                except IntegrityError:
-                    existing = self.filter(idempotency_key=idempotency_key).first()
-                    if existing is None:
-                        raise
-                    return existing
-            self._notify(kind)
-        return job
-
-    def _notify(self, kind: str) -> None:
-        # NOTIFY is transactional on PostgreSQL: listeners hear it when the enqueue commits.
-        connection = connections[self.db]
-        if connection.vendor == "postgresql" and leases_settings.USE_NOTIFY:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_notify(%s, %s)", [notify_channel(self.model), kind])
-
-
-def takeover_guard() -> tuple[Q, str, list[Any]]:
-    """Return the filter (as a Q and as SQL) of expired leases a claim may take over.
-
-    A job of a kind under the "review" stuck policy that reached a checkpoint may have done its
+    A job of a kind under the review stuck policy that reached a checkpoint may have done its
     risky external step (a PSP call): it is left for the watcher to hold for review, never
     re-run blindly by whichever worker polls first.
     """
     by_kind: dict[str, str] = leases_settings.STUCK_POLICY_BY_KIND
-    if leases_settings.STUCK_POLICY == "retry":
-        review = sorted(kind for kind, policy in by_kind.items() if policy == "review")
-        if not review:
-            return Q(), "", []
-        placeholders = ", ".join(["%s"] * len(review))
-        return (
-            ~Q(kind__in=review) | Q(checkpoint=""),
-            f"AND NOT (kind IN ({placeholders}) AND checkpoint <> '')",
-            review,
-        )
-    retry = sorted(kind for kind, policy in by_kind.items() if policy == "retry")
-    if not retry:
-        return Q(checkpoint=""), "AND checkpoint = ''", []
-    placeholders = ", ".join(["%s"] * len(retry))
-    return (
-        Q(kind__in=retry) | Q(checkpoint=""),
-        f"AND (kind IN ({placeholders}) OR checkpoint = '')",
-        retry,
-    )
-
-
-def ago(seconds: float) -> Any:
-    """Return the SQL expression "database now - `seconds`"."""
-    return Now() - timedelta(seconds=seconds)
-
-
-def _retention(retention: Mapping[str, float | timedelta] | None) -> dict[str, float]:
-    if retention is None:
-        retention = leases_settings.RETENTION
-    unknown = sorted(set(retention) - set(FINAL_STATUSES))
-    if unknown:
-        raise ValueError(
-            f"retention can only name final statuses {FINAL_STATUSES}, got {', '.join(unknown)}: "
-            "pending, processing and under-review jobs are never pruned"
-        )
-    return {status: to_seconds(age, f"retention of {status}") for status, age in retention.items()}
-
-
-def notify_channel(model: type[models.Model]) -> str:
-    """Return the LISTEN/NOTIFY channel on which enqueues of `model` are announced."""
-    return f"django_leases_{model._meta.db_table}"[:63]
+    review_by_default = leases_settings.STUCK_POLICY == StuckPolicy.REVIEW
+    other = StuckPolicy.RETRY if review_by_default else StuckPolicy.REVIEW
+    exceptions = sorted(kind for kind, policy in by_kind.items() if policy == other)
+    fragment = sql.takeover_guard(review_by_default=review_by_default, exceptions=exceptions)
+    if review_by_default:
+        guard = Q(kind__in=exceptions) | Q(checkpoint="") if exceptions else Q(checkpoint="")
+    else:
+        guard = ~Q(kind__in=exceptions) | Q(checkpoint="") if exceptions else Q()
+    return guard, fragment
 
 
 def _check_owner(owner: str) -> None:
     check_text(owner, "owner", OWNER_LENGTH)
-
-
-def _job_fields(
-    kind: str,
-    payload: Any,
-    payment_id: str | None,
-    run_at: datetime | float | timedelta | None,
-    priority: int,
-    max_attempts: int | None,
-) -> dict[str, Any]:
-    """Check every argument of `enqueue()` against `limits` and return the job's fields.
-
-    Raises `InvalidArgument` (`InvalidPayload`, `InvalidDuration`) naming the argument; nothing
-    has been written then.
-    """
-    check_text(kind, "kind", KIND_LENGTH)
-    payload = {} if payload is None else payload
-    check_json(payload, "payload")
-    check_int(priority, "priority", PRIORITY)
-    if max_attempts is None:
-        max_attempts = leases_settings.MAX_ATTEMPTS
-    check_int(max_attempts, "max_attempts", MAX_ATTEMPTS)
-    if payment_id is not None:
-        check_text(payment_id, "payment_id", PAYMENT_ID_LENGTH, blank=True)
-    fields: dict[str, Any] = {
-        "kind": kind,
-        "payload": payload,
-        "payment_id": payment_id or "",
-        "priority": priority,
-        "max_attempts": max_attempts,
-    }
-    if isinstance(run_at, datetime):
-        fields["run_at"] = check_datetime(run_at, "run_at")
-    elif run_at is not None:
-        fields["run_at"] = after(to_seconds(run_at, "run_at"))
-    return fields
-
-
-class AttemptQuerySet(models.QuerySet[Any]):
-    """Reads of the attempt ledger (its writes live in `LeaseQuerySet`)."""
-
-    def open(self) -> AttemptQuerySet:
-        return self.filter(ended_at__isnull=True)
-
-
-class WorkerQuerySet(models.QuerySet[Any]):
-    """The worker registry: each worker process keeps its own row fresh."""
-
-    def register(
-        self,
-        worker_id: str,
-        *,
-        instance: str,
-        hostname: str,
-        pid: int,
-        kinds: list[str],
-        concurrency: int,
-    ) -> bool:
-        """Take the registry row of `worker_id` for the process `instance`; return whether it did.
-
-        A row that is stopped, or was not refreshed within WORKER_GONE_AFTER, is taken over; a
-        live one is not: two processes never share one worker id (one's exit would mark the
-        other stopped, and the watcher would rescue a live worker's jobs).
-        """
-        fields = {
-            "instance": instance,
-            "hostname": hostname,
-            "pid": pid,
-            "kinds": kinds,
-            "concurrency": concurrency,
-            "started_at": Now(),
-            "last_seen_at": Now(),
-            "stopped_at": None,
-        }
-        takeable = self.filter(worker_id=worker_id).exclude(pk__in=self.alive().values("pk"))
-        if takeable.update(**fields):
-            return True
-        try:
-            with transaction.atomic(using=self.db):
-                self.create(worker_id=worker_id, **fields)
-        except IntegrityError:
-            # A row exists: live (refused), or it went stale between our two statements.
-            return bool(takeable.update(**fields))
-        return True
-
-    def beat(self, worker_id: str, instance: str) -> bool:
-        """Refresh `last_seen_at` of the row `instance` holds (database clock); False if lost."""
-        return bool(
-            self.filter(worker_id=worker_id, instance=instance).update(
-                last_seen_at=Now(), stopped_at=None
-            )
-        )
-
-    def stopped(self, worker_id: str, instance: str) -> None:
-        self.filter(worker_id=worker_id, instance=instance).update(stopped_at=Now())
-
-    def alive(self, within: float | timedelta | None = None) -> WorkerQuerySet:
-        """Workers seen within `within` seconds (default WORKER_GONE_AFTER) and not stopped."""
-        seconds = to_seconds(
-            within if within is not None else leases_settings.WORKER_GONE_AFTER, "within"
-        )
-        return self.filter(
-            stopped_at__isnull=True, last_seen_at__gte=Now() - timedelta(seconds=seconds)
-        )
-
-    def gone(self, within: float | timedelta | None = None) -> WorkerQuerySet:
-        """Workers that stopped, or were not seen within `within` seconds."""
-        seconds = to_seconds(
-            within if within is not None else leases_settings.WORKER_GONE_AFTER, "within"
-        )
-        return self.filter(
-            Q(stopped_at__isnull=False) | Q(last_seen_at__lt=Now() - timedelta(seconds=seconds))
-        )
