@@ -34,7 +34,7 @@ from django_leases.exceptions import InvalidArgument, InvalidPayload
 from django_leases.limits import JOB_ID, PRIORITY, bad_character, check_int, check_json
 from django_leases.models import JobAttempt, JobStatus, PaymentJob, Worker
 from django_leases.querysets import AttemptQuerySet, LeaseQuerySet, WorkerQuerySet
-from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW
+from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW, Verdict
 
 EMPTY = "—"
 SHORT_ERROR = 60
@@ -678,7 +678,7 @@ class PaymentJobAdmin(IndexedSearchMixin, admin.ModelAdmin):
     )
     resolve_review_retry = operator_action(
         _("Resolve review: retry"),
-        lambda jobs, by: jobs.resolve_review("retry", by=by),
+        lambda jobs, by: jobs.resolve_review(Verdict.RETRY, by=by),
         lambda n: (
             ngettext(
                 "%d job under review sent back to pending",

@@ -28,6 +28,7 @@ from django.utils.module_loading import import_string
 from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidPayload, InvalidTaskJob, LeaseLost
 from django_leases.limits import MAX_ATTEMPTS, check_json
+from django_leases.status import AttemptOutcome, JobStatus
 
 if TYPE_CHECKING or django.VERSION >= (6, 0):
     from django.tasks import task_backends
@@ -53,12 +54,12 @@ else:  # Django 5.2 with the django-tasks backport, which has the same API
 
 TASK_KIND_PREFIX = "tasks."
 STATUSES = {
-    "pending": TaskResultStatus.READY,
-    "processing": TaskResultStatus.RUNNING,
-    "review": TaskResultStatus.RUNNING,
-    "completed": TaskResultStatus.SUCCESSFUL,
-    "failed": TaskResultStatus.FAILED,
-    "cancelled": TaskResultStatus.FAILED,
+    JobStatus.PENDING: TaskResultStatus.READY,
+    JobStatus.PROCESSING: TaskResultStatus.RUNNING,
+    JobStatus.REVIEW: TaskResultStatus.RUNNING,
+    JobStatus.COMPLETED: TaskResultStatus.SUCCESSFUL,
+    JobStatus.FAILED: TaskResultStatus.FAILED,
+    JobStatus.CANCELLED: TaskResultStatus.FAILED,
 }
 OPTIONS = ("RETRIES", "MAX_ATTEMPTS")
 
@@ -194,7 +195,7 @@ class LeaseBackend(BaseTaskBackend):
 
     def _raised_before(self, job: Any) -> int:
         """Count the earlier attempts of `job` in which the task raised (the ledger is exact)."""
-        return int(job.attempt_log.filter(outcome="retried").count())
+        return int(job.attempt_log.filter(outcome=AttemptOutcome.RETRIED).count())
 
 
 def in_installed_app(module: str) -> bool:

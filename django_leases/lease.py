@@ -14,6 +14,7 @@ from django.db import router, transaction
 
 from django_leases.conf import to_seconds
 from django_leases.exceptions import LeaseLost
+from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
@@ -111,7 +112,7 @@ class Lease:
     def complete(self, result: Any = None) -> None:
         """Complete the job now (storing `result`, if given); the worker then writes nothing."""
         self._guard(lambda: self._jobs().complete(self.pk, self.owner, self.token, result=result))
-        self.finished, self.outcome = True, "completed"
+        self.finished, self.outcome = True, AttemptOutcome.COMPLETED
 
     def fail(
         self, error: BaseException | str, *, retry_in: float | None = None, permanent: bool = False
@@ -121,12 +122,15 @@ class Lease:
                 self.pk, self.owner, self.token, error, retry_in=retry_in, permanent=permanent
             )
         )
-        self.finished, self.outcome = True, ("failed" if status == "failed" else "retried")
+        self.finished, self.outcome = (
+            True,
+            (AttemptOutcome.FAILED if status == FAILED else AttemptOutcome.RETRIED),
+        )
         return str(status)
 
     def release(self) -> None:
         self._guard(lambda: self._jobs().release(self.pk, self.owner, self.token))
-        self.finished, self.outcome = True, "released"
+        self.finished, self.outcome = True, AttemptOutcome.RELEASED
 
     def time_out(self, reason: str, *, retry_in: float) -> str:
         """End the attempt as timed out (the worker's run-time limit); return the new status."""
@@ -136,7 +140,7 @@ class Lease:
             )
         )
         self.mark_lost(reason)
-        self.finished, self.outcome = True, "timed_out"
+        self.finished, self.outcome = True, TIMED_OUT
         return str(status)
 
     @contextmanager
@@ -154,7 +158,7 @@ class Lease:
             self._guard(lambda: jobs.lock_held(self.pk, self.owner, self.token))
             yield
             self._guard(lambda: jobs.complete(self.pk, self.owner, self.token))
-        self.finished, self.outcome = True, "completed"
+        self.finished, self.outcome = True, AttemptOutcome.COMPLETED
 
     def run_atomic(self, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call `func` inside `atomic()`: its writes and the completion commit together."""

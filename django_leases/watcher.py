@@ -20,6 +20,7 @@ from django.db.models.functions import Now
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
+from django_leases.status import StuckPolicy, Verdict
 
 logger = logging.getLogger("django_leases.watcher")
 
@@ -94,7 +95,7 @@ class StuckWatcher:
         actions = []
         for job in candidates[: self.batch_size]:
             action, reason = self._decide(job, orphaned)
-            delay = retry_delay(job.attempts) if action == "retry" else None
+            delay = retry_delay(job.attempts) if action == Verdict.RETRY else None
             if not jobs.rescue(
                 job, action, by=self.watcher_id, retry_in=delay, reason=reason, orphaned=orphaned
             ):
@@ -117,16 +118,16 @@ class StuckWatcher:
 
     def _decide(self, job: Any, orphaned: bool) -> tuple[str, str]:
         why = "its worker is gone" if orphaned else "its lease expired"
-        if job.checkpoint and leases_settings.stuck_policy(job.kind) == "review":
-            return "review", (
+        if job.checkpoint and leases_settings.stuck_policy(job.kind) == StuckPolicy.REVIEW:
+            return StuckPolicy.REVIEW, (
                 f"{why} after checkpoint {job.checkpoint!r}: the external step may have happened"
             )
         if job.attempts >= job.max_attempts:
-            return "failed", (
+            return Verdict.FAILED, (
                 f"{why} on attempt {job.attempts} of {job.max_attempts}; no attempts left "
                 f"(last owner {job.lease_owner})"
             )
-        return "retry", ""
+        return Verdict.RETRY, ""
 
     # ---- reconcile hooks -------------------------------------------------------------------
 

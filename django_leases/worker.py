@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any, TypeVar
 
@@ -49,6 +49,7 @@ from django_leases.handlers import get_handler, registered_kinds
 from django_leases.lease import Lease
 from django_leases.listener import Listener
 from django_leases.redaction import error_text
+from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -83,10 +84,7 @@ class WorkerStats:
             setattr(self, name, getattr(self, name) + count)
 
     def summary(self) -> str:
-        names = (
-            "claimed", "completed", "retried", "failed", "lost", "released", "abandoned",
-            "timed_out",
-        )  # fmt: skip
+        names = [f.name for f in fields(self) if f.name not in ("outages", "lock")]
         return " ".join(f"{name}={getattr(self, name)}" for name in names)
 
 
@@ -442,7 +440,7 @@ class LeaseWorker:
             self._abandoned.append(slot.thread)
             slot.thread, slot.lease, slot.started, slot.deadline = None, None, None, None
             self._changed.notify_all()
-        self.stats.add("timed_out")
+        self.stats.add(TIMED_OUT)
         logger.warning(
             "timed out job_id=%s attempt=%s token=%s: %s; %s; its thread is abandoned",
             lease.pk,
@@ -517,24 +515,28 @@ class LeaseWorker:
         left_open = self._restore_connections()
         if error is None and left_open:
             error = HandlerError(left_open)
-        if lease.outcome == "timed_out":
+        if lease.outcome == TIMED_OUT:
             return  # the loop ended this attempt at its timeout; the handler came back late
         if isinstance(error, LeaseLost):
             self._fenced_out(lease, str(error))
         elif isinstance(error, HandlerTimeout):
             delay = retry_delay(lease.attempt)
-            self._record(lease, "timed_out", partial(lease.time_out, str(error), retry_in=delay))
+            self._record(lease, TIMED_OUT, partial(lease.time_out, str(error), retry_in=delay))
         elif error is not None and lease.lost:
             self._fenced_out(
                 lease, f"handler raised {type(error).__name__} after the lease was lost"
             )
         elif isinstance(error, PermanentError):
-            self._record(lease, "failed", partial(lease.fail, error, permanent=True), error)
+            self._record(
+                lease, AttemptOutcome.FAILED, partial(lease.fail, error, permanent=True), error
+            )
         elif error is not None:
             delay = retry_delay(lease.attempt)
-            self._record(lease, "retry", partial(lease.fail, error, retry_in=delay), error)
+            self._record(
+                lease, AttemptOutcome.RETRIED, partial(lease.fail, error, retry_in=delay), error
+            )
         elif lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
-            outcome = lease.outcome or "completed"
+            outcome = lease.outcome or AttemptOutcome.COMPLETED
             self.stats.add(outcome)
             logger.info(
                 "%s job_id=%s attempt=%s by the handler in=%.3fs",
@@ -546,7 +548,7 @@ class LeaseWorker:
         elif lease.lost:
             self._fenced_out(lease, "the lease was lost while the handler ran; result discarded")
         else:
-            self._record(lease, "completed", lease.complete)
+            self._record(lease, AttemptOutcome.COMPLETED, lease.complete)
 
     def _restore_connections(self) -> str:
         """Undo a transaction the handler left open on this thread's connections.
@@ -618,21 +620,21 @@ class LeaseWorker:
         self, lease: Lease, outcome: str, result: object, error: BaseException | None
     ) -> None:
         error_name = type(error).__name__ if error else ""
-        if outcome == "completed":
-            self.stats.add("completed")
+        if outcome == AttemptOutcome.COMPLETED:
+            self.stats.add(AttemptOutcome.COMPLETED)
             logger.info(
                 "completed job_id=%s attempt=%s owner=%s", lease.pk, lease.attempt, lease.owner
             )
-        elif outcome == "timed_out":
-            self.stats.add("timed_out")
+        elif outcome == TIMED_OUT:
+            self.stats.add(TIMED_OUT)
             logger.warning(
                 "timed out job_id=%s attempt=%s: cancelled at its timeout; now %s",
                 lease.pk,
                 lease.attempt,
                 result,
             )
-        elif result == "failed" or outcome == "failed":
-            self.stats.add("failed")
+        elif result == FAILED or outcome == AttemptOutcome.FAILED:
+            self.stats.add(AttemptOutcome.FAILED)
             logger.warning(
                 "failed job_id=%s attempt=%s error_class=%s (no retry left or permanent)",
                 lease.pk,
@@ -640,7 +642,7 @@ class LeaseWorker:
                 error_name,
             )
         else:
-            self.stats.add("retried")
+            self.stats.add(AttemptOutcome.RETRIED)
             logger.info(
                 "retry job_id=%s attempt=%s error_class=%s", lease.pk, lease.attempt, error_name
             )
@@ -803,5 +805,5 @@ class LeaseWorker:
         except (LeaseLost, *TRANSIENT) as exc:
             logger.warning("could not release job_id=%s: %s", lease.pk, error_text(exc))
             return
-        self.stats.add("released")
+        self.stats.add(AttemptOutcome.RELEASED)
         logger.info("released unstarted job_id=%s token=%s", lease.pk, lease.token)

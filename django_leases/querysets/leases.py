@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
 from django.db.models import Case, F, Q, Value, When
-from django.db.models.functions import Greatest, Now
+from django.db.models.functions import Now
 
 from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
@@ -32,7 +32,7 @@ from django_leases.limits import (
 )
 from django_leases.querysets.base import after, retry_deadlocks
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
-from django_leases.querysets.prune import Pruning
+from django_leases.querysets.operators import OperatorActions
 from django_leases.sql import postgresql, sqlite
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import (
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
 
 
-class LeaseQuerySet(Pruning[J]):
+class LeaseQuerySet(OperatorActions[J]):
     """Reads and lease transitions of any `AbstractLeasedJob` table."""
 
     # ---- reads -------------------------------------------------------------------------------
@@ -487,7 +487,7 @@ class LeaseQuerySet(Pruning[J]):
             self.record_fenced(pk, token)
             raise
 
-    # ---- the watcher and operators ----------------------------------------------------------
+    # ---- the watcher ----------------------------------------------------------
 
     @retry_deadlocks
     def rescue(
@@ -537,111 +537,6 @@ class LeaseQuerySet(Pruning[J]):
                     job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
                 )
         return bool(won)
-
-    def requeue(self, *, force: bool = False, by: str = "operator") -> int:
-        """Make the selected jobs pending and due now; return how many changed.
-
-        Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
-        live lease only with `force`, which also bumps its fencing token so that the current
-        holder is fenced out of every further write. Completed jobs are never requeued.
-        """
-        eligible = Q(status__in=[FAILED, CANCELLED, REVIEW, PENDING]) | Q(
-            status=PROCESSING, lease_until__lt=Now()
-        )
-        if force:
-            eligible |= Q(status=PROCESSING)
-        values = {
-            "status": PENDING,
-            "run_at": Now(),
-            "completed_at": None,
-            # A requeued job gets at least one more attempt, whatever it used up.
-            "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
-            "lease_token": F("lease_token") + 1,
-        }
-        return self._operator_write(eligible, values, AttemptOutcome.REQUEUED, by)
-
-    def release_stuck(self, *, by: str = "operator") -> int:
-        """Return the selected jobs whose lease expired to pending (the watcher's retry).
-
-        A job that used its last attempt gets one more, or it would sit pending unclaimable.
-        """
-        return self._operator_write(
-            Q(status=PROCESSING, lease_until__lt=Now()),
-            {
-                "status": PENDING,
-                "run_at": Now(),
-                "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
-            },
-            AttemptOutcome.RESCUED,
-            by,
-        )
-
-    def mark_failed(self, *, reason: str, force: bool = False, by: str = "operator") -> int:
-        """Fail the selected pending, under-review or expired jobs (any processing one with
-        `force`, fencing out its holder); return how many changed."""
-        eligible = Q(status__in=[PENDING, REVIEW]) | Q(status=PROCESSING, lease_until__lt=Now())
-        if force:
-            eligible |= Q(status=PROCESSING)
-        values = {
-            "status": FAILED,
-            "completed_at": Now(),
-            "last_error": reason[:MAX_ERROR_LENGTH],
-            "lease_token": F("lease_token") + 1,
-        }
-        return self._operator_write(eligible, values, AttemptOutcome.FAILED, by, reason)
-
-    def cancel(self, *, by: str = "operator") -> int:
-        """Cancel the selected pending jobs; return how many changed."""
-        values = {"status": CANCELLED, "completed_at": Now(), "last_error": f"cancelled by {by}"}
-        return self._operator_write(Q(status=PENDING), values, None, by)
-
-    def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
-        """Resolve the selected jobs under review: "completed", "retry" or "failed".
-
-        The verdict and who gave it are recorded on the ledger row that put the job under review.
-        """
-        values: dict[str, Any]
-        if verdict == Verdict.RETRY:
-            values = {
-                "status": PENDING,
-                "run_at": Now(),
-                "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
-            }
-        elif verdict in (COMPLETED, FAILED):
-            values = {"status": verdict, "completed_at": Now()}
-        else:
-            raise ValueError(f"unknown review verdict {verdict!r}")
-        return self._operator_write(Q(status=REVIEW), values, None, by, resolution=verdict)
-
-    @retry_deadlocks
-    def _operator_write(
-        self,
-        eligible: Q,
-        values: dict[str, Any],
-        outcome: str | None,
-        by: str,
-        reason: str = "",
-        *,
-        resolution: str = "",
-    ) -> int:
-        # One transaction per action: the jobs' transition and the closing of their open
-        # ledger rows commit together. Each row is updated by its own conditional UPDATE so the
-        # ledger is closed exactly for the rows whose UPDATE won.
-        changed = 0
-        with transaction.atomic(using=self.db):
-            candidates = list(self.filter(eligible).values_list("pk", "lease_token"))
-            for pk, token in candidates:
-                if self.filter(eligible, pk=pk, lease_token=token).update(**values):
-                    changed += 1
-                    if outcome is not None:
-                        self._close_attempt(
-                            pk, token, outcome, by=by, error=("", reason) if reason else None
-                        )
-                    if resolution:
-                        self._ledger_update(
-                            {pk: token}, resolution=resolution, resolved_by=by, resolved_at=Now()
-                        )
-        return changed
 
 
 def takeover_guard() -> tuple[Q, tuple[str, sql.Params]]:
