@@ -16,18 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import django
 from django.apps import apps
 from django.core.checks import CheckMessage, Error, Warning
 from django.core.exceptions import ImproperlyConfigured
-from django.db import router
 from django.utils.module_loading import import_string
 
 from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidPayload, InvalidTaskJob, LeaseLost
 from django_leases.limits import MAX_ATTEMPTS, check_json
+from django_leases.querysets import PaymentJobQuerySet, leased_jobs
 from django_leases.status import AttemptOutcome, JobStatus
 
 if TYPE_CHECKING or django.VERSION >= (6, 0):
@@ -132,10 +132,8 @@ class LeaseBackend(BaseTaskBackend):
         return messages
 
     @staticmethod
-    def _jobs() -> Any:
-        from django_leases.models import PaymentJob
-
-        return PaymentJob._default_manager.db_manager(router.db_for_write(PaymentJob))
+    def _jobs() -> PaymentJobQuerySet:
+        return cast(PaymentJobQuerySet, leased_jobs())
 
     def enqueue(self, task: Any, args: Any, kwargs: Any) -> TaskResult:
         self.validate_task(task)

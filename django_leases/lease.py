@@ -10,15 +10,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import router, transaction
+from django.db import transaction
 
 from django_leases.conf import to_seconds
 from django_leases.exceptions import LeaseLost
+from django_leases.querysets import LeaseQuerySet, leased_jobs
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
-    from django_leases.querysets import LeaseQuerySet
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -88,8 +88,7 @@ class Lease:
             raise LeaseLost(f"job {self.pk}: {self._lost_reason or 'lease lost'}")
 
     def _jobs(self) -> LeaseQuerySet[Any]:
-        model = type(self.job)
-        return model._default_manager.db_manager(router.db_for_write(model)).all()
+        return leased_jobs(type(self.job))
 
     def heartbeat(self) -> None:
         """Renew the lease now for another TTL; raise `LeaseLost` if it was lost."""

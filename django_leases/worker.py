@@ -48,6 +48,7 @@ from django_leases.exceptions import (
 from django_leases.handlers import get_handler, registered_kinds
 from django_leases.lease import Lease
 from django_leases.listener import Listener
+from django_leases.querysets import LeaseQuerySet, WorkerQuerySet, leased_jobs, registered_workers
 from django_leases.redaction import error_text
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
@@ -266,14 +267,11 @@ class LeaseWorker:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def _jobs(self) -> Any:
-        return self.model._default_manager.db_manager(self.using)
+    def _jobs(self) -> LeaseQuerySet[Any]:
+        return leased_jobs(self.model, self.using)
 
-    def _workers(self) -> Any:
-        # Imported here: this module loads before the app registry is ready.
-        from django_leases.models import Worker
-
-        return Worker.objects.db_manager(self.using)
+    def _workers(self) -> WorkerQuerySet:
+        return registered_workers(self.using)
 
     def _register(self) -> None:
         """Take this worker's registry row, waiting out database outages (until stopped)."""
