@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 from datetime import timedelta
 from functools import reduce
 from operator import or_
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from django.db import connections, transaction
 from django.db.models import Case, F, Q, Value, When
@@ -50,6 +50,12 @@ from django_leases.status import (
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
+
+
+ClaimPath = Literal["postgresql+ledger", "postgresql", "sqlite", "orm"]
+"""How a claim runs: PostgreSQL's one statement (with the ledger's CTEs, or the ledger written
+after it), SQLite's UPDATE ... RETURNING passes, or the ORM's SELECT ... FOR UPDATE SKIP LOCKED
+then conditional UPDATE (MariaDB/MySQL, and the specification the others are tested against)."""
 
 
 class LeaseQuerySet(OperatorActions[J]):
@@ -160,17 +166,30 @@ class LeaseQuerySet(OperatorActions[J]):
             kinds = [check_text(kind, "kinds", KIND_LENGTH) for kind in kinds]
             if not kinds:
                 return []
+        return self._claim(owner, seconds, limit, kinds, self._claim_path())
+
+    def _claim_path(self) -> ClaimPath:
+        """Pick the claim's path: the ONE vendor switch. Every path claims the same jobs in the
+        same order with the same ledger rows (tests/test_claim_paths.py holds them to the ORM
+        path, which is the readable specification)."""
         vendor = connections[self.db].vendor
-        ledger = self._ledger_names() if vendor == "postgresql" else None
+        if vendor == "postgresql":
+            return "postgresql+ledger" if self._ledger_names() is not None else "postgresql"
+        return "sqlite" if vendor == "sqlite" else "orm"
+
+    def _claim(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, path: ClaimPath
+    ) -> list[J]:
+        ledger = self._ledger_names() if path == "postgresql+ledger" else None
         if ledger is not None:
             # One statement claims and writes the ledger: atomic without a transaction block.
             jobs = self._claim_postgresql(owner, seconds, limit, kinds, ledger=ledger)
         else:
             with transaction.atomic(using=self.db):
-                if vendor == "postgresql":
+                if path.startswith("postgresql"):
                     jobs = self._claim_postgresql(owner, seconds, limit, kinds)
                 else:
-                    jobs = self._claim_portable(owner, seconds, limit, kinds, vendor)
+                    jobs = self._claim_passes(owner, seconds, limit, kinds, sqlite=path == "sqlite")
                 self._open_attempts(jobs, owner)
         # RETURNING gives no order: hand jobs out in claim order.
         jobs.sort(key=lambda job: (not job.taken_over, -job.priority, job.run_at, job.pk))  # type: ignore[attr-defined]
@@ -200,8 +219,8 @@ class LeaseQuerySet(OperatorActions[J]):
         )
         return list(self.raw(*statement))
 
-    def _claim_portable(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, vendor: str
+    def _claim_passes(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, *, sqlite: bool
     ) -> list[J]:
         # Two passes, expired leases first (rare; the pass is one cheap index probe), then due
         # jobs. Each pass's UPDATE restates the full claimable predicate.
@@ -210,7 +229,7 @@ class LeaseQuerySet(OperatorActions[J]):
             remaining = limit - len(jobs)
             if remaining <= 0:
                 break
-            if vendor == "sqlite":
+            if sqlite:
                 batch = self._claim_pass_sqlite(owner, seconds, remaining, kinds, takeover)
             else:
                 batch = self._claim_pass_locking(owner, seconds, remaining, kinds, takeover)
