@@ -232,7 +232,7 @@ class RunsAttempts:
         )
         if outcome != "failed-unrecordable":
             reason = (
-                f"the worker could not record the outcome {outcome!r}: the database refused it "
+                f"the worker could not record the outcome '{outcome}': the database refused it "
                 f"({type(exc).__name__})"
             )
             delay = retry_delay(lease.attempt)
