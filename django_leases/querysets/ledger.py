@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from functools import cache, reduce
 from operator import or_
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.db import connections, models
 from django.db.models import OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
+from django_leases.querysets.reads import J, LeaseReads
 from django_leases.redaction import error_text
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import AttemptOutcome
@@ -23,7 +24,6 @@ from django_leases.status import AttemptOutcome
 if TYPE_CHECKING:
     from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
 
-J = TypeVar("J", bound="AbstractLeasedJob")
 
 MAX_ERROR_LENGTH = 2000
 MAX_ERROR_CLASS_LENGTH = 255
@@ -92,7 +92,7 @@ class AttemptQuerySet(models.QuerySet[Any]):
         return self.filter(ended_at__isnull=True)
 
 
-class LedgerWrites(models.QuerySet[J]):
+class LedgerWrites(LeaseReads[J]):
     """The ledger writes of a job table's transitions; called inside their transactions."""
 
     def _ledger(self) -> type[AbstractJobAttempt] | None:
