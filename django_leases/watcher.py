@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import InterfaceError, OperationalError, close_old_connections, router
+from django.db import InterfaceError, OperationalError, close_old_connections
 from django.db.models import F
 from django.db.models.functions import Now
 
@@ -60,14 +60,11 @@ class StuckWatcher:
     def __init__(
         self, *, model: type[Any] | None = None, watcher_id: str = "watcher", batch_size: int = 500
     ) -> None:
-        if model is None:
-            from django_leases.models import PaymentJob
-
-            model = PaymentJob
-        self.model = model
+        jobs = leased_jobs(model)
+        self.model = jobs.model
         self.watcher_id = watcher_id
         self.batch_size = batch_size
-        self.using = router.db_for_write(model)
+        self.using = jobs.db
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         return leased_jobs(self.model, self.using)

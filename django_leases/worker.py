@@ -29,7 +29,6 @@ from django.db import (
     DatabaseError,
     close_old_connections,
     connections,
-    router,
 )
 
 from django_leases.attempts import TRANSIENT, RunsAttempts, WorkerStats
@@ -93,12 +92,8 @@ class LeaseWorker(RunsAttempts):
         poll_interval: float | None = None,
         grace_period: float | None = None,
     ) -> None:
-        if model is None:
-            # Imported here: this module loads before the app registry is ready.
-            from django_leases.models import PaymentJob
-
-            model = PaymentJob
-        self.model = model
+        jobs = leased_jobs(model)
+        self.model: type[Any] = jobs.model
         self.worker_id = worker_id or default_worker_id()
         self.ttl = to_seconds(ttl if ttl is not None else leases_settings.TTL, "ttl")
         self.heartbeat_interval = to_seconds(
@@ -141,7 +136,7 @@ class LeaseWorker(RunsAttempts):
         self.grace_period = (
             grace_period if grace_period is not None else leases_settings.GRACE_PERIOD
         )
-        self.using = router.db_for_write(model)
+        self.using = jobs.db
         self.stats = WorkerStats()
         self.failure: str | None = None
         """Why the worker stopped itself (for its supervisor to restart it); None otherwise."""

@@ -23,7 +23,7 @@ def leased_jobs(model: type[Any] | None = None, using: str | None = None) -> Lea
     job table, typed so that a reader (and mypy) can follow them into `LeaseQuerySet`.
     """
     if model is None:
-        # Imported here: the worker and the watcher are built before the app registry is ready.
+        # Imported here: models.py imports this package, and models need the app registry.
         from django_leases.models import PaymentJob
 
         model = PaymentJob
