@@ -137,8 +137,7 @@ def test_release_stuck_cancel_and_review_verdicts__each_record_one_event() -> No
 def test_requeue__is_one_update_per_bounded_batch() -> None:
     total = 2 * OPERATOR_BATCH_SIZE + 7
     PaymentJob.objects.bulk_create(
-        PaymentJob(kind="a", status=Status.FAILED, attempts=5, lease_token=5)
-        for _ in range(total)
+        PaymentJob(kind="a", status=Status.FAILED, attempts=5, lease_token=5) for _ in range(total)
     )
     PaymentJob.objects.bulk_create(PaymentJob(kind="a", status=Status.COMPLETED) for _ in range(3))
     table = PaymentJob._meta.db_table

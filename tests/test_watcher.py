@@ -270,8 +270,7 @@ def test_watcher__sigkilled_workers_job_runs_on_a_burst_worker_right_after_the_r
 
 def test_watcher__asks_for_orphans_with_a_registry_subquery_not_a_list_of_ids() -> None:
     Worker.objects.bulk_create(
-        Worker(worker_id=f"gone-{n}", hostname="h", pid=n + 1, stopped_at=Now())
-        for n in range(300)
+        Worker(worker_id=f"gone-{n}", hostname="h", pid=n + 1, stopped_at=Now()) for n in range(300)
     )
     PaymentJob.objects.enqueue("noop")
     PaymentJob.objects.enqueue("noop")
