@@ -314,6 +314,6 @@ def check_worker_retention(**kwargs: Any) -> list[CheckMessage]:
             f"WORKER_GONE_AFTER ({gone_after!r}) to {MAX_DURATION} (100 years), "
             f"got {retention!r}.",
             hint=f"The default is {DEFAULTS['WORKER_RETENTION']!r} (7 days).",
-            id="django_leases.E019",
+            id="django_leases.E024",
         )
     ]

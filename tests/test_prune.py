@@ -281,9 +281,9 @@ def test_prune_jobs__worker_retention_setting_decides() -> None:
         ({"WORKER_RETENTION": 600, "WORKER_GONE_AFTER": 900}, True),
     ],
 )
-def test_check_worker_retention__reports_e019(settings: dict, bad: bool) -> None:
+def test_check_worker_retention__reports_e024(settings: dict, bad: bool) -> None:
     with override_settings(DJANGO_LEASES=settings):
         messages = check_worker_retention()
-    assert [m.id for m in messages] == (["django_leases.E019"] if bad else [])
+    assert [m.id for m in messages] == (["django_leases.E024"] if bad else [])
     if bad:
         assert "WORKER_RETENTION" in messages[0].msg and messages[0].hint
