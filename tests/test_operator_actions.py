@@ -11,6 +11,8 @@ from django.test.utils import CaptureQueriesContext
 from django_leases.models import JobAttempt, JobEvent, PaymentJob
 from django_leases.querysets import OPERATOR_BATCH_SIZE
 
+from .conftest import Processes, wait_for
+
 pytestmark = pytest.mark.django_db
 
 Status = PaymentJob.Status
@@ -151,3 +153,53 @@ def test_requeue__is_one_update_per_bounded_batch() -> None:
     assert PaymentJob.objects.filter(status=Status.PENDING, max_attempts=6).count() == total
     assert PaymentJob.objects.filter(status=Status.COMPLETED).count() == 3
     assert JobEvent.objects.filter(action="requeued", attempts=5, token=5).count() == total
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_mark_failed__racing_workers_records_exactly_the_jobs_it_failed(
+    processes: Processes,
+) -> None:
+    total = 1000
+    PaymentJob.objects.bulk_create(PaymentJob(kind="noop") for _ in range(total))
+    assert len(PaymentJob.objects.claim("dead", ttl=60, limit=total)) == total
+    PaymentJob.objects.update(lease_until=Now() - timedelta(seconds=5))
+    workers = [
+        processes.manage(
+            "run_lease_worker",
+            "--burst",
+            "--kind",
+            "noop",
+            "--worker-id",
+            f"w{n}",
+            "--concurrency",
+            "4",
+            "--ttl",
+            "30",
+            "--heartbeat",
+            "5",
+        )  # fmt: skip
+        for n in range(2)
+    ]
+    wait_for(lambda: PaymentJob.objects.filter(status=Status.COMPLETED).exists())
+
+    changed = 0
+    while any(proc.poll() is None for proc in workers):
+        changed += PaymentJob.objects.all().mark_failed(reason="ops", by="ops")
+    changed += PaymentJob.objects.all().mark_failed(reason="ops", by="ops")
+
+    assert [proc.wait(timeout=60) for proc in workers] == [0, 0]
+    failed = set(PaymentJob.objects.filter(status=Status.FAILED).values_list("pk", flat=True))
+    completed = PaymentJob.objects.filter(status=Status.COMPLETED)
+    assert failed and len(failed) + completed.count() == total
+    assert changed == len(failed) == JobEvent.objects.count()
+    assert set(JobEvent.objects.values_list("job_ref", flat=True)) == failed
+    assert not JobAttempt.objects.filter(ended_at__isnull=True).exists()
+    # A failed job's only attempt was closed once, by the operator; a completed job's first
+    # attempt by the worker that took it over.
+    first = JobAttempt.objects.filter(owner="dead")
+    assert set(
+        first.filter(outcome="failed", ended_by="ops").values_list("job_ref", flat=True)
+    ) == (failed)
+    taken = first.filter(outcome="lease_lost", ended_by__in=["w0", "w1"])
+    assert taken.count() == completed.count() == JobAttempt.objects.filter(attempt=2).count()
