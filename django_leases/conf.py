@@ -52,6 +52,9 @@ DEFAULTS: dict[str, Any] = {
     # Dotted path of a callable (exception, text) -> text: what is kept of an error's text in
     # the ledger, `last_error` and the logs. The default strips values from database errors.
     "REDACT_ERRORS": "django_leases.redaction.redact_database_values",
+    # The job table that run_lease_worker, watch_stuck_jobs, prune_jobs and the Tasks backend
+    # work on, as "app_label.ModelName": a concrete subclass of AbstractLeasedJob.
+    "JOB_MODEL": "django_leases.PaymentJob",
 }
 
 
