@@ -11,6 +11,7 @@ from django_leases.conf import leases_settings
 from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_model_argument,
     configure_logging,
     positive_seconds,
     whole_number,
@@ -41,6 +42,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             help="jobs deleted per statement and transaction "
             f"(default: DJANGO_LEASES['PRUNE_BATCH_SIZE'], {leases_settings.PRUNE_BATCH_SIZE})",
         )
+        add_model_argument(parser)
         parser.add_argument(
             "--older-than",
             type=positive_seconds,
@@ -56,6 +58,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         dry_run: bool,
         batch_size: int | None,
         older_than: float | None,
+        model: type[Any] | None,
         verbosity: int,
         **options: Any,
     ) -> None:
@@ -63,7 +66,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         retention = dict(leases_settings.RETENTION)
         if older_than is not None:
             retention = dict.fromkeys(retention, older_than)
-        jobs = leased_jobs()
+        jobs = leased_jobs(model)
         if dry_run:
             counts = dict(
                 jobs.prunable(retention).order_by().values_list("status").annotate(n=Count("pk"))

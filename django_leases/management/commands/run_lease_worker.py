@@ -10,6 +10,7 @@ from django_leases.exceptions import WorkerIdTaken
 from django_leases.limits import CONCURRENCY, MAX_JOBS
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_model_argument,
     configure_logging,
     non_negative_seconds,
     positive_seconds,
@@ -91,6 +92,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             help="seconds between polls when idle, jittered "
             f"(default: DJANGO_LEASES['POLL_INTERVAL'], {leases_settings.POLL_INTERVAL})",
         )
+        add_model_argument(parser)
         parser.add_argument(
             "--grace-period",
             type=non_negative_seconds,
@@ -111,12 +113,14 @@ class Command(OneLineErrorsMixin, BaseCommand):
         worker_id: str | None,
         poll_interval: float | None,
         grace_period: float | None,
+        model: type[Any] | None,
         verbosity: int,
         **options: Any,
     ) -> None:
         configure_logging("django_leases.worker", verbosity)
         try:
             worker = LeaseWorker(
+                model=model,
                 ttl=ttl,
                 heartbeat=heartbeat,
                 concurrency=concurrency,
