@@ -17,6 +17,8 @@ __all__ = [
     "AbstractJobAttempt",
     "AbstractLeasedJob",
     "AttemptOutcome",
+    "attempt_constraints",
+    "attempt_indexes",
     "JobAttempt",
     "JobStatus",
     "lease_constraints",
@@ -63,8 +65,9 @@ class AbstractLeasedJob(models.Model):
 
     objects = LeaseQuerySet.as_manager()
 
-    # The concrete ledger model (an `AbstractJobAttempt` subclass) as "app_label.ModelName", or
-    # None for a job table without a ledger.
+    # The concrete ledger model (an `AbstractJobAttempt` subclass with a nullable foreign key
+    # `job` to this model) as "app_label.ModelName", or None for a job table without a ledger.
+    # Checked by django_leases.E031.
     attempt_model: ClassVar[str | None] = None
 
     class Meta:
@@ -99,6 +102,7 @@ def lease_indexes(prefix: str) -> list[models.Index]:
 
 
 def lease_constraints(prefix: str) -> list[models.BaseConstraint]:
+    """Return the constraints of the lease fields, named after `prefix`."""
     return [
         # A processing job always has an owner and a lease end.
         models.CheckConstraint(
@@ -198,6 +202,17 @@ class AbstractJobAttempt(models.Model):
         return f"attempt {self.attempt} (token {self.token}) by {self.owner}: {self.outcome}"
 
 
+def attempt_indexes(prefix: str) -> list[models.Index]:
+    """Return the index the ledger's writes and the admin's job search need."""
+    # The claim, the holder's writes and prune_jobs find a job's (open) rows by it.
+    return [models.Index(fields=["job_ref", "ended_at"], name=f"{prefix}_open_idx")]
+
+
+def attempt_constraints(prefix: str) -> list[models.BaseConstraint]:
+    # One row per acquisition: a fencing token is never handed out twice for a job.
+    return [models.UniqueConstraint(fields=["job_ref", "token"], name=f"{prefix}_job_token_uniq")]
+
+
 class JobAttempt(AbstractJobAttempt):
     # SET_NULL keeps the audit trail when prune_jobs deletes jobs with PRUNE_LEDGER = False;
     # `job_ref` still names the job then.
@@ -213,15 +228,8 @@ class JobAttempt(AbstractJobAttempt):
         verbose_name = _("job attempt")
         verbose_name_plural = _("job attempts")
         ordering = ["-claimed_at", "-id"]
-        constraints = [
-            models.UniqueConstraint(fields=["job_ref", "token"], name="dl_attempt_job_token_uniq"),
-        ]
-        indexes = [
-            models.Index(
-                fields=["job_ref", "ended_at"],
-                name="dl_attempt_open_idx",
-            ),
-        ]
+        constraints = attempt_constraints("dl_attempt")
+        indexes = attempt_indexes("dl_attempt")
 
     def __str__(self) -> str:
         return f"job {self.job_ref} attempt {self.attempt}: {self.outcome}"
