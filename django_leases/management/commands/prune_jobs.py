@@ -23,7 +23,8 @@ logger = logging.getLogger("django_leases.prune")
 
 class Command(OneLineErrorsMixin, BaseCommand):
     help = (
-        "Delete finished payment jobs (completed, failed, cancelled) whose completed_at, by the "
+        "Delete finished jobs (completed, failed, cancelled) of the job table (--model) whose "
+        "completed_at, by the "
         "database clock, is older than DJANGO_LEASES['RETENTION'] for their status, in batches "
         "of PRUNE_BATCH_SIZE, one transaction each. Their attempt ledger is deleted with them, "
         "or kept (detached) when PRUNE_LEDGER is False. Pending, processing and under-review "

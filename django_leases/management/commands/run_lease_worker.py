@@ -26,7 +26,8 @@ EXIT_RESTART = 3
 
 class Command(OneLineErrorsMixin, BaseCommand):
     help = (
-        "Claim payment jobs and run their handlers, heartbeating every lease it holds. "
+        "Claim jobs of the job table (DJANGO_LEASES['JOB_MODEL'], or --model) and run their "
+        "handlers, heartbeating every lease it holds. "
         "The first SIGTERM/SIGINT stops claiming, lets running jobs finish within the grace "
         "period, releases unstarted ones and exits 0; a second one exits at once with status "
         "128 + the signal number (130 for SIGINT, 143 for SIGTERM), leaving leases to expire. "
