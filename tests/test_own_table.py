@@ -121,6 +121,8 @@ def test_own_table__workers_sigkill_watcher_completion_prune_and_admin(
     PayoutJob.objects.filter(pk=stuck.pk).update(lease_until=Now() - timedelta(seconds=5))
 
     assert listed(admin_client, lease="stuck") == {stuck.pk}
+    page = admin_client.get(reverse("admin:testapp_payoutjob_changelist"), {"lease": "stuck"})
+    assert b"acct-stuck" in page.content and b"gone-worker" in page.content
     assert listed(admin_client, lease="healthy") == {healthy.pk}
     assert listed(admin_client, status="pending") == {waiting.pk}
     assert listed(admin_client, q="gone-worker") == {stuck.pk}
