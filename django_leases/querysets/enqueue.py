@@ -133,7 +133,13 @@ def _own_fields(model: type[models.Model], fields: dict[str, Any]) -> dict[str, 
             field = model._meta.get_field(name)
         except FieldDoesNotExist:
             field = None
-        if not isinstance(field, models.Field) or field.primary_key or field.name in reserved:
+        if (
+            not isinstance(field, models.Field)
+            or not field.concrete
+            or field.many_to_many
+            or field.primary_key
+            or field.name in reserved
+        ):
             raise InvalidArgument(
                 f"{name} is not a column of {model._meta.label} that enqueue() can set "
                 f"(its own fields, not the lease's), got {name}={shown(value)}"
