@@ -1,13 +1,15 @@
 """Leases on a project's own job table (docs/own-table.md): `testapp.PayoutJob` with its ledger
 `testapp.PayoutAttempt`, end to end with real worker and watcher processes, then the admin."""
 
+import ast
 import json
 import os
+import re
 import signal
 from datetime import timedelta
 
 import pytest
-from django.core.management import call_command
+from django.core.management import call_command, load_command_class
 from django.core.management.base import CommandError
 from django.db.models.functions import Now
 from django.test import Client
@@ -16,7 +18,7 @@ from django.urls import reverse
 from django_leases.models import JobAttempt, PaymentJob
 from tests.testapp.models import Charge, PayoutAttempt, PayoutJob
 
-from .conftest import Processes, finish, subprocess_env, wait_for
+from .conftest import ROOT, Processes, finish, subprocess_env, wait_for
 
 Status = PayoutJob.Status
 # The worker processes get the setting; the watcher, the last worker and prune_jobs --model.
@@ -164,3 +166,21 @@ def test_commands__model_option_refuses_what_is_no_job_table(
 ) -> None:
     with pytest.raises(CommandError, match=rf"argument --model: '{value}' {problem}"):
         call_command(command, "--model", value)
+
+
+def test_own_table_docs__code_parses_and_commands_take_their_options() -> None:
+    text = (ROOT / "docs" / "own-table.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        ast.parse(block)
+    ours = {"run_lease_worker", "watch_stuck_jobs", "prune_jobs"}
+    lines = [
+        line.split("#")[0].split() for line in re.findall(r"^python manage.py .*$", text, re.M)
+    ]
+    commands = [(words[2], words[3:]) for words in lines if words[2] in ours]
+    assert {name for name, _ in commands} == ours
+    for name, args in commands:
+        args = [arg.replace("shop.PayoutJob", "testapp.PayoutJob") for arg in args]
+        parser = load_command_class("django_leases", name).create_parser("manage.py", name)
+        assert vars(parser.parse_args(args))["model"] is PayoutJob, (name, args)
