@@ -8,12 +8,14 @@ from typing import Any
 import django
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.utils.module_loading import import_string
 
 from django_leases.conf import DEFAULTS
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 from django_leases.limits import BATCH_SIZE, CONCURRENCY, DURATION_RANGE, MAX_ATTEMPTS, MAX_DURATION
+from django_leases.querysets import job_model, leased_job_models, ledger_model
 from django_leases.status import FINAL_STATUSES, StuckPolicy
 
 DURATIONS = (
@@ -317,3 +319,45 @@ def check_worker_retention(**kwargs: Any) -> list[CheckMessage]:
             id="django_leases.E024",
         )
     ]
+
+
+def check_job_model(**kwargs: Any) -> list[CheckMessage]:
+    """Report a `JOB_MODEL` that names no installed concrete `AbstractLeasedJob` model."""
+    user = getattr(settings, "DJANGO_LEASES", {})
+    if not isinstance(user, dict):
+        return []  # E001 says so
+    label = user.get("JOB_MODEL", DEFAULTS["JOB_MODEL"])
+    try:
+        job_model(label)
+    except ImproperlyConfigured as exc:
+        return [
+            Error(
+                f"DJANGO_LEASES['JOB_MODEL'] {exc}.",
+                hint="Name your job model as 'app_label.ModelName': a concrete subclass of "
+                "django_leases.models.AbstractLeasedJob in an installed app. The default is "
+                f"{DEFAULTS['JOB_MODEL']!r}.",
+                id="django_leases.E030",
+            )
+        ]
+    return []
+
+
+def check_ledgers(**kwargs: Any) -> list[CheckMessage]:
+    """Report a job model whose `attempt_model` names no ledger of that job model."""
+    messages: list[CheckMessage] = []
+    for model in leased_job_models():
+        try:
+            ledger_model(model)
+        except ImproperlyConfigured as exc:
+            messages.append(
+                Error(
+                    f"{model._meta.label}.attempt_model {exc}.",
+                    hint="Set attempt_model to the 'app_label.ModelName' of a subclass of "
+                    "django_leases.models.AbstractJobAttempt with `job = models.ForeignKey("
+                    f"{model.__name__}, null=True, on_delete=models.SET_NULL, ...)`, or to "
+                    "None for a job table without a ledger.",
+                    obj=model,
+                    id="django_leases.E031",
+                )
+            )
+    return messages
