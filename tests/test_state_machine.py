@@ -44,7 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db.models import BooleanField, Case, Value, When
+from django.db.models import BooleanField, Case, When
 from django.db.models.functions import Now
 from django.test import override_settings
 from hypothesis import HealthCheck, settings
@@ -77,10 +77,17 @@ WATCHERS = ("watcher", "slow-watcher")
 TTL = 600  # seconds: no lease ends by itself while an example runs
 PAST = timedelta(seconds=30)
 LATER = timedelta(seconds=3600)
-# Holders' writes, operator actions: what each may change in a ledger row it did not close.
+FLAG = BooleanField()
+# What a rescue decides on, and so must restate.
+RESTATED = ("lease_token", "checkpoint", "max_attempts")
+# What may still change in a closed ledger row, once: when its holder was refused after losing
+# the lease, and the verdict on a row that put its job under review.
 APPEND_ONCE = {"fenced_at"}
 VERDICT = {"resolution", "resolved_by", "resolved_at"}
 
+# Attempts after which the backoff's exponent no longer fits a float (2 ** 1024).
+MARATHON = 1024
+WITH_MARATHON = bool(os.environ.get("LEASES_STATE_MACHINE_MARATHON"))
 EXAMPLES = int(os.environ.get("LEASES_STATE_MACHINE_EXAMPLES", "0"))
 STEPS = int(os.environ.get("LEASES_STATE_MACHINE_STEPS", "40"))
 
@@ -88,13 +95,10 @@ STEPS = int(os.environ.get("LEASES_STATE_MACHINE_STEPS", "40"))
 def job_rows() -> dict[int, dict[str, Any]]:
     """Every job row, with whether its lease is live and whether it is due, by the database
     clock."""
-    flag = BooleanField()
     rows = PaymentJob.objects.annotate(
-        live=Case(When(lease_until__gte=Now(), then=Value(True)), default=Value(False)),
-        due=Case(When(run_at__lte=Now(), then=Value(True)), default=Value(False)),
+        live=Case(When(lease_until__gte=Now(), then=True), default=False, output_field=FLAG),
+        due=Case(When(run_at__lte=Now(), then=True), default=False, output_field=FLAG),
     )
-    rows.query.annotations["live"].output_field = flag
-    rows.query.annotations["due"].output_field = flag
     return {row["id"]: row for row in rows.values()}
 
 
@@ -193,6 +197,8 @@ class LeaseMachine(RuleBasedStateMachine):
         self.finished_by_holder: set[tuple[int, int]] = set()
         # Expired leases a watcher read and decided on, not yet written back.
         self.watcher_read: list[tuple[Any, str, str]] = []
+        # On request only: one job per example may go through MARATHON attempts (seconds each).
+        self.marathon = WITH_MARATHON
 
     # ---- enqueue and claims -----------------------------------------------------------------
 
@@ -248,6 +254,25 @@ class LeaseMachine(RuleBasedStateMachine):
         if job is None:
             return multiple()
         self._acquired([job], owner, before)
+        return job
+
+    @precondition(lambda self: self.marathon)
+    @rule(target=leases, owner=st.sampled_from(OWNERS))
+    def retried_a_thousand_times(self, owner: str) -> PaymentJob:
+        """A job that failed MARATHON times, each retried after the worker's backoff, and is
+        claimed once more: its next failure computes the backoff of attempt MARATHON + 1."""
+        self.marathon = False
+        pk = PaymentJob.objects.enqueue(RETRY_KIND, max_attempts=MARATHON + 2).pk
+        for _ in range(MARATHON):
+            job = PaymentJob.objects.claim_job(pk, owner, ttl=TTL)
+            assert job is not None
+            self.acquisitions[pk] += 1
+            Lease(job, ttl=TTL).fail(RuntimeError("psp down"), retry_in=retry_delay(job.attempts))
+            self.finished_by_holder.add((pk, job.lease_token))
+            PaymentJob.objects.filter(pk=pk).update(run_at=Now() - PAST)
+        job = PaymentJob.objects.claim_job(pk, owner, ttl=TTL)
+        assert job is not None and job.attempts == MARATHON + 1
+        self.acquisitions[pk] += 1
         return job
 
     # ---- the database clock -----------------------------------------------------------------
@@ -406,7 +431,8 @@ class LeaseMachine(RuleBasedStateMachine):
             elif old["attempts"] >= old["max_attempts"]:
                 assert row["status"] == FAILED
             else:
-                assert row["status"] == PENDING
+                # Due at once: the attempt did not fail, the TTL already spaced it.
+                assert (row["status"], row["due"]) == (PENDING, True)
             assert row["lease_token"] == old["lease_token"]
 
     @rule()
@@ -420,15 +446,18 @@ class LeaseMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.watcher_read))
     @rule()
     def slow_watcher_writes(self) -> None:
+        """The slow watcher writes what it decided: each rescue must win exactly when the job
+        is still as the watcher read it (expired, same token, checkpoint and attempts left)."""
         read, self.watcher_read = self.watcher_read, []
         for job, action, reason in read:
-            before = job_rows()[job.pk]
-            delay = retry_delay(job.attempts) if action == "retry" else None
-            won = PaymentJob.objects.rescue(
-                job, action, by="slow-watcher", retry_in=delay, reason=reason
+            row = job_rows()[job.pk]
+            read_then = {name: getattr(job, name) for name in RESTATED}
+            now = {name: row[name] for name in RESTATED}
+            won = PaymentJob.objects.rescue(job, action, by="slow-watcher", reason=reason)
+            assert won == (expired(row) and now == read_then), (
+                f"rescue ({action}) of job {job.pk} won={won}: read {read_then}, now {now}, "
+                f"expired={expired(row)}"
             )
-            if not (expired(before) and before["lease_token"] == job.lease_token):
-                assert not won, f"a stale rescue of job {job.pk} won"
 
     @rule(owner=st.sampled_from(OWNERS))
     def worker_gone(self, owner: str) -> None:
