@@ -32,7 +32,7 @@ from django_leases import stats
 from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidArgument, InvalidPayload
 from django_leases.limits import JOB_ID, PRIORITY, bad_character, check_int, check_json
-from django_leases.models import JobAttempt, JobStatus, PaymentJob, Worker
+from django_leases.models import JobAttempt, JobEvent, JobStatus, PaymentJob, Worker
 from django_leases.querysets import (
     CANCELLED,
     COMPLETED,
@@ -209,6 +209,18 @@ class AttemptInline(ReadOnlyMixin, admin.TabularInline):
     @admin.display(description=_("error"))
     def error(self, attempt: JobAttempt) -> str:
         return attempt_error(attempt)
+
+
+class EventInline(ReadOnlyMixin, admin.TabularInline):
+    """The operator actions on the job, beside (never over) its attempt ledger."""
+
+    model = JobEvent
+    fk_name = "job"
+    verbose_name = _("operator event")
+    verbose_name_plural = _("operator events (newest first)")
+    fields = readonly_fields = ("at", "action", "by", "attempts", "token", "reason")
+    ordering = ("-id",)
+    extra = 0
 
 
 class OpenAttemptFilter(admin.SimpleListFilter):
@@ -477,7 +489,7 @@ class PaymentJobAdmin(IndexedSearchMixin, admin.ModelAdmin):
     ordering = ("-id",)
     # One COUNT of the filtered rows per page, not a second one of the whole table.
     show_full_result_count = False
-    inlines = (AttemptInline,)
+    inlines = (AttemptInline, EventInline)
     form = PaymentJobForm
     readonly_fields = ("kind", "payment_id", "idempotency_key", *LEASE_FIELDS, "lease", "heartbeat")
     fieldsets = (

@@ -55,6 +55,10 @@ PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
     "cancelled",
 )
 FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
+# Ledger outcomes only a holder's own write gives its attempt.
+HOLDER_OUTCOMES = ("completed", "failed", "retried", "released", "timed_out")
+# Jobs one operator action changes per transaction (one locking read and one UPDATE).
+OPERATOR_BATCH_SIZE = 500
 MAX_ERROR_LENGTH = 2000
 MAX_ERROR_CLASS_LENGTH = 255
 DEADLOCK_RETRIES = 5
@@ -283,20 +287,33 @@ class LeaseQuerySet(models.QuerySet[J]):
         return self.filter(status=PROCESSING, lease_owner=owner)
 
     def finished_by(self, pk: int, owner: str, token: int) -> bool:
-        """Whether `owner`'s write under `token` already moved the job out of processing.
+        """Whether `owner`'s own write under `token` ended that attempt (completed, failed,
+        retried, released or timed out).
 
         A holder whose connection died after sending its completion asks this before it calls
-        itself fenced out: its write may have committed with only the acknowledgement lost.
+        itself fenced out: its write may have committed with only the acknowledgement lost. The
+        attempt's ledger row answers, not the job row: a watcher's rescue also moves the job out
+        of processing under the same token, but closes the row as someone else. A job table
+        without a ledger cannot tell the two apart, so the answer there is always False.
         """
+        ledger = self._ledger()
+        if ledger is None:
+            return False
         return (
-            self.filter(pk=pk, lease_owner=owner, lease_token=token)
-            .exclude(status=PROCESSING)
+            ledger.objects.using(self.db)
+            .filter(job_ref=pk, token=token, ended_by=owner, outcome__in=HOLDER_OUTCOMES)
             .exists()
         )
 
-    def orphaned(self, owners: Collection[str]) -> LeaseQuerySet[J]:
-        """Processing jobs with a live lease whose owner is one of `owners` (workers known gone)."""
-        return self.filter(status=PROCESSING, lease_until__gte=Now(), lease_owner__in=list(owners))
+    def orphaned(self, owners: Collection[str] | models.QuerySet[Any]) -> LeaseQuerySet[J]:
+        """Processing jobs with a live lease whose owner is one of `owners` (workers known gone).
+
+        `owners` is a collection of worker ids, or a one-column queryset of them (e.g. the
+        registry's `gone().values("worker_id")`), which stays a subquery in the database.
+        """
+        if not isinstance(owners, models.QuerySet):
+            owners = list(owners)
+        return self.filter(status=PROCESSING, lease_until__gte=Now(), lease_owner__in=owners)
 
     def held(self, pk: int, owner: str, token: int) -> LeaseQuerySet[J]:
         """The one row `owner` holds under `token`, or nothing: the filter of every holder write."""
@@ -602,9 +619,13 @@ class LeaseQuerySet(models.QuerySet[J]):
         return renewed
 
     def checkpoint(self, pk: int, owner: str, token: int, step: str) -> None:
-        """Record that the holder reached `step`; the watcher's review policy reads it."""
+        """Record that the holder reached `step`; the watcher's review policy reads it.
+
+        Refused (`LeaseLost`) once the lease has expired, even if nobody took the job over: the
+        watcher may already have decided the job's fate from the checkpoint it read.
+        """
         check_text(step, "checkpoint step", CHECKPOINT_LENGTH)
-        self._holder_write(pk, owner, token, None, None, checkpoint=step)
+        self._holder_write(pk, owner, token, None, None, live=True, checkpoint=step)
 
     def complete(self, pk: int, owner: str, token: int, *, result: Any = None) -> None:
         """Mark the job completed, storing `result` (JSON) if given.
@@ -642,6 +663,7 @@ class LeaseQuerySet(models.QuerySet[J]):
                     {ledger.error_message} = ''
                 FROM done
                 WHERE a.{ledger.job_ref} = done.id AND a.{ledger.token} = done.lease_token
+                  AND a.{ledger.ended_at} IS NULL
             )
             SELECT count(*) FROM done
         """  # noqa: S608 - table and column names quoted by the backend, values are parameters
@@ -765,12 +787,17 @@ class LeaseQuerySet(models.QuerySet[J]):
         token: int,
         outcome: str | None,
         error: tuple[str, str] | None,
+        *,
+        live: bool = False,
         **values: Any,
     ) -> None:
+        held = self.held(pk, owner, token)
+        if live:
+            held = held.filter(lease_until__gte=Now())
         try:
             # One transaction: the job's transition and its ledger row commit together.
             with transaction.atomic(using=self.db):
-                if not self.held(pk, owner, token).update(**values):
+                if not held.update(**values):
                     raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
                 if outcome is not None:
                     self._close_attempt(pk, token, outcome, by=owner, error=error)
@@ -796,11 +823,11 @@ class LeaseQuerySet(models.QuerySet[J]):
         """Resolve the expired lease of `job` (as read by the watcher) with `action`.
 
         `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
-        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates the whole
-        expiry predicate and the token that was read, so a job completed, renewed, claimed or
-        rescued a moment ago is left alone. With `orphaned`, the lease may still be live but its
-        owner is known gone (see `orphaned()`): the UPDATE then restates that owner instead of
-        the expiry. Returns whether this call won.
+        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates everything the
+        decision read: the expiry, the token, the checkpoint and `max_attempts`, so a job
+        completed, renewed, claimed, checkpointed or rescued a moment ago is left alone. With
+        `orphaned`, the lease may still be live but its owner is known gone (see `orphaned()`):
+        the UPDATE then restates that owner instead of the expiry. Returns whether this call won.
         """
         values: dict[str, Any]
         if action == "retry":
@@ -823,7 +850,12 @@ class LeaseQuerySet(models.QuerySet[J]):
                 if orphaned
                 else self.expired()
             )
-            won = stale.filter(pk=job.pk, lease_token=job.lease_token).update(**values)
+            won = stale.filter(
+                pk=job.pk,
+                lease_token=job.lease_token,
+                checkpoint=job.checkpoint,
+                max_attempts=job.max_attempts,
+            ).update(**values)
             if won:
                 self._close_attempt(
                     job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
@@ -835,7 +867,8 @@ class LeaseQuerySet(models.QuerySet[J]):
 
         Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
         live lease only with `force`, which also bumps its fencing token so that the current
-        holder is fenced out of every further write. Completed jobs are never requeued.
+        holder is fenced out of every further write. Completed jobs are never requeued. A job
+        without attempts left gets one more.
         """
         eligible = Q(status__in=[FAILED, CANCELLED, REVIEW, PENDING]) | Q(
             status=PROCESSING, lease_until__lt=Now()
@@ -850,7 +883,7 @@ class LeaseQuerySet(models.QuerySet[J]):
             "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
             "lease_token": F("lease_token") + 1,
         }
-        return self._operator_write(eligible, values, "requeued", by)
+        return self._operator_write(eligible, values, by, event="requeued", ends="requeued")
 
     def release_stuck(self, *, by: str = "operator") -> int:
         """Return the selected jobs whose lease expired to pending (the watcher's retry).
@@ -864,8 +897,9 @@ class LeaseQuerySet(models.QuerySet[J]):
                 "run_at": Now(),
                 "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
             },
-            "rescued",
             by,
+            event="released",
+            ends="rescued",
         )
 
     def mark_failed(self, *, reason: str, force: bool = False, by: str = "operator") -> int:
@@ -880,17 +914,20 @@ class LeaseQuerySet(models.QuerySet[J]):
             "last_error": reason[:MAX_ERROR_LENGTH],
             "lease_token": F("lease_token") + 1,
         }
-        return self._operator_write(eligible, values, "failed", by, reason)
+        return self._operator_write(
+            eligible, values, by, event="failed", ends="failed", reason=reason
+        )
 
     def cancel(self, *, by: str = "operator") -> int:
         """Cancel the selected pending jobs; return how many changed."""
         values = {"status": CANCELLED, "completed_at": Now(), "last_error": f"cancelled by {by}"}
-        return self._operator_write(Q(status=PENDING), values, None, by)
+        return self._operator_write(Q(status=PENDING), values, by, event="cancelled")
 
     def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
         """Resolve the selected jobs under review: "completed", "retry" or "failed".
 
-        The verdict and who gave it are recorded on the ledger row that put the job under review.
+        The verdict is an event of the job; it is also noted on the ledger row that put the job
+        under review, if no verdict is there yet.
         """
         values: dict[str, Any]
         if verdict == "retry":
@@ -903,37 +940,111 @@ class LeaseQuerySet(models.QuerySet[J]):
             values = {"status": verdict, "completed_at": Now()}
         else:
             raise ValueError(f"unknown review verdict {verdict!r}")
-        return self._operator_write(Q(status=REVIEW), values, None, by, resolution=verdict)
+        return self._operator_write(
+            Q(status=REVIEW), values, by, event=f"review_{verdict}", resolution=verdict
+        )
 
-    @retry_deadlocks
     def _operator_write(
         self,
         eligible: Q,
         values: dict[str, Any],
-        outcome: str | None,
         by: str,
-        reason: str = "",
         *,
+        event: str,
+        ends: str | None = None,
+        reason: str = "",
         resolution: str = "",
     ) -> int:
-        # One transaction per action: the jobs' transition and the closing of their open
-        # ledger rows commit together. Each row is updated by its own conditional UPDATE so the
-        # ledger is closed exactly for the rows whose UPDATE won.
+        """Apply an operator action to the selected jobs that are `eligible`, in batches of
+        OPERATOR_BATCH_SIZE; return how many changed.
+
+        Each changed job gets an event (`event`, `by`, `reason`); an open attempt the action
+        ends is closed as `ends` by `by`. A closed attempt row is never changed.
+        """
         changed = 0
-        with transaction.atomic(using=self.db):
-            candidates = list(self.filter(eligible).values_list("pk", "lease_token"))
-            for pk, token in candidates:
-                if self.filter(eligible, pk=pk, lease_token=token).update(**values):
-                    changed += 1
-                    if outcome is not None:
-                        self._close_attempt(
-                            pk, token, outcome, by=by, error=("", reason) if reason else None
-                        )
-                    if resolution:
-                        self._ledger_update(
-                            {pk: token}, resolution=resolution, resolved_by=by, resolved_at=Now()
-                        )
+        after_pk: int | None = 0
+        while after_pk is not None:
+            won, after_pk = self._operator_batch(
+                eligible, after_pk, values, by, event, ends, reason, resolution
+            )
+            changed += won
         return changed
+
+    @retry_deadlocks
+    def _operator_batch(
+        self,
+        eligible: Q,
+        after_pk: int,
+        values: dict[str, Any],
+        by: str,
+        event: str,
+        ends: str | None,
+        reason: str,
+        resolution: str,
+    ) -> tuple[int, int | None]:
+        # One transaction per batch: the jobs' UPDATE, the closing of the attempts it ended and
+        # the events that record it commit together, or not at all.
+        with transaction.atomic(using=self.db):
+            # Lock the batch, then ONE UPDATE restating the whole precondition: the rows locked
+            # are exactly the rows it changes, so events and ledger rows are written for those
+            # only. PostgreSQL and MariaDB/MySQL lock the rows; on SQLite the IMMEDIATE
+            # transaction holds the database write lock (see check W003). Tested on all three.
+            rows = list(
+                self.filter(eligible, pk__gt=after_pk)
+                .order_by("pk")
+                .select_for_update()
+                .values_list("pk", "lease_token", "attempts")[:OPERATOR_BATCH_SIZE]
+            )
+            if not rows:
+                return 0, None
+            pks = [pk for pk, _, _ in rows]
+            won = self.filter(eligible, pk__in=pks).update(**values)
+            if won != len(rows):
+                raise LeaseError(f"{won} of {len(rows)} locked jobs changed; rolled back")
+            ledger = self._ledger()
+            if ledger is not None:
+                attempts = ledger.objects.using(self.db).filter(job_ref__in=pks)
+                if ends is not None:
+                    # A processing job's open attempt ends here, by the operator.
+                    attempts.filter(ended_at__isnull=True).update(
+                        outcome=ends,
+                        ended_at=Now(),
+                        ended_by=by,
+                        checkpoint=self._job_column("checkpoint"),
+                        error_class="",
+                        error_message=storable(reason)[:MAX_ERROR_LENGTH],
+                    )
+                if resolution:
+                    self._ledger_update(
+                        {pk: token for pk, token, _ in rows},
+                        Q(resolution=""),
+                        resolution=resolution,
+                        resolved_by=by,
+                        resolved_at=Now(),
+                    )
+            self._record_events(rows, event, by, reason)
+        return won, pks[-1]
+
+    def _record_events(
+        self, rows: list[tuple[int, int, int]], action: str, by: str, reason: str
+    ) -> None:
+        label = self.model.event_model
+        if not label:
+            return
+        events = apps.get_model(label)
+        events.objects.using(self.db).bulk_create(
+            events(
+                # `job` is the concrete event log's foreign key (see AbstractJobEvent).
+                **{"job_id": pk},
+                job_ref=pk,
+                token=token,
+                attempts=attempts,
+                action=action,
+                by=by,
+                reason=storable(reason)[:MAX_ERROR_LENGTH],
+            )
+            for pk, token, attempts in rows
+        )
 
     # ---- pruning -----------------------------------------------------------------------------
 
@@ -1015,6 +1126,14 @@ class LeaseQuerySet(models.QuerySet[J]):
                 # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
                 detach = {"job_id": None}
                 attempts = rows.update(**detach) if keep_ledger else rows._raw_delete(self.db)
+            if self.model.event_model:
+                # The operator events follow the ledger: deleted, or kept detached.
+                events = apps.get_model(self.model.event_model).objects.using(self.db)
+                events = events.filter(job_ref__in=batch.values("pk"))
+                if keep_ledger:
+                    events.update(job_id=None)
+                else:
+                    events._raw_delete(self.db)
             # _raw_delete: ONE statement for the whole batch. QuerySet.delete() would collect
             # the ledger's SET_NULL relation and delete in chunks of 100 ids.
             jobs = batch._raw_delete(self.db)
@@ -1059,12 +1178,14 @@ class LeaseQuerySet(models.QuerySet[J]):
             for job in jobs
         )
 
-    def _ledger_update(self, leases: Mapping[int, int], **values: Any) -> int:
+    def _ledger_update(
+        self, leases: Mapping[int, int], where: Q | None = None, **values: Any
+    ) -> int:
         ledger = self._ledger()
         if ledger is None:
             return 0
         pairs = reduce(or_, (Q(job_ref=pk, token=token) for pk, token in leases.items()))
-        return ledger.objects.using(self.db).filter(pairs).update(**values)
+        return ledger.objects.using(self.db).filter(pairs, where or Q()).update(**values)
 
     def _close_attempt(
         self,
@@ -1076,8 +1197,10 @@ class LeaseQuerySet(models.QuerySet[J]):
         error: tuple[str, str] | None,
     ) -> None:
         error_class, message = error or ("", "")
+        # Only an open row: a closed attempt is never rewritten.
         self._ledger_update(
             {pk: token},
+            Q(ended_at__isnull=True),
             outcome=outcome,
             ended_at=Now(),
             ended_by=by,
@@ -1087,12 +1210,17 @@ class LeaseQuerySet(models.QuerySet[J]):
         )
 
     def record_fenced(self, pk: int, token: int) -> None:
-        """Note in the ledger that the holder of `token` came back and was refused."""
+        """Note in the ledger that the holder of `token` came back and was refused.
+
+        Never on a row the holder closed itself (a repeated completion is refused too, but
+        nobody fenced that holder out).
+        """
         ledger = self._ledger()
         if ledger is not None:
+            closed_by_holder = Q(outcome__in=HOLDER_OUTCOMES, ended_by=F("owner"))
             ledger.objects.using(self.db).filter(
                 job_ref=pk, token=token, fenced_at__isnull=True
-            ).update(fenced_at=Now())
+            ).exclude(closed_by_holder).update(fenced_at=Now())
 
 
 class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
@@ -1310,3 +1438,16 @@ class WorkerQuerySet(models.QuerySet[Any]):
         return self.filter(
             Q(stopped_at__isnull=False) | Q(last_seen_at__lt=Now() - timedelta(seconds=seconds))
         )
+
+    def long_gone(self, retention: float | timedelta | None = None) -> WorkerQuerySet:
+        """Workers stopped, or last seen, more than `retention` ago (default WORKER_RETENTION)."""
+        seconds = to_seconds(
+            retention if retention is not None else leases_settings.WORKER_RETENTION, "retention"
+        )
+        return self.filter(Q(stopped_at__lt=ago(seconds)) | Q(last_seen_at__lt=ago(seconds)))
+
+    def prune(self, retention: float | timedelta | None = None) -> int:
+        """Delete the registry rows of `long_gone(retention)` workers; return how many went."""
+        # One DELETE: no relation points at the registry, and it holds a row per worker process
+        # name, not per job.
+        return self.long_gone(retention)._raw_delete(self.db)
