@@ -11,7 +11,8 @@ step, reading the database, the guarantees the README makes:
    `attempts` equals the number of acquisitions the API reported.
 4. The ledger is append-only: a closed row never changes again, except that `fenced_at` may be
    set once (its holder came back and was refused) and a row that put its job under review gets
-   its verdict once.
+   its verdict once. Operator actions are recorded beside it: one event per job changed, never
+   changed afterwards.
 5. A worker that lost its lease cannot write: its write raises `LeaseLost` and leaves every job
    row and every ledger row as they were (only `fenced_at` of its own attempt may be set).
 6. A job of a kind under the review policy that passed a checkpoint is never run again blindly:
@@ -52,6 +53,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
+    initialize,
     invariant,
     multiple,
     precondition,
@@ -62,7 +64,7 @@ from hypothesis.stateful import (
 from django_leases.backoff import retry_delay
 from django_leases.exceptions import LeaseLost
 from django_leases.lease import Lease
-from django_leases.models import JobAttempt, PaymentJob, Worker
+from django_leases.models import JobAttempt, JobEvent, PaymentJob, Worker
 from django_leases.watcher import StuckWatcher
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -104,6 +106,10 @@ def job_rows() -> dict[int, dict[str, Any]]:
 
 def ledger_rows() -> dict[int, dict[str, Any]]:
     return {row["id"]: row for row in JobAttempt.objects.order_by("id").values()}
+
+
+def event_rows() -> dict[int, dict[str, Any]]:
+    return {row["id"]: row for row in JobEvent.objects.order_by("id").values()}
 
 
 def held(row: dict[str, Any], lease: PaymentJob) -> bool:
@@ -149,6 +155,18 @@ def operator_eligible(name: str, row: dict[str, Any]) -> bool:
     return status == REVIEW  # resolve_review_*
 
 
+# The event each admin action records beside the ledger.
+OPERATOR_EVENT = {
+    "requeue": "requeued",
+    "force_requeue": "requeued",
+    "release_stuck": "released",
+    "mark_failed": "failed",
+    "force_mark_failed": "failed",
+    "cancel": "cancelled",
+    "resolve_review_completed": "review_completed",
+    "resolve_review_retry": "review_retry",
+    "resolve_review_failed": "review_failed",
+}
 OPERATOR_STATUS = {
     "requeue": PENDING,
     "force_requeue": PENDING,
@@ -188,11 +206,13 @@ class LeaseMachine(RuleBasedStateMachine):
         super().__init__()
         # Each example starts from empty tables: examples never see each other's rows.
         JobAttempt.objects.all().delete()
+        JobEvent.objects.all().delete()
         PaymentJob.objects.all().delete()
         Worker.objects.all().delete()
         self.acquisitions: Counter[int] = Counter()
         self.tokens: dict[int, int] = {}
         self.closed: dict[int, dict[str, Any]] = {}
+        self.events: dict[int, dict[str, Any]] = {}
         # (job id, token) of attempts whose holder's own write ended them.
         self.finished_by_holder: set[tuple[int, int]] = set()
         # Expired leases a watcher read and decided on, not yet written back.
@@ -201,6 +221,15 @@ class LeaseMachine(RuleBasedStateMachine):
         self.marathon = WITH_MARATHON
 
     # ---- enqueue and claims -----------------------------------------------------------------
+
+    @initialize(
+        target=jobs,
+        kinds=st.lists(st.sampled_from([RETRY_KIND, REVIEW_KIND]), min_size=2, max_size=4),
+        max_attempts=st.integers(1, 3),
+    )
+    def several_jobs(self, kinds: list[str], max_attempts: int) -> Any:
+        """Every example starts with a few due jobs, so that its steps act on jobs."""
+        return multiple(*(self.enqueue(kind, max_attempts, False) for kind in kinds))
 
     @rule(
         target=jobs,
@@ -475,9 +504,18 @@ class LeaseMachine(RuleBasedStateMachine):
     )
     def operator(self, name: str, selected: list[int]) -> None:
         before = job_rows()
+        last_event = max(event_rows(), default=0)
         eligible = {pk for pk in selected if operator_eligible(name, before[pk])}
         changed = operator_call(name, PaymentJob.objects.filter(pk__in=selected).order_by(), "op")
         assert changed == len(eligible), f"{name} changed {changed} of {sorted(eligible)}"
+        # Recorded beside the attempts: one event per job changed, as it was when changed.
+        added = [event for pk, event in event_rows().items() if pk > last_event]
+        assert sorted((e["job_ref"], e["action"], e["by"]) for e in added) == sorted(
+            (pk, OPERATOR_EVENT[name], "op") for pk in eligible
+        )
+        for event in added:
+            old = before[event["job_ref"]]
+            assert (event["attempts"], event["token"]) == (old["attempts"], old["lease_token"])
         after = job_rows()
         for pk, old in before.items():
             if pk in eligible:
@@ -551,6 +589,10 @@ class LeaseMachine(RuleBasedStateMachine):
                 + ", ".join(f"{name} {old[name]!r} -> {new[name]!r}" for name in sorted(changed))
             )
         self.closed = {pk: row for pk, row in ledger.items() if row["ended_at"] is not None}
+        # Operator events are append-only too.
+        events = event_rows()
+        assert {pk: events.get(pk) for pk in self.events} == self.events
+        self.events = events
 
 
 def machine_settings() -> settings:
@@ -564,7 +606,7 @@ def machine_settings() -> settings:
         )
     # CI: the same examples every run, about a minute per database on a slow machine.
     return settings(
-        max_examples=30,
+        max_examples=250,
         stateful_step_count=STEPS,
         derandomize=True,
         deadline=None,
