@@ -606,7 +606,7 @@ def machine_settings() -> settings:
         )
     # CI: the same examples every run, about a minute per database on a slow machine.
     return settings(
-        max_examples=250,
+        max_examples=200,
         stateful_step_count=STEPS,
         derandomize=True,
         deadline=None,
