@@ -10,8 +10,8 @@ step, reading the database, the guarantees the README makes:
 3. A record of every attempt: exactly one ledger row per acquisition, numbered 1..n, and
    `attempts` equals the number of acquisitions the API reported.
 4. The ledger is append-only: a closed row never changes again, except that `fenced_at` may be
-   set once (its holder came back and was refused) and a row that put its job under review gets
-   its verdict once. Operator actions are recorded beside it: one event per job changed, never
+   set once (its holder came back and was refused) and the row that put its job under review (a
+   watcher's review, or a timeout after a checkpoint) gets its verdict once. Operator actions are recorded beside it: one event per job changed, never
    changed afterwards.
 5. A worker that lost its lease cannot write: its write raises `LeaseLost` and leaves every job
    row and every ledger row as they were (only `fenced_at` of its own attempt may be set).
@@ -86,6 +86,9 @@ RESTATED = ("lease_token", "checkpoint", "max_attempts")
 # the lease, and the verdict on a row that put its job under review.
 APPEND_ONCE = {"fenced_at"}
 VERDICT = {"resolution", "resolved_by", "resolved_at"}
+# Outcomes of the attempts that put a job under review: the watcher's, and a timeout after a
+# checkpoint of a review-policy kind.
+PUT_UNDER_REVIEW = ("review", "timed_out")
 
 # Attempts after which the backoff's exponent no longer fits a float (2 ** 1024).
 MARATHON = 1024
@@ -582,7 +585,7 @@ class LeaseMachine(RuleBasedStateMachine):
             assert new is not None, f"ledger row {pk} deleted"
             changed = {name for name in old if new[name] != old[name]}
             allowed = {name for name in APPEND_ONCE if old[name] is None}
-            if old["outcome"] == "review" and not old["resolution"]:
+            if old["outcome"] in PUT_UNDER_REVIEW and not old["resolution"]:
                 allowed |= VERDICT
             assert changed <= allowed, (
                 f"closed ledger row {pk} ({old['outcome']} by {old['ended_by']}) changed: "
