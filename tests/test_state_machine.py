@@ -11,8 +11,8 @@ step, reading the database, the guarantees the README makes:
    `attempts` equals the number of acquisitions the API reported.
 4. The ledger is append-only: a closed row never changes again, except that `fenced_at` may be
    set once (its holder came back and was refused) and the row that put its job under review (a
-   watcher's review, or a timeout after a checkpoint) gets its verdict once. Operator actions are recorded beside it: one event per job changed, never
-   changed afterwards.
+   watcher's review, or a timeout after a checkpoint) gets its verdict once. Operator actions
+   are recorded beside it: one event per job changed, never changed afterwards.
 5. A worker that lost its lease cannot write: its write raises `LeaseLost` and leaves every job
    row and every ledger row as they were (only `fenced_at` of its own attempt may be set).
 6. A job of a kind under the review policy that passed a checkpoint is never run again blindly:
