@@ -32,9 +32,10 @@ Time passes only through the database clock: a rule moves `lease_until` or `run_
 past with an UPDATE, never a mocked clock. Leases are long (`TTL`), so nothing expires unless a
 rule says so.
 
-The default run is short and derandomized (the same examples every run);
-`LEASES_STATE_MACHINE_EXAMPLES=N` runs N examples (and `LEASES_STATE_MACHINE_STEPS`, steps per
-example) with fresh random choices, e.g. before a release.
+The default run is derandomized (the same examples every run); `LEASES_STATE_MACHINE_EXAMPLES=N`
+runs N examples with fresh random choices (`LEASES_STATE_MACHINE_STEPS`: steps per example), and
+`LEASES_STATE_MACHINE_MARATHON=1` lets one job per example fail 1024 times first, the backoff's
+largest exponent (seconds per example). docs/concepts.md has the commands.
 """
 
 import logging
