@@ -52,6 +52,9 @@ DEFAULTS: dict[str, Any] = {
     # Dotted path of a callable (exception, text) -> text: what is kept of an error's text in
     # the ledger, `last_error` and the logs. The default strips values from database errors.
     "REDACT_ERRORS": "django_leases.redaction.redact_database_values",
+    # Whether PaymentJob.objects.enqueue() locks a job with a payment_id by its payment
+    # ("payment:<id>") when no `lock` is given: one job of a payment at a time, in enqueue order.
+    "LOCK_BY_PAYMENT": True,
 }
 
 

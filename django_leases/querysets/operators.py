@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Greatest, Now
 
 from django_leases.querysets.base import retry_deadlocks
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J
-from django_leases.querysets.prune import Pruning
+from django_leases.querysets.locks import LockOrder
 from django_leases.status import (
     CANCELLED,
     COMPLETED,
@@ -23,14 +23,17 @@ from django_leases.status import (
     PENDING,
     PROCESSING,
     REVIEW,
+    WAITING,
     AttemptOutcome,
     Verdict,
 )
 
 
-class OperatorActions(Pruning[J]):
-    """The operator actions of a job table; `LeaseQuerySet` builds on them (and on pruning
-    and the ledger writes, the classes below it) to keep each concern in its own module."""
+class OperatorActions(LockOrder[J]):
+    """The operator actions of a job table; `LeaseQuerySet` builds on them (and on the lock
+    order, pruning and the ledger writes, the classes below it) to keep each concern in its own
+    module. An action that finishes a job holding its lock passes the lock on, in its
+    transaction."""
 
     def requeue(self, *, force: bool = False, by: str = "operator") -> int:
         """Make the selected jobs pending and due now; return how many changed.
@@ -38,6 +41,10 @@ class OperatorActions(Pruning[J]):
         Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
         live lease only with `force`, which also bumps its fencing token so that the current
         holder is fenced out of every further write. Completed jobs are never requeued.
+
+        A job of a lock that holds it keeps it (pending, next in line). A finished job of a
+        lock rejoins it at its enqueue place: pending if the lock is free, else waiting, ahead
+        of every later job of the lock (the lowest id waiting goes first).
         """
         eligible = Q(status__in=[FAILED, CANCELLED, REVIEW, PENDING]) | Q(
             status=PROCESSING, lease_until__lt=Now()
@@ -45,7 +52,10 @@ class OperatorActions(Pruning[J]):
         if force:
             eligible |= Q(status=PROCESSING)
         values = {
-            "status": PENDING,
+            "status": Case(
+                When(Q(lock="") | Q(lock_holder__isnull=False), then=Value(PENDING)),
+                default=Value(WAITING),
+            ),
             "run_at": Now(),
             "completed_at": None,
             # A requeued job gets at least one more attempt, whatever it used up.
@@ -71,9 +81,11 @@ class OperatorActions(Pruning[J]):
         )
 
     def mark_failed(self, *, reason: str, force: bool = False, by: str = "operator") -> int:
-        """Fail the selected pending, under-review or expired jobs (any processing one with
-        `force`, fencing out its holder); return how many changed."""
-        eligible = Q(status__in=[PENDING, REVIEW]) | Q(status=PROCESSING, lease_until__lt=Now())
+        """Fail the selected pending, waiting, under-review or expired jobs (any processing one
+        with `force`, fencing out its holder); return how many changed."""
+        eligible = Q(status__in=[PENDING, WAITING, REVIEW]) | Q(
+            status=PROCESSING, lease_until__lt=Now()
+        )
         if force:
             eligible |= Q(status=PROCESSING)
         values = {
@@ -81,13 +93,19 @@ class OperatorActions(Pruning[J]):
             "completed_at": Now(),
             "last_error": reason[:MAX_ERROR_LENGTH],
             "lease_token": F("lease_token") + 1,
+            "lock_holder": None,
         }
         return self._operator_write(eligible, values, AttemptOutcome.FAILED, by, reason)
 
     def cancel(self, *, by: str = "operator") -> int:
-        """Cancel the selected pending jobs; return how many changed."""
-        values = {"status": CANCELLED, "completed_at": Now(), "last_error": f"cancelled by {by}"}
-        return self._operator_write(Q(status=PENDING), values, None, by)
+        """Cancel the selected pending or waiting jobs; return how many changed."""
+        values = {
+            "status": CANCELLED,
+            "completed_at": Now(),
+            "last_error": f"cancelled by {by}",
+            "lock_holder": None,
+        }
+        return self._operator_write(Q(status__in=[PENDING, WAITING]), values, None, by)
 
     def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
         """Resolve the selected jobs under review: "completed", "retry" or "failed".
@@ -102,7 +120,7 @@ class OperatorActions(Pruning[J]):
                 "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
             }
         elif verdict in (COMPLETED, FAILED):
-            values = {"status": verdict, "completed_at": Now()}
+            values = {"status": verdict, "completed_at": Now(), "lock_holder": None}
         else:
             raise ValueError(f"unknown review verdict {verdict!r}")
         return self._operator_write(Q(status=REVIEW), values, None, by, resolution=verdict)
@@ -119,14 +137,19 @@ class OperatorActions(Pruning[J]):
         resolution: str = "",
     ) -> int:
         # One transaction per action: the jobs' transition and the closing of their open
-        # ledger rows commit together. Each row is updated by its own conditional UPDATE so the
-        # ledger is closed exactly for the rows whose UPDATE won.
+        # ledger rows commit together, and so does passing on the lock of a job that held one.
+        # Each row is updated by its own conditional UPDATE so the ledger is closed exactly for
+        # the rows whose UPDATE won.
         changed = 0
         with transaction.atomic(using=self.db):
-            candidates = list(self.filter(eligible).values_list("pk", "lease_token"))
+            # In id order: requeued jobs of one lock rejoin it in their enqueue order.
+            candidates = list(
+                self.filter(eligible).order_by("pk").values_list("pk", "lease_token")
+            )
             for pk, token in candidates:
                 if self.filter(eligible, pk=pk, lease_token=token).update(**values):
                     changed += 1
+                    self._pass_lock(pk, contested=True)
                     if outcome is not None:
                         self._close_attempt(
                             pk, token, outcome, by=by, error=("", reason) if reason else None

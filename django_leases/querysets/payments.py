@@ -11,6 +11,7 @@ from django_leases.conf import leases_settings, to_seconds
 from django_leases.limits import (
     IDEMPOTENCY_KEY_LENGTH,
     KIND_LENGTH,
+    LOCK_LENGTH,
     MAX_ATTEMPTS,
     PAYMENT_ID_LENGTH,
     PRIORITY,
@@ -40,26 +41,31 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
         run_at: datetime | float | timedelta | None = None,
         priority: int = 0,
         max_attempts: int | None = None,
+        lock: str | None = None,
     ) -> PaymentJob:
-        """Add a pending job and return it.
+        """Add a pending job (waiting, behind an earlier job of its `lock`) and return it.
 
         Enqueueing an `idempotency_key` that already exists returns the first job and creates
         nothing. `run_at` is a datetime, or a delay (seconds or `timedelta`) from the database
-        clock; None means now. Raises `InvalidPayload` (and writes nothing) if `payload` is not
+        clock; None means now. Jobs sharing a `lock` run one at a time, in enqueue order; by
+        default (`LOCK_BY_PAYMENT`) a job with a `payment_id` is locked by its payment, and
+        `lock=""` opts it out. Raises `InvalidPayload` (and writes nothing) if `payload` is not
         JSON.
         """
         fields = _job_fields(kind, payload, payment_id, run_at, priority, max_attempts)
+        fields["lock"] = _lock(lock, fields["payment_id"])
         if idempotency_key is not None:
             check_text(idempotency_key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
+            fields["idempotency_key"] = idempotency_key
         with transaction.atomic(using=self.db):
             if idempotency_key is None:
-                job = self.create(**fields)
+                job = self._insert(fields)
             else:
                 # The unique index decides between racing enqueues of one key, not a prior read:
                 # the loser's INSERT fails inside its savepoint and it returns the winner's row.
                 try:
                     with transaction.atomic(using=self.db):
-                        job = self.create(idempotency_key=idempotency_key, **fields)
+                        job = self._insert(fields)
                 except IntegrityError:
                     existing = self.filter(idempotency_key=idempotency_key).first()
                     if existing is None:
@@ -67,6 +73,9 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
                     return existing
             self._notify(kind)
         return job
+
+    def _insert(self, fields: dict[str, Any]) -> PaymentJob:
+        return self._enqueue_locked(fields) if fields["lock"] else self.create(**fields)
 
     def _notify(self, kind: str) -> None:
         # NOTIFY is transactional on PostgreSQL: listeners hear it when the enqueue commits.
@@ -79,6 +88,15 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
 def notify_channel(model: type[models.Model]) -> str:
     """Return the LISTEN/NOTIFY channel on which enqueues of `model` are announced."""
     return f"django_leases_{model._meta.db_table}"[:63]
+
+
+def _lock(lock: str | None, payment_id: str) -> str:
+    """Return the lock of a new job: `lock` as given, or by default its payment's."""
+    if lock is not None:
+        return check_text(lock, "lock", LOCK_LENGTH, blank=True)
+    if payment_id and leases_settings.LOCK_BY_PAYMENT:
+        return f"payment:{payment_id}"
+    return ""
 
 
 def _job_fields(

@@ -143,15 +143,17 @@ def complete(
     processing: str,
     completed: str,
 ) -> tuple[str, Params]:
-    """Return the holder's completion: the job's conditional UPDATE and the closing of its ledger
-    row in one statement (a data-modifying CTE), so one round trip and no transaction block. The
-    ledger row is closed only if the job's UPDATE won; the statement returns how many did."""
+    """Return the holder's completion of a job without a lock: the job's conditional UPDATE and
+    the closing of its ledger row in one statement (a data-modifying CTE), so one round trip and
+    no transaction block. The ledger row is closed only if the job's UPDATE won; the statement
+    returns how many did. A job of a lock is left alone (0): passing its lock on needs a later
+    statement of the same transaction, whose snapshot sees the jobs enqueued behind it."""
     sql = f"""
         WITH done AS (
             UPDATE {table}
             SET status = %(completed)s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
             WHERE id = %(pk)s AND status = %(processing)s AND lease_owner = %(owner)s
-              AND lease_token = %(token)s
+              AND lease_token = %(token)s AND "lock" = ''
             RETURNING id, lease_token, checkpoint
         ), closed AS (
             UPDATE {ledger.table} AS a
