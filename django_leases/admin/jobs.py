@@ -11,6 +11,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
@@ -18,7 +19,7 @@ from django.utils.translation import gettext_lazy as _
 from django_leases import stats
 from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
 from django_leases.admin.display import EMPTY, human_duration, short_text
-from django_leases.admin.filters import KindFilter, LeaseStateFilter, StatusFilter
+from django_leases.admin.filters import KindFilter, LeaseStateFilter, LockFilter, StatusFilter
 from django_leases.admin.ledger import AttemptInline
 from django_leases.admin.mixins import IndexedSearchMixin
 from django_leases.admin.overview import OverviewMixin
@@ -27,7 +28,16 @@ from django_leases.exceptions import InvalidArgument, InvalidPayload
 from django_leases.limits import PRIORITY, check_int, check_json
 from django_leases.models import PaymentJob
 from django_leases.querysets import LeaseQuerySet
-from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW, JobStatus, Verdict
+from django_leases.status import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    PENDING,
+    REVIEW,
+    WAITING,
+    JobStatus,
+    Verdict,
+)
 
 LEASE_FIELDS = (
     "status",
@@ -84,13 +94,14 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         "lease",
         "kind",
         "payment_id",
+        "lock_state",
         "owner",
         "attempts_of_max",
         "heartbeat",
         "last_error_short",
     )
     list_display_links = ("id", "kind")
-    list_filter = (LeaseStateFilter, StatusFilter, KindFilter)
+    list_filter = (LeaseStateFilter, StatusFilter, LockFilter, KindFilter)
     search_help_text = _(
         "An exact payment id or idempotency key, or the start of the owner of a processing job."
     )
@@ -101,9 +112,30 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     show_full_result_count = False
     inlines = (AttemptInline,)
     form = PaymentJobForm
-    readonly_fields = ("kind", "payment_id", "idempotency_key", *LEASE_FIELDS, "lease", "heartbeat")
+    readonly_fields = (
+        "kind",
+        "payment_id",
+        "idempotency_key",
+        "lock",
+        "lock_state",
+        *LEASE_FIELDS,
+        "lease",
+        "heartbeat",
+    )
     fieldsets = (
-        (None, {"fields": ("kind", "payment_id", "idempotency_key", "priority", "payload")}),
+        (
+            None,
+            {
+                "fields": (
+                    "kind",
+                    "payment_id",
+                    "idempotency_key",
+                    ("lock", "lock_state"),
+                    "priority",
+                    "payload",
+                )
+            },
+        ),
         (
             _("Lease"),
             {
@@ -136,7 +168,7 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         jobs = cast(LeaseQuerySet[Any], super().get_queryset(request))
-        return stats.with_lease_clock(jobs)
+        return stats.with_lock_holder(stats.with_lease_clock(jobs))
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # jobs are added with PaymentJob.objects.enqueue()
@@ -241,6 +273,29 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
             when,
         )
 
+    @admin.display(description=_("lock"), ordering="lock")
+    def lock_state(self, job: PaymentJob) -> str:
+        if job.status == JobStatus.WAITING:
+            holder = getattr(job, "waiting_for", None)
+            if holder is None:
+                return gettext("waiting for its lock")
+            url = reverse(
+                f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
+                args=[holder],
+                current_app=self.admin_site.name,
+            )
+            return format_html(
+                '<span class="dl-badge dl-waiting" title="{}">{}</span>',
+                job.lock,
+                format_html(
+                    gettext("waiting for job {} (same lock)"),
+                    format_html('<a href="{}">#{}</a>', url, holder),
+                ),
+            )
+        if job.lock_holder:
+            return format_html('<span title="{}">{}</span>', gettext("holds its lock"), job.lock)
+        return job.lock or EMPTY
+
     @admin.display(description=_("last heartbeat"), ordering="-heartbeat_at")
     def heartbeat(self, job: PaymentJob) -> str:
         age: timedelta | None = getattr(job, "heartbeat_age", None)
@@ -266,13 +321,13 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         _("Requeue now"),
         lambda jobs, by: jobs.requeue(by=by),
         lambda n: ngettext("%d job requeued", "%d jobs requeued", n) % n,
-        {stats.LIVE_LEASE: Skip.LIVE, COMPLETED: Skip.NEVER_REQUEUED},
+        {stats.LIVE_LEASE: Skip.LIVE, COMPLETED: Skip.NEVER_REQUEUED, WAITING: Skip.WAITING},
     )
     force_requeue = operator_action(
         _("Force requeue — takes a live lease, fencing out its holder"),
         lambda jobs, by: jobs.requeue(force=True, by=by),
         lambda n: ngettext("%d job requeued by force", "%d jobs requeued by force", n) % n,
-        {COMPLETED: Skip.NEVER_REQUEUED},
+        {COMPLETED: Skip.NEVER_REQUEUED, WAITING: Skip.WAITING},
     )
     release_stuck = operator_action(
         _("Release stuck lease (back to pending)"),
@@ -293,10 +348,10 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         },
     )
     cancel = operator_action(
-        _("Cancel (pending jobs only)"),
+        _("Cancel (pending or waiting jobs only)"),
         lambda jobs, by: jobs.cancel(by=by),
         lambda n: ngettext("%d job cancelled", "%d jobs cancelled", n) % n,
-        skip_all_but([PENDING], Skip.NOT_PENDING),
+        skip_all_but([PENDING, WAITING], Skip.NOT_PENDING),
     )
     resolve_review_completed = operator_action(
         _("Resolve review: completed"),

@@ -59,13 +59,13 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
             fields["idempotency_key"] = idempotency_key
         with transaction.atomic(using=self.db):
             if idempotency_key is None:
-                job = self._insert(fields)
+                job = self._add_job(fields)
             else:
                 # The unique index decides between racing enqueues of one key, not a prior read:
                 # the loser's INSERT fails inside its savepoint and it returns the winner's row.
                 try:
                     with transaction.atomic(using=self.db):
-                        job = self._insert(fields)
+                        job = self._add_job(fields)
                 except IntegrityError:
                     existing = self.filter(idempotency_key=idempotency_key).first()
                     if existing is None:
@@ -74,7 +74,7 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
             self._notify(kind)
         return job
 
-    def _insert(self, fields: dict[str, Any]) -> PaymentJob:
+    def _add_job(self, fields: dict[str, Any]) -> PaymentJob:
         return self._enqueue_locked(fields) if fields["lock"] else self.create(**fields)
 
     def _notify(self, kind: str) -> None:
