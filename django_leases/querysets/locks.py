@@ -37,27 +37,33 @@ class LockOrder(Pruning[J]):
         """Jobs that hold their lock: next in line, running or under review."""
         return self.filter(lock_holder__isnull=False)
 
+    def _table_jobs(self) -> LockOrder[J]:
+        """All jobs of the table on this database: a lock spans every job, whatever the
+        selection an operator action or a transition was called on."""
+        return type(self)(self.model, using=self.db)
+
     def _enqueue_locked(self, fields: dict[str, Any]) -> J:
         """Insert a job of the lock `fields["lock"]`: pending if the lock is free, else waiting.
 
         Runs inside the enqueue's transaction.
         """
         lock = fields["lock"]
+        jobs = self._table_jobs()
         for _ in range(ENQUEUE_ROUNDS):
             # Row-lock the holder until we commit. Its finishing UPDATE then waits for our
             # commit, and its passing on of the lock (a later statement, with a later
             # snapshot) sees our job. A holder that is finishing right now makes us wait for
             # it; we then find the job it passed the lock to, or none.
-            holder = self.select_for_update().filter(lock_holder=lock).values_list("pk")[:1]
+            holder = jobs.select_for_update().filter(lock_holder=lock).values_list("pk")[:1]
             if list(holder):
-                return self.create(status=WAITING, **fields)
+                return jobs.create(status=WAITING, **fields)
             try:
                 # No holder: take the lock. The unique index decides between two enqueues
                 # that both found none; the loser goes round again and waits behind the winner.
                 with transaction.atomic(using=self.db):
-                    return self.create(status=PENDING, lock_holder=lock, **fields)
+                    return jobs.create(status=PENDING, lock_holder=lock, **fields)
             except IntegrityError:
-                if not self.filter(lock_holder=lock).exists():
+                if not jobs.filter(lock_holder=lock).exists():
                     raise  # another unique field (the idempotency key) refused the row
         raise IntegrityError(f"lock {lock!r}: no turn taken after {ENQUEUE_ROUNDS} rounds")
 
@@ -69,25 +75,26 @@ class LockOrder(Pruning[J]):
         left waiting unseen. `contested`: the lock may have been taken meanwhile (an operator
         requeued a finished job of a busy lock), so a unique conflict only means it is held.
         """
+        jobs = self._table_jobs()
         lock = (
-            self.filter(pk=pk, lock_holder__isnull=True)
+            jobs.filter(pk=pk, lock_holder__isnull=True)
             .exclude(lock="")
             .values_list("lock", flat=True)
             .first()
         )
-        if lock is None or (contested and self.filter(lock_holder=lock).exists()):
+        if lock is None or (contested and jobs.filter(lock_holder=lock).exists()):
             return
         # FOR UPDATE: a waiting job cancelled meanwhile is re-checked and skipped, never
         # promoted from a stale read. Lowest id first: enqueue order.
         first = list(
-            self.select_for_update()
+            jobs.select_for_update()
             .filter(status=WAITING, lock=lock)
             .order_by("pk")
             .values_list("pk", flat=True)[:1]
         )
         if not first:
             return
-        promote = self.filter(pk=first[0], status=WAITING)
+        promote = jobs.filter(pk=first[0], status=WAITING)
         if not contested:
             promote.update(status=PENDING, lock_holder=F("lock"))
             return

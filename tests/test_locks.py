@@ -1,0 +1,273 @@
+"""Job locks: one job of a lock at a time, in enqueue order, enforced by the database.
+
+The unit tests drive each transition through the queryset API on one connection; the process
+tests race real `run_lease_worker` processes (and kill them) over locked jobs, on whichever
+database DATABASE_URL names.
+"""
+
+import os
+import random
+import signal
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.db.models.functions import Now
+
+from django_leases.exceptions import InvalidArgument
+from django_leases.models import JobAttempt, PaymentJob
+from tests.testapp.models import LockRun
+
+from .conftest import Processes, wait_for
+
+Status = PaymentJob.Status
+LOCK = "payment:42"
+
+
+def statuses(*jobs: PaymentJob) -> list[str]:
+    return [PaymentJob.objects.get(pk=job.pk).status for job in jobs]
+
+
+def claim(pk: int, owner: str = "w") -> PaymentJob:
+    job = PaymentJob.objects.claim_job(pk, owner, ttl=60)
+    assert job is not None
+    return job
+
+
+def expire(job: PaymentJob) -> PaymentJob:
+    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=5))
+    return PaymentJob.objects.get(pk=job.pk)
+
+
+# ---- enqueue -----------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_enqueue__first_job_of_a_lock_is_pending_the_later_ones_wait() -> None:
+    first, second, third = (PaymentJob.objects.enqueue("noop", lock=LOCK) for _ in range(3))
+    other = PaymentJob.objects.enqueue("noop", lock="payment:43")
+    free = PaymentJob.objects.enqueue("noop")
+    assert statuses(first, second, third, other, free) == [
+        Status.PENDING,
+        Status.WAITING,
+        Status.WAITING,
+        Status.PENDING,
+        Status.PENDING,
+    ]
+    assert list(PaymentJob.objects.lock_holders().values_list("pk", "lock_holder")) == [
+        (first.pk, LOCK),
+        (other.pk, "payment:43"),
+    ]
+    assert free.lock == "" and PaymentJob.objects.get(pk=free.pk).lock_holder is None
+
+
+@pytest.mark.django_db
+def test_enqueue__locks_by_payment_by_default(settings: Any) -> None:
+    capture = PaymentJob.objects.enqueue("capture", payment_id="pay_1")
+    refund = PaymentJob.objects.enqueue("refund", payment_id="pay_1")
+    opted_out = PaymentJob.objects.enqueue("webhook", payment_id="pay_1", lock="")
+    named = PaymentJob.objects.enqueue("refund", payment_id="pay_1", lock="merchant:7")
+    assert [capture.lock, refund.lock, opted_out.lock, named.lock] == [
+        "payment:pay_1",
+        "payment:pay_1",
+        "",
+        "merchant:7",
+    ]
+    assert statuses(capture, refund, opted_out, named) == [
+        Status.PENDING,
+        Status.WAITING,
+        Status.PENDING,
+        Status.PENDING,
+    ]
+    settings.DJANGO_LEASES = {"LOCK_BY_PAYMENT": False}
+    assert PaymentJob.objects.enqueue("refund", payment_id="pay_1").lock == ""
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("lock", "message"),
+    [
+        (42, "lock must be a string of at most 255 characters, got 42"),
+        ("x" * 256, "lock must be a string of at most 255 characters"),
+        ("pay\x00ment", "lock contains a NUL character"),
+    ],
+)
+def test_enqueue__bad_lock_names_the_argument_and_writes_nothing(lock: Any, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        PaymentJob.objects.enqueue("noop", lock=lock)
+    assert not PaymentJob.objects.exists()
+
+
+@pytest.mark.django_db
+def test_enqueue__idempotency_key_of_a_locked_job_returns_the_first() -> None:
+    first = PaymentJob.objects.enqueue("capture", payment_id="p", idempotency_key="k")
+    again = PaymentJob.objects.enqueue("capture", payment_id="p", idempotency_key="k")
+    behind = PaymentJob.objects.enqueue("refund", payment_id="p", idempotency_key="k2")
+    again_behind = PaymentJob.objects.enqueue("refund", payment_id="p", idempotency_key="k2")
+    assert (again.pk, again_behind.pk) == (first.pk, behind.pk)
+    assert PaymentJob.objects.count() == 2
+    assert statuses(first, behind) == [Status.PENDING, Status.WAITING]
+
+
+# ---- the database enforces it ------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_database__refuses_a_second_job_of_a_lock_in_progress() -> None:
+    first = PaymentJob.objects.enqueue("noop", lock=LOCK)
+    second = PaymentJob.objects.enqueue("noop", lock=LOCK)
+    claim(first.pk)
+    running = {"status": Status.PROCESSING, "lease_owner": "rogue", "lease_until": Now()}
+    # Whatever a buggy or hostile writer does, a second job of the lock cannot be processing:
+    # without the lock (check constraint) or with it (unique index).
+    for values in (running, {**running, "lock_holder": F("lock")}):
+        with pytest.raises(IntegrityError), transaction.atomic():
+            PaymentJob.objects.filter(pk=second.pk).update(**values)
+    # Nor can a job hold a lock that is not its own, or hold one while finished.
+    for values in (
+        {"lock_holder": "payment:other"},
+        {"status": Status.COMPLETED, "completed_at": Now()},
+    ):
+        with pytest.raises(IntegrityError), transaction.atomic():
+            PaymentJob.objects.filter(pk=first.pk).update(**values)
+    assert statuses(first, second) == [Status.PROCESSING, Status.WAITING]
+
+
+@pytest.mark.django_db
+def test_claim__takes_only_the_first_job_of_each_lock() -> None:
+    jobs = [PaymentJob.objects.enqueue("noop", lock=f"l{i % 2}") for i in range(6)]
+    claimed = PaymentJob.objects.claim("w", ttl=60, limit=10)
+    assert sorted(job.pk for job in claimed) == [jobs[0].pk, jobs[1].pk]
+    assert PaymentJob.objects.claim("w", ttl=60, limit=10) == []
+
+
+# ---- the lock passes on when its holder finishes, and only then -------------------------------
+
+
+@pytest.mark.django_db
+def test_complete__passes_the_lock_to_the_next_job_in_enqueue_order() -> None:
+    first, second, third = (PaymentJob.objects.enqueue("noop", lock=LOCK) for _ in range(3))
+    PaymentJob.objects.enqueue("noop", lock="other")
+    job = claim(first.pk)
+    PaymentJob.objects.complete(job.pk, "w", job.lease_token)
+    assert statuses(first, second, third) == [Status.COMPLETED, Status.PENDING, Status.WAITING]
+    assert PaymentJob.objects.get(pk=first.pk).lock_holder is None
+    job = claim(second.pk)
+    PaymentJob.objects.complete(job.pk, "w", job.lease_token, result={"ok": True})
+    assert statuses(second, third) == [Status.COMPLETED, Status.PENDING]
+    assert JobAttempt.objects.get(job_ref=second.pk).outcome == "completed"
+
+
+@pytest.mark.django_db
+def test_fail__a_retry_keeps_the_lock_the_last_failure_passes_it() -> None:
+    first = PaymentJob.objects.enqueue("boom", lock=LOCK, max_attempts=2)
+    second = PaymentJob.objects.enqueue("noop", lock=LOCK)
+    job = claim(first.pk)
+    assert PaymentJob.objects.fail(job.pk, "w", job.lease_token, "psp 502") == Status.PENDING
+    assert statuses(first, second) == [Status.PENDING, Status.WAITING]
+    job = claim(first.pk)
+    assert PaymentJob.objects.fail(job.pk, "w", job.lease_token, "psp 502") == Status.FAILED
+    assert statuses(first, second) == [Status.FAILED, Status.PENDING]
+
+
+@pytest.mark.django_db
+def test_time_out__passes_the_lock_only_when_the_job_fails() -> None:
+    first = PaymentJob.objects.enqueue("hangs", lock=LOCK, max_attempts=2)
+    second = PaymentJob.objects.enqueue("noop", lock=LOCK)
+    job = claim(first.pk)
+    PaymentJob.objects.time_out(job.pk, "w", job.lease_token, retry_in=None, reason="too slow")
+    assert statuses(first, second) == [Status.PENDING, Status.WAITING]
+    job = claim(first.pk)
+    PaymentJob.objects.time_out(job.pk, "w", job.lease_token, retry_in=None, reason="too slow")
+    assert statuses(first, second) == [Status.FAILED, Status.PENDING]
+
+
+@pytest.mark.django_db
+def test_takeover_and_rescue__keep_the_lock_and_the_order() -> None:
+    first = PaymentJob.objects.enqueue("noop", lock=LOCK)
+    second = PaymentJob.objects.enqueue("noop", lock=LOCK)
+    claim(first.pk, "dead")
+    expire(first)
+    # An expired lease keeps the lock: the takeover claims the first job, never the second.
+    (taken,) = PaymentJob.objects.claim("heir", ttl=60, limit=5)
+    assert taken.pk == first.pk
+    assert statuses(first, second) == [Status.PROCESSING, Status.WAITING]
+    # A rescue back to pending keeps it too: the first job runs again before the second.
+    assert PaymentJob.objects.rescue(expire(first), "retry", by="watcher")
+    assert statuses(first, second) == [Status.PENDING, Status.WAITING]
+    claim(first.pk, "heir")
+    # A rescue that fails the job passes the lock on.
+    assert PaymentJob.objects.rescue(expire(first), "failed", by="watcher", reason="no attempts")
+    assert statuses(first, second) == [Status.FAILED, Status.PENDING]
+
+
+@pytest.mark.django_db
+def test_review__holds_the_lock_until_the_verdict() -> None:
+    capture = PaymentJob.objects.enqueue("capture", payment_id="pay_7")
+    refund = PaymentJob.objects.enqueue("refund", payment_id="pay_7")
+    claim(capture.pk)
+    assert PaymentJob.objects.rescue(expire(capture), "review", by="watcher")
+    assert PaymentJob.objects.claim("w", ttl=60, limit=5) == []
+    assert statuses(capture, refund) == [Status.REVIEW, Status.WAITING]
+    # A retry verdict keeps the lock with the capture; completing it passes it on.
+    assert PaymentJob.objects.filter(pk=capture.pk).resolve_review("retry") == 1
+    assert statuses(capture, refund) == [Status.PENDING, Status.WAITING]
+    claim(capture.pk)
+    assert PaymentJob.objects.rescue(expire(capture), "review", by="watcher")
+    assert PaymentJob.objects.filter(pk=capture.pk).resolve_review("completed") == 1
+    assert statuses(capture, refund) == [Status.COMPLETED, Status.PENDING]
+
+
+# ---- operator actions keep the order ----------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_cancel__a_waiting_job_leaves_the_lock_a_pending_holder_passes_it() -> None:
+    first, second, third = (PaymentJob.objects.enqueue("noop", lock=LOCK) for _ in range(3))
+    assert PaymentJob.objects.filter(pk=second.pk).cancel() == 1
+    assert statuses(first, second, third) == [Status.PENDING, Status.CANCELLED, Status.WAITING]
+    assert PaymentJob.objects.filter(pk=first.pk).cancel() == 1
+    assert statuses(first, third) == [Status.CANCELLED, Status.PENDING]
+
+
+@pytest.mark.django_db
+def test_mark_failed__passes_the_lock_of_a_holder() -> None:
+    first, second = (PaymentJob.objects.enqueue("noop", lock=LOCK) for _ in range(2))
+    claim(first.pk)
+    expire(first)
+    assert PaymentJob.objects.filter(pk=first.pk).mark_failed(reason="gave up") == 1
+    assert statuses(first, second) == [Status.FAILED, Status.PENDING]
+
+
+@pytest.mark.django_db
+def test_requeue__a_finished_job_rejoins_its_lock_in_enqueue_order() -> None:
+    jobs = [PaymentJob.objects.enqueue("noop", lock=LOCK) for _ in range(4)]
+    job = claim(jobs[0].pk)
+    PaymentJob.objects.fail(job.pk, "w", job.lease_token, "declined", permanent=True)
+    job = claim(jobs[1].pk)  # the second job runs now; the third and fourth wait
+    # Requeued while its lock is busy: the failed first job waits, ahead of the later ones.
+    assert PaymentJob.objects.filter(pk=jobs[0].pk).requeue() == 1
+    assert statuses(*jobs) == [Status.WAITING, Status.PROCESSING, Status.WAITING, Status.WAITING]
+    PaymentJob.objects.complete(job.pk, "w", job.lease_token)
+    assert statuses(*jobs) == [Status.PENDING, Status.COMPLETED, Status.WAITING, Status.WAITING]
+    job = claim(jobs[0].pk)
+    PaymentJob.objects.complete(job.pk, "w", job.lease_token)
+    assert statuses(*jobs[2:]) == [Status.PENDING, Status.WAITING]
+    # A requeue of the holder keeps the lock with it.
+    assert PaymentJob.objects.filter(pk=jobs[2].pk).requeue() == 1
+    assert statuses(*jobs[2:]) == [Status.PENDING, Status.WAITING]
+    # Cancelled, then requeued while the fourth job holds the lock: it waits for that one.
+    assert PaymentJob.objects.filter(pk=jobs[2].pk).cancel() == 1
+    assert PaymentJob.objects.filter(pk=jobs[2].pk).requeue() == 1
+    assert statuses(*jobs[2:]) == [Status.WAITING, Status.PENDING]
+    job = claim(jobs[3].pk)
+    PaymentJob.objects.complete(job.pk, "w", job.lease_token)
+    assert statuses(*jobs[2:]) == [Status.PENDING, Status.COMPLETED]
+    # Requeued while its lock is free: pending at once.
+    job = claim(jobs[2].pk)
+    PaymentJob.objects.fail(job.pk, "w", job.lease_token, "declined", permanent=True)
+    assert PaymentJob.objects.filter(pk=jobs[2].pk).requeue() == 1
+    assert statuses(jobs[2]) == [Status.PENDING]
+    assert PaymentJob.objects.get(pk=jobs[2].pk).lock_holder == LOCK
