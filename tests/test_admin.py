@@ -730,7 +730,9 @@ def test_overview__counts_and_lists(admin_client: Client, jobs: dict[str, Paymen
 
     html = response.content.decode()
     assert re.search(r'id="dl-stuck" href="[^"]+\?lease=stuck">\s*<span class="dl-value">1<', html)
-    assert re.search(r'id="dl-blocked" href="[^"]+\?locked=blocked">\s*<span class="dl-value">1<', html)
+    assert re.search(
+        r'id="dl-blocked" href="[^"]+\?locked=blocked">\s*<span class="dl-value">1<', html
+    )
     assert re.search(r'id="dl-oldest"[^>]*>\s*<span class="dl-value">3 min \d+ s<', html)
     assert html.count('<rect class="dl-bar-hover"') == 60
     assert html.count('<rect class="dl-bar-completed"') == 1

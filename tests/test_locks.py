@@ -20,7 +20,7 @@ from django_leases.exceptions import InvalidArgument
 from django_leases.models import JobAttempt, PaymentJob
 from tests.testapp.models import LockRun
 
-from .conftest import Processes, wait_for
+from .conftest import Processes, subprocess_env, wait_for
 
 Status = PaymentJob.Status
 LOCK = "payment:42"
@@ -271,3 +271,151 @@ def test_requeue__a_finished_job_rejoins_its_lock_in_enqueue_order() -> None:
     assert PaymentJob.objects.filter(pk=jobs[2].pk).requeue() == 1
     assert statuses(jobs[2]) == [Status.PENDING]
     assert PaymentJob.objects.get(pk=jobs[2].pk).lock_holder == LOCK
+
+
+# ---- real workers racing over locked jobs ------------------------------------------------------
+
+FAST = ("--poll-interval", "0.1")
+
+
+def worker(processes: Processes, name: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    return processes.manage(
+        "run_lease_worker", "--worker-id", name, *FAST, *args, "-v", "2", env=env
+    )
+
+
+def all_finished(jobs: list[PaymentJob]) -> bool:
+    pks = [job.pk for job in jobs]
+    return PaymentJob.objects.filter(pk__in=pks, status=Status.COMPLETED).count() == len(pks)
+
+
+def runs_of(lock: str) -> list[LockRun]:
+    return list(LockRun.objects.filter(lock=lock).order_by("started_at", "pk"))
+
+
+def assert_one_at_a_time_in_order(lock: str, jobs: list[PaymentJob]) -> list[LockRun]:
+    """Each run of `lock` started after the one before it finished, in enqueue (id) order."""
+    runs = runs_of(lock)
+    assert [run.job_ref for run in runs] == sorted(job.pk for job in jobs), lock
+    for before, after in zip(runs, runs[1:], strict=False):
+        assert before.finished_at is not None, (lock, before.job_ref)
+        assert after.started_at >= before.finished_at, (lock, before.job_ref, after.job_ref)
+    return runs
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_workers__run_each_lock_one_at_a_time_in_enqueue_order(processes: Processes) -> None:
+    rng = random.Random(7)
+    locks = [f"payment:{n}" for n in range(6)]
+    jobs: dict[str, list[PaymentJob]] = {lock: [] for lock in locks}
+    for i in range(48):  # interleaved: lock 0, 1, ..., 5, 0, 1, ...
+        lock = locks[i % len(locks)]
+        seconds = rng.uniform(0.05, 0.15)
+        jobs[lock].append(
+            PaymentJob.objects.enqueue("locked_step", {"seconds": seconds}, lock=lock)
+        )
+    everything = [job for batch in jobs.values() for job in batch]
+    for n in range(4):
+        worker(processes, f"racer-{n}", "--ttl", "30", "--heartbeat", "5")
+
+    wait_for(lambda: all_finished(everything), timeout=120)
+
+    assert LockRun.objects.count() == 48  # each job ran once
+    for lock in locks:
+        assert_one_at_a_time_in_order(lock, jobs[lock])
+    assert JobAttempt.objects.filter(outcome="completed").count() == 48
+    # Four workers really raced: more than one of them ran jobs.
+    owners = set(PaymentJob.objects.values_list("lease_owner", flat=True))
+    assert len(owners) > 1, owners
+
+
+def kill_the_holder(processes: Processes, *args: str) -> tuple[PaymentJob, PaymentJob]:
+    """Enqueue two jobs of LOCK; SIGKILL the worker running the first (for 60 s) mid-run."""
+    first = PaymentJob.objects.enqueue("locked_step", {"durations": [60, 0.05]}, lock=LOCK)
+    second = PaymentJob.objects.enqueue("locked_step", {"seconds": 0.05}, lock=LOCK)
+    victim = worker(processes, "victim", *args)
+    wait_for(lambda: LockRun.objects.filter(job_ref=first.pk).exists())
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+    return first, second
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_workers__a_killed_holder_keeps_its_lock_until_taken_over(processes: Processes) -> None:
+    first, second = kill_the_holder(processes, "--ttl", "2", "--heartbeat", "0.5")
+    assert statuses(first, second) == [Status.PROCESSING, Status.WAITING]
+
+    worker(processes, "heir", "--ttl", "2", "--heartbeat", "0.5")
+    wait_for(lambda: all_finished([first, second]), timeout=60)
+
+    lost, rerun = JobAttempt.objects.filter(job_ref=first.pk).order_by("token")
+    (after,) = JobAttempt.objects.filter(job_ref=second.pk)
+    assert (lost.owner, lost.outcome, rerun.owner, rerun.outcome) == (
+        "victim",
+        "lease_lost",
+        "heir",
+        "completed",
+    )
+    # The second job was claimed only after the takeover, and after the first job's rerun.
+    assert after.claimed_at >= lost.ended_at
+    assert after.claimed_at >= rerun.ended_at
+    killed, again, next_run = runs_of(LOCK)
+    assert (killed.job_ref, killed.finished_at) == (first.pk, None)
+    assert (again.job_ref, next_run.job_ref) == (first.pk, second.pk)
+    assert next_run.started_at >= again.finished_at
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_workers__a_rescued_holder_runs_again_before_the_next_job(processes: Processes) -> None:
+    first, second = kill_the_holder(processes, "--ttl", "1", "--heartbeat", "0.3")
+    wait_for(lambda: PaymentJob.objects.expired().filter(pk=first.pk).exists())
+
+    watcher = processes.manage("watch_stuck_jobs", "--once")
+    out, _ = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0, out
+    assert statuses(first, second) == [Status.PENDING, Status.WAITING]
+
+    worker(processes, "after-rescue", "--ttl", "5", "--heartbeat", "1")
+    wait_for(lambda: all_finished([first, second]), timeout=60)
+    rescued = JobAttempt.objects.get(job_ref=first.pk, token=1)
+    (after,) = JobAttempt.objects.filter(job_ref=second.pk)
+    assert rescued.outcome == "rescued" and rescued.ended_by.startswith("watcher")
+    assert after.claimed_at >= rescued.ended_at
+    runs = runs_of(LOCK)
+    assert [run.job_ref for run in runs] == [first.pk, first.pk, second.pk]
+    assert runs[2].started_at >= runs[1].finished_at
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_workers__a_capture_under_review_blocks_its_refund_until_the_verdict(
+    processes: Processes,
+) -> None:
+    review = subprocess_env(LEASES_TEST_SETTINGS='{"STUCK_POLICY_BY_KIND": {"risky": "review"}}')
+    capture = PaymentJob.objects.enqueue("risky", {"seconds": 60}, payment_id="pay_9")
+    refund = PaymentJob.objects.enqueue("locked_step", {"seconds": 0.05}, payment_id="pay_9")
+    victim = worker(processes, "victim", "--ttl", "1", "--heartbeat", "0.3", env=review)
+    wait_for(lambda: PaymentJob.objects.filter(pk=capture.pk, checkpoint="psp_called").exists())
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+    # A worker polls throughout: it may neither take the capture over nor run the refund.
+    worker(processes, "bystander", "--ttl", "5", "--heartbeat", "1", env=review)
+    wait_for(lambda: PaymentJob.objects.expired().filter(pk=capture.pk).exists())
+    watcher = processes.manage("watch_stuck_jobs", "--once", env=review)
+    out, _ = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0, out
+    assert statuses(capture, refund) == [Status.REVIEW, Status.WAITING]
+    assert not LockRun.objects.filter(job_ref=refund.pk).exists()
+
+    assert PaymentJob.objects.filter(pk=capture.pk).resolve_review("completed") == 1
+    wait_for(lambda: all_finished([refund]), timeout=60)
+
+    verdict = JobAttempt.objects.get(job_ref=capture.pk)
+    (run,) = LockRun.objects.filter(job_ref=refund.pk)
+    assert (verdict.outcome, verdict.resolution) == ("review", "completed")
+    # The refund started only after the verdict, by the database clock.
+    assert run.started_at >= verdict.resolved_at
+    assert PaymentJob.objects.get(pk=capture.pk).attempts == 1  # the capture never ran twice

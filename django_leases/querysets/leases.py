@@ -277,7 +277,11 @@ class LeaseQuerySet(OperatorActions[J]):
         Raises `LeaseLost` if `owner` no longer holds the job.
         """
         ledger = self._ledger_names() if connections[self.db].vendor == "postgresql" else None
-        if ledger is not None and result is None and self._complete_postgresql(pk, owner, token, ledger):
+        if (
+            ledger is not None
+            and result is None
+            and self._complete_postgresql(pk, owner, token, ledger)
+        ):
             return
         values: dict[str, Any] = {
             "status": COMPLETED,

@@ -143,9 +143,7 @@ class OperatorActions(LockOrder[J]):
         changed = 0
         with transaction.atomic(using=self.db):
             # In id order: requeued jobs of one lock rejoin it in their enqueue order.
-            candidates = list(
-                self.filter(eligible).order_by("pk").values_list("pk", "lease_token")
-            )
+            candidates = list(self.filter(eligible).order_by("pk").values_list("pk", "lease_token"))
             for pk, token in candidates:
                 if self.filter(eligible, pk=pk, lease_token=token).update(**values):
                     changed += 1
