@@ -8,6 +8,7 @@ database DATABASE_URL names.
 import os
 import random
 import signal
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -309,15 +310,18 @@ def test_workers__run_each_lock_one_at_a_time_in_enqueue_order(processes: Proces
     rng = random.Random(7)
     locks = [f"payment:{n}" for n in range(6)]
     jobs: dict[str, list[PaymentJob]] = {lock: [] for lock in locks}
+    for n in range(4):
+        worker(processes, f"racer-{n}", "--ttl", "30", "--heartbeat", "5")
+    # Enqueued while the workers run, so that enqueues race the completions that pass each
+    # lock on: a job left waiting unseen would never complete.
     for i in range(48):  # interleaved: lock 0, 1, ..., 5, 0, 1, ...
         lock = locks[i % len(locks)]
         seconds = rng.uniform(0.05, 0.15)
         jobs[lock].append(
             PaymentJob.objects.enqueue("locked_step", {"seconds": seconds}, lock=lock)
         )
+        time.sleep(rng.uniform(0, 0.03))  # spread the enqueues over the first completions
     everything = [job for batch in jobs.values() for job in batch]
-    for n in range(4):
-        worker(processes, f"racer-{n}", "--ttl", "30", "--heartbeat", "5")
 
     wait_for(lambda: all_finished(everything), timeout=120)
 
