@@ -173,16 +173,17 @@ def settle(churn: bool, index_cleanup: bool) -> None:
         common.analyze(*tables)
 
 
-def capture_claim_sql(owner: str, ttl: float) -> list[tuple[str, list[Any]]]:
+def capture_claim_sql(owner: str, ttl: float) -> list[tuple[str, Any]]:
     """Run one claim() and return the statements it sent (SQL and parameters)."""
     from django.db import connection
 
     from django_leases.models import PaymentJob
 
-    statements: list[tuple[str, list[Any]]] = []
+    statements: list[tuple[str, Any]] = []
 
     def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        statements.append((sql, list(params or [])))
+        # As sent: a list, or a dict for the named parameters of the statements in sql/.
+        statements.append((sql, params))
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(record):
@@ -376,7 +377,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
         "rows MariaDB's ANALYZE says the due-jobs SELECT read."
     )
     for vendor, step in plans.items():
-        print(f"\n{vendor}: the claim statement at {step['size']:,} finished rows:")
+        print(f"\n{vendor}: the claim statement at {step['size']:,} {rows_are}:")
         print(" ".join(step["sql"].split()))
         print(f"\n{vendor}: its plan:\n{step['plan']}")
 
