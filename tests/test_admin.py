@@ -235,6 +235,31 @@ def test_status_filter__returns_jobs_of_that_status(
     assert listed(changelist(admin_client, status=status)) == expected
 
 
+def test_lock_filter__blocked_and_holding(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    holders = {job.pk for job in jobs.values() if job.lock_holder}
+    # Every job of the fixture has a payment, so each live one holds its payment's lock.
+    assert holders == {jobs[n].pk for n in ("pending", "healthy", "near", "stuck", "review")}
+    assert listed(changelist(admin_client, locked="blocked")) == {jobs["waiting"].pk}
+    assert listed(changelist(admin_client, locked="holding")) == holders
+
+
+def test_lock_column__names_the_job_a_waiting_job_waits_for(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    response = changelist(admin_client)
+    holder = jobs["healthy"].pk
+    link = reverse("admin:django_leases_paymentjob_change", args=[holder])
+    waiting = row(response, jobs["waiting"])
+    assert f'waiting for job <a href="{link}">#{holder}</a> (same lock)' in waiting
+    assert 'title="holds its lock">payment:pay_healthy<' in row(response, jobs["healthy"])
+    page = admin_client.get(
+        reverse("admin:django_leases_paymentjob_change", args=[jobs["waiting"].pk])
+    )
+    assert f'<a href="{link}">#{holder}</a>' in page.content.decode()
+
+
 def test_kind_filter__offers_registered_and_live_kinds(
     admin_client: Client, jobs: dict[str, PaymentJob]
 ) -> None:

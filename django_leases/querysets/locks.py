@@ -16,6 +16,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.db.models import F
 
+from django_leases.exceptions import LeaseError
 from django_leases.querysets.ledger import J
 from django_leases.querysets.prune import Pruning
 from django_leases.status import PENDING, WAITING
@@ -65,7 +66,7 @@ class LockOrder(Pruning[J]):
             except IntegrityError:
                 if not jobs.filter(lock_holder=lock).exists():
                     raise  # another unique field (the idempotency key) refused the row
-        raise IntegrityError(f"lock {lock!r}: no turn taken after {ENQUEUE_ROUNDS} rounds")
+        raise LeaseError(f"lock {lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
 
     def _pass_lock(self, pk: int, *, contested: bool = False) -> None:
         """If job `pk` no longer holds its lock, make the lock's first waiting job pending.
