@@ -5,6 +5,7 @@ tests race real `run_lease_worker` processes (and kill them) over locked jobs, o
 database DATABASE_URL names.
 """
 
+import json
 import os
 import random
 import signal
@@ -332,6 +333,43 @@ def test_workers__run_each_lock_one_at_a_time_in_enqueue_order(processes: Proces
     # Four workers really raced: more than one of them ran jobs.
     owners = set(PaymentJob.objects.values_list("lease_owner", flat=True))
     assert len(owners) > 1, owners
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_enqueue__racing_enqueues_and_completions_lose_no_job(processes: Processes) -> None:
+    locks = ["payment:a", "payment:b"]
+    for n in range(3):
+        worker(processes, f"racer-{n}", "--ttl", "30", "--heartbeat", "5")
+    start_at = str(time.time() + 3)  # every enqueuer has started up by then
+    enqueuers = [
+        processes.start(
+            "-m", "tests.enqueuer", "--jobs", "16", "--locks", *locks, "--start-at", start_at
+        )
+        for _ in range(3)
+    ]
+    orders = []
+    for proc in enqueuers:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        orders.append(json.loads(out.strip().splitlines()[-1])["pks"])
+    jobs = list(PaymentJob.objects.filter(pk__in=[pk for order in orders for pk in order]))
+    assert len(jobs) == 48
+
+    wait_for(lambda: all_finished(jobs), timeout=120)
+
+    assert LockRun.objects.count() == 48
+    started = {run.job_ref: run.started_at for run in LockRun.objects.all()}
+    for lock in locks:
+        runs = runs_of(lock)
+        for before, after in zip(runs, runs[1:], strict=False):
+            assert after.started_at >= before.finished_at, (lock, before.job_ref, after.job_ref)
+    # Each process enqueued its jobs one after the other: they ran in that order, per lock.
+    by_pk = {job.pk: job.lock for job in jobs}
+    for order in orders:
+        for lock in locks:
+            mine = [pk for pk in order if by_pk[pk] == lock]
+            assert sorted(mine, key=started.__getitem__) == mine, lock
 
 
 def kill_the_holder(processes: Processes, *args: str) -> tuple[PaymentJob, PaymentJob]:

@@ -445,7 +445,7 @@ class LeaseQuerySet(OperatorActions[J]):
                     raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
                 if outcome is not None:
                     self._close_attempt(pk, token, outcome, by=owner, error=error)
-                if "checkpoint" in values:
+                elif "checkpoint" in values:
                     self._ledger_update({pk: token}, checkpoint=values["checkpoint"])
         except LeaseLost:
             self.record_fenced(pk, token)

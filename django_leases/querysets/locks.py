@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import F
 
 from django_leases.exceptions import LeaseError
 from django_leases.querysets.ledger import J
 from django_leases.querysets.prune import Pruning
+from django_leases.sql import mysql, postgresql, sqlite
 from django_leases.status import PENDING, WAITING
 
 ENQUEUE_ROUNDS = 10
@@ -51,12 +52,11 @@ class LockOrder(Pruning[J]):
         lock = fields["lock"]
         jobs = self._table_jobs()
         for _ in range(ENQUEUE_ROUNDS):
-            # Row-lock the holder until we commit. Its finishing UPDATE then waits for our
-            # commit, and its passing on of the lock (a later statement, with a later
+            # Share-lock the holder's row until we commit. Its finishing UPDATE then waits for
+            # our commit, and its passing on of the lock (a later statement, with a later
             # snapshot) sees our job. A holder that is finishing right now makes us wait for
             # it; we then find the job it passed the lock to, or none.
-            holder = jobs.select_for_update().filter(lock_holder=lock).values_list("pk")[:1]
-            if list(holder):
+            if self._holder_share_locked(lock):
                 return jobs.create(status=WAITING, **fields)
             try:
                 # No holder: take the lock. The unique index decides between two enqueues
@@ -67,6 +67,14 @@ class LockOrder(Pruning[J]):
                 if not jobs.filter(lock_holder=lock).exists():
                     raise  # another unique field (the idempotency key) refused the row
         raise LeaseError(f"lock {lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
+
+    def _holder_share_locked(self, lock: str) -> bool:
+        connection = connections[self.db]
+        vendor = {"postgresql": postgresql, "mysql": mysql}.get(connection.vendor, sqlite)
+        table = connection.ops.quote_name(self.model._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(*vendor.share_lock_holder(table, lock=lock))
+            return cursor.fetchone() is not None
 
     def _pass_lock(self, pk: int, *, contested: bool = False) -> None:
         """If job `pk` no longer holds its lock, make the lock's first waiting job pending.

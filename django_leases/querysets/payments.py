@@ -20,7 +20,7 @@ from django_leases.limits import (
     check_json,
     check_text,
 )
-from django_leases.querysets.base import after
+from django_leases.querysets.base import after, retry_deadlocks
 from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.sql import postgresql as statements
 
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
     """`LeaseQuerySet` plus enqueueing of payment jobs."""
 
+    # InnoDB may pick an enqueue of a locked job as a deadlock victim among the enqueues and
+    # completions of its lock; the whole transaction was rolled back, so it runs again.
+    @retry_deadlocks
     def enqueue(
         self,
         kind: str,

@@ -178,6 +178,16 @@ def complete(
     return sql, params
 
 
+def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
+    """Return the enqueue's read of the job holding `lock`, share-locking its row until commit.
+
+    FOR SHARE, not FOR UPDATE: enqueues of one lock do not wait for each other, while the
+    holder's finishing UPDATE waits for every one of them (tested on 15).
+    """
+    sql = f"SELECT id FROM {table} WHERE lock_holder = %(lock)s FOR SHARE"  # noqa: S608
+    return sql, {"lock": lock}
+
+
 def notify(channel: str, message: str) -> tuple[str, Params]:
     """Return the NOTIFY of an enqueue. NOTIFY is transactional: listeners hear it at commit."""
     return "SELECT pg_notify(%(channel)s, %(message)s)", {"channel": channel, "message": message}
