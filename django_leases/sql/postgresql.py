@@ -1,4 +1,5 @@
-"""PostgreSQL statements: the one-statement claim and completion, and NOTIFY. Tested on 15."""
+"""PostgreSQL statements: the one-statement claim and completion, the enqueue's share lock on a
+lock holder, and NOTIFY. Tested on 15."""
 
 from dataclasses import dataclass
 from typing import Any

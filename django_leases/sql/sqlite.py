@@ -1,4 +1,5 @@
-"""SQLite statements: one pass of the claim. Needs SQLite 3.35+ for RETURNING."""
+"""SQLite statements: one pass of the claim, the enqueue's read of a lock holder. Needs SQLite
+3.35+ for RETURNING."""
 
 from typing import Any
 
