@@ -12,6 +12,11 @@ rows). `--churn` instead inserts them pending and takes them through processing
 to completed with UPDATEs, as workers do, and measures before any vacuum: both partial indexes
 still hold their dead entries (autovacuum is off for the table on PostgreSQL during the run, so
 the state is reproducible).
+
+`--waiting-behind LOCKS` grows a backlog instead: LOCKS jobs with a `lock` each hold it with a
+live lease (processing), and the sizes are jobs waiting behind those busy locks (status
+waiting, spread over the LOCKS locks). Waiting jobs are in no index a claim walks, so the
+claim of the lock-free pending jobs should cost the same with 0 or 100k of them.
 """
 
 from __future__ import annotations
@@ -110,6 +115,46 @@ def load_finished(count: int, churn: bool) -> None:
     manager.filter(pk=template.pk).delete()
 
 
+def hold_locks(locks: int) -> None:
+    """Make `locks` jobs hold a lock each ("bench:0", ...) with a live lease of an hour."""
+    from django_leases.models import PaymentJob
+
+    manager = PaymentJob.objects
+    for i in range(locks):
+        job = manager.enqueue("noop", lock=f"bench:{i}")
+        if manager.claim_job(job.pk, LOADER, ttl=3600) is None:
+            raise RuntimeError(f"could not claim the holder of lock bench:{i}")
+
+
+def load_waiting(count: int, locks: int) -> None:
+    """Add `count` jobs waiting behind the `locks` busy locks, in chunks of CHUNK rows."""
+    from django.db import connection, transaction
+
+    from django_leases.models import PaymentJob
+
+    manager = PaymentJob.objects
+    template = manager.enqueue("noop", lock="bench:0")
+    if template.status != PaymentJob.Status.WAITING:
+        raise RuntimeError("the template job should wait behind bench:0")
+    spread = (
+        "CONCAT('bench:', id %% %s)" if connection.vendor == "mysql" else "'bench:' || (id %% %s)"
+    )
+    for first in range(0, count, CHUNK):
+        prefix, source = _series(connection.vendor, min(CHUNK, count - first))
+        with transaction.atomic():
+            last = manager.order_by("-pk").values_list("pk", flat=True).first() or 0
+            values = {"lease_owner": f"'{LOADER}'", "created_at": LONG_AGO}
+            common.execute(
+                f"{prefix} {_copy_sql(PaymentJob, source, 't.id = %s', values)}", [template.pk]
+            )
+            common.execute(
+                f"UPDATE {common.JOB_TABLE} SET {connection.ops.quote_name('lock')} = {spread} "
+                "WHERE id > %s",
+                [locks, last],
+            )
+    manager.filter(pk=template.pk).delete()
+
+
 def settle(churn: bool, index_cleanup: bool) -> None:
     """Refresh statistics; also VACUUM on PostgreSQL unless the dead rows are the point.
 
@@ -128,16 +173,17 @@ def settle(churn: bool, index_cleanup: bool) -> None:
         common.analyze(*tables)
 
 
-def capture_claim_sql(owner: str, ttl: float) -> list[tuple[str, list[Any]]]:
+def capture_claim_sql(owner: str, ttl: float) -> list[tuple[str, Any]]:
     """Run one claim() and return the statements it sent (SQL and parameters)."""
     from django.db import connection
 
     from django_leases.models import PaymentJob
 
-    statements: list[tuple[str, list[Any]]] = []
+    statements: list[tuple[str, Any]] = []
 
     def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        statements.append((sql, list(params or [])))
+        # As sent: a list, or a dict for the named parameters of the statements in sql/.
+        statements.append((sql, params))
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(record):
@@ -230,8 +276,10 @@ def measure_sizes(
     ttl: float,
     churn: bool,
     index_cleanup: bool,
+    waiting_behind: int = 0,
 ) -> list[dict[str, Any]]:
-    """Grow the table through `sizes` finished jobs; at each size time `claims` claims."""
+    """Grow the table through `sizes` finished jobs (or jobs waiting behind `waiting_behind`
+    busy locks); at each size time `claims` claims."""
     from django.db import connection
 
     from django_leases.models import JobAttempt, PaymentJob
@@ -241,12 +289,17 @@ def measure_sizes(
         common.execute(f"ALTER TABLE {common.JOB_TABLE} SET (autovacuum_enabled = false)")
     owner = common.owner_name("size")
     loaded, steps = 0, []
+    if waiting_behind:
+        hold_locks(waiting_behind)
     for size in sorted(sizes):
         # Drop the jobs of the previous step, so only the loaded finished rows remain.
         JobAttempt.objects.exclude(owner=LOADER).delete()
         PaymentJob.objects.exclude(lease_owner=LOADER).delete()
         common.note(f"  {connection.vendor}: loading {size - loaded} finished jobs ...")
-        load_finished(size - loaded, churn)
+        if waiting_behind:
+            load_waiting(size - loaded, waiting_behind)
+        else:
+            load_finished(size - loaded, churn)
         loaded = size
         common.seed_pending(pending)
         settle(churn, index_cleanup)
@@ -277,12 +330,16 @@ def measure(
         ttl=args.ttl,
         churn=args.churn,
         index_cleanup=args.index_cleanup,
+        waiting_behind=args.waiting_behind,
     )
     return [(db.vendor, step) for step in steps]
 
 
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
-    headers = ["database", "finished rows", "p50 ms", "p95 ms", "p99 ms", "max ms", "empty"]
+    rows_are = (
+        f"waiting behind {args.waiting_behind} locks" if args.waiting_behind else "finished rows"
+    )
+    headers = ["database", rows_are, "p50 ms", "p95 ms", "p99 ms", "max ms", "empty"]
     headers += ["buffers 1st", "buffers", "expired CTE", "due CTE", "explain ms", "rows read"]
     skipped: dict[str, str] = {}
     steps = common.each_database(args, "size", lambda db: measure(args, db, procs), skipped)
@@ -303,9 +360,11 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
     ]
     plans = dict(steps)  # the last, largest size of each database wins
     state = "churned, not vacuumed" if args.churn else "inserted completed, vacuumed or analyzed"
+    if args.waiting_behind:
+        state = f"jobs waiting behind {args.waiting_behind} busy locks"
     state += ", INDEX_CLEANUP ON" if args.index_cleanup and not args.churn else ""
     common.print_table(
-        f"claim(limit=1) against finished rows ({state}); {args.claims} timed claims per size",
+        f"claim(limit=1) against {rows_are} ({state}); {args.claims} timed claims per size",
         headers,
         rows,
     )
@@ -318,7 +377,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
         "rows MariaDB's ANALYZE says the due-jobs SELECT read."
     )
     for vendor, step in plans.items():
-        print(f"\n{vendor}: the claim statement at {step['size']:,} finished rows:")
+        print(f"\n{vendor}: the claim statement at {step['size']:,} {rows_are}:")
         print(" ".join(step["sql"].split()))
         print(f"\n{vendor}: its plan:\n{step['plan']}")
 
@@ -358,6 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         "--index-cleanup",
         action="store_true",
         help="VACUUM (INDEX_CLEANUP ON) instead of a plain VACUUM between sizes (PostgreSQL)",
+    )
+    parser.add_argument(
+        "--waiting-behind",
+        type=int,
+        default=0,
+        metavar="LOCKS",
+        help="grow jobs waiting behind LOCKS busy locks instead of finished jobs (default: off)",
     )
     common.add_common_arguments(parser, databases="postgresql", timeout=1800)
     args = parser.parse_args(argv)

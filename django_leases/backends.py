@@ -56,6 +56,7 @@ else:  # Django 5.2 with the django-tasks backport, which has the same API
 TASK_KIND_PREFIX = "tasks."
 STATUSES = {
     JobStatus.PENDING: TaskResultStatus.READY,
+    JobStatus.WAITING: TaskResultStatus.READY,
     JobStatus.PROCESSING: TaskResultStatus.RUNNING,
     JobStatus.REVIEW: TaskResultStatus.RUNNING,
     JobStatus.COMPLETED: TaskResultStatus.SUCCESSFUL,

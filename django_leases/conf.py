@@ -58,6 +58,9 @@ DEFAULTS: dict[str, Any] = {
     # The job table that run_lease_worker, watch_stuck_jobs, prune_jobs and the Tasks backend
     # work on, as "app_label.ModelName": a concrete subclass of AbstractLeasedJob.
     "JOB_MODEL": "django_leases.PaymentJob",
+    # Whether PaymentJob.objects.enqueue() locks a job with a payment_id by its payment
+    # ("payment:<id>") when no `lock` is given: one job of a payment at a time, in enqueue order.
+    "LOCK_BY_PAYMENT": True,
 }
 
 

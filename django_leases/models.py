@@ -4,7 +4,7 @@ the worker registry."""
 from typing import ClassVar
 
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
@@ -12,7 +12,7 @@ from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet
 from django_leases.querysets.payments import PaymentJobQuerySet
 from django_leases.querysets.workers import WorkerQuerySet
-from django_leases.status import AttemptOutcome, EventAction, JobStatus
+from django_leases.status import LOCK_HOLDING_STATUSES, AttemptOutcome, EventAction, JobStatus
 
 __all__ = [
     "AbstractJobAttempt",
@@ -59,6 +59,25 @@ class AbstractLeasedJob(models.Model):
     result = models.JSONField(
         _("result"), null=True, blank=True, help_text=_("What the handler returned, if it asked.")
     )
+    lock = models.CharField(
+        _("lock"),
+        max_length=255,
+        blank=True,
+        default="",
+        help_text=_("Jobs sharing a lock run one at a time, in enqueue order."),
+    )
+    # Equal to `lock` while this job holds it (LOCK_HOLDING_STATUSES), NULL otherwise: its plain
+    # UNIQUE index lets one job per lock hold it, on every database (MariaDB/MySQL ignore
+    # partial-index conditions, so the lock cannot be a partial unique index on `lock` there).
+    lock_holder = models.CharField(
+        _("holds lock"),
+        max_length=255,
+        null=True,
+        blank=True,
+        unique=True,
+        editable=False,
+        help_text=_("The lock this job holds: next in line, running or under review."),
+    )
     created_at = models.DateTimeField(_("created at"), db_default=Now())
     completed_at = models.DateTimeField(
         _("completed at"),
@@ -104,6 +123,12 @@ def lease_indexes(prefix: str) -> list[models.Index]:
             name=f"{prefix}_lease_idx",
             condition=Q(status=JobStatus.PROCESSING),
         ),
+        # Passing a lock on: the first waiting job of a lock.
+        models.Index(
+            fields=["status", "lock", "id"],
+            name=f"{prefix}_waiting_idx",
+            condition=Q(status=JobStatus.WAITING),
+        ),
     ]
 
 
@@ -120,6 +145,23 @@ def lease_constraints(prefix: str) -> list[models.BaseConstraint]:
             condition=Q(status__in=JobStatus.values), name=f"{prefix}_status_valid"
         ),
         models.CheckConstraint(condition=Q(max_attempts__gte=1), name=f"{prefix}_max_attempts_min"),
+        # With `lock_holder` unique, these two make "one job per lock pending, processing or
+        # under review" a property of the table, whatever a worker does: a job of a lock in
+        # those statuses holds it, and a job holds nothing else.
+        models.CheckConstraint(
+            condition=Q(lock="")
+            | ~Q(status__in=LOCK_HOLDING_STATUSES)
+            | Q(lock_holder__isnull=False, lock_holder=F("lock")),
+            name=f"{prefix}_lock_held_while_active",
+        ),
+        models.CheckConstraint(
+            condition=Q(lock_holder__isnull=True)
+            | (Q(lock_holder=F("lock")) & ~Q(lock="") & Q(status__in=LOCK_HOLDING_STATUSES)),
+            name=f"{prefix}_lock_holder_is_lock",
+        ),
+        models.CheckConstraint(
+            condition=~Q(status=JobStatus.WAITING) | ~Q(lock=""), name=f"{prefix}_waiting_has_lock"
+        ),
     ]
 
 

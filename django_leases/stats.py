@@ -15,12 +15,22 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db.models import Case, Count, DurationField, ExpressionWrapper, F, Min, When
+from django.db.models import (
+    Case,
+    Count,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    Min,
+    OuterRef,
+    Subquery,
+    When,
+)
 from django.db.models.functions import Now, TruncMinute
 
 from django_leases.handlers import registered_kinds
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
-from django_leases.status import COMPLETED, FAILED, PROCESSING, REVIEW
+from django_leases.status import COMPLETED, FAILED, PROCESSING, REVIEW, WAITING
 
 STUCK, NEAR_EXPIRY, HEALTHY = "stuck", "near_expiry", "healthy"
 # The categories of `selection()`: a status, or a processing job split by its lease.
@@ -39,6 +49,13 @@ def with_lease_clock(jobs: LeaseQuerySet[Any]) -> LeaseQuerySet[Any]:
         ),
         heartbeat_age=ExpressionWrapper(Now() - F("heartbeat_at"), output_field=DurationField()),
     )
+
+
+def with_lock_holder(jobs: LeaseQuerySet[Any]) -> LeaseQuerySet[Any]:
+    """Annotate `waiting_for`: for a waiting job, the id of the job that holds its lock (one
+    probe of the lock holder's unique index per row shown)."""
+    holder = jobs.model._base_manager.filter(lock_holder=OuterRef("lock")).values("pk")[:1]
+    return jobs.annotate(waiting_for=Case(When(status=WAITING, then=Subquery(holder))))
 
 
 def with_seen_ago(workers: WorkerQuerySet) -> WorkerQuerySet:
@@ -163,6 +180,10 @@ class Overview:
     @property
     def under_review(self) -> int:
         return self.by_status.get(REVIEW, 0)
+
+    @property
+    def blocked_by_lock(self) -> int:
+        return self.by_status.get(WAITING, 0)
 
 
 def overview(

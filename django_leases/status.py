@@ -21,6 +21,8 @@ class JobStatus(models.TextChoices):
     """The lease expired after a risky checkpoint: an operator or a reconcile hook decides."""
     CANCELLED = "cancelled", _("Cancelled")
     """Cancelled by an operator while pending; never ran to completion."""
+    WAITING = "waiting", _("Waiting for its lock")
+    """Enqueued with a `lock` an earlier job still holds: pending once that job is finished."""
 
 
 class AttemptOutcome(models.TextChoices):
@@ -63,16 +65,20 @@ class StuckPolicy(models.TextChoices):
     REVIEW = "review", _("Review")
 
 
-PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
+PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED, WAITING = (
     JobStatus.PENDING.value,
     JobStatus.PROCESSING.value,
     JobStatus.COMPLETED.value,
     JobStatus.FAILED.value,
     JobStatus.REVIEW.value,
     JobStatus.CANCELLED.value,
+    JobStatus.WAITING.value,
 )
 FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
 """Statuses no transition leaves except an operator's requeue; the ones `prune_jobs` deletes."""
+LOCK_HOLDING_STATUSES = (PENDING, PROCESSING, REVIEW)
+"""Statuses in which a job with a `lock` holds it: the one job of its lock that may run next,
+runs, or waits for a verdict. The lock passes on when the job leaves them for a final status."""
 TIMED_OUT = AttemptOutcome.TIMED_OUT.value
 """The outcome of an attempt still running past its kind's `timeout`."""
 HOLDER_OUTCOMES = (

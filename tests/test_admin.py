@@ -67,6 +67,8 @@ def jobs() -> dict[str, PaymentJob]:
     expire(review.pk)
     assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=review.pk), "review", by="watcher")
     assert PaymentJob.objects.filter(pk=made["cancelled"].pk).cancel() == 1
+    # A refund of the payment whose capture is running waits for it.
+    made["waiting"] = PaymentJob.objects.enqueue("refund", payment_id="pay_healthy")
     for job in made.values():
         job.refresh_from_db()
     return made
@@ -233,18 +235,43 @@ def test_status_filter__returns_jobs_of_that_status(
     assert listed(changelist(admin_client, status=status)) == expected
 
 
+def test_lock_filter__blocked_and_holding(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    holders = {job.pk for job in jobs.values() if job.lock_holder}
+    # Every job of the fixture has a payment, so each live one holds its payment's lock.
+    assert holders == {jobs[n].pk for n in ("pending", "healthy", "near", "stuck", "review")}
+    assert listed(changelist(admin_client, locked="blocked")) == {jobs["waiting"].pk}
+    assert listed(changelist(admin_client, locked="holding")) == holders
+
+
+def test_lock_column__names_the_job_a_waiting_job_waits_for(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    response = changelist(admin_client)
+    holder = jobs["healthy"].pk
+    link = reverse("admin:django_leases_paymentjob_change", args=[holder])
+    waiting = row(response, jobs["waiting"])
+    assert f'waiting for job <a href="{link}">#{holder}</a> (same lock)' in waiting
+    assert 'title="holds its lock">payment:pay_healthy<' in row(response, jobs["healthy"])
+    page = admin_client.get(
+        reverse("admin:django_leases_paymentjob_change", args=[jobs["waiting"].pk])
+    )
+    assert f'<a href="{link}">#{holder}</a>' in page.content.decode()
+
+
 def test_kind_filter__offers_registered_and_live_kinds(
     admin_client: Client, jobs: dict[str, PaymentJob]
 ) -> None:
     PaymentJob.objects.filter(pk=jobs["completed"].pk).update(kind="archived")
     response = changelist(admin_client)
     cl = response.context["cl"]
-    kinds = [choice["display"] for choice in cl.filter_specs[2].choices(cl)]
+    kinds = [choice["display"] for choice in cl.filter_specs[3].choices(cl)]
     # The test app's handlers, and the kinds of pending and processing jobs; not "archived",
     # which only a finished job has (finding it would scan the table).
     assert kinds == ["All", *sorted({*registered_kinds(), "capture", "refund"})]
     assert "noop" in kinds and "archived" not in kinds
-    assert listed(changelist(admin_client, kind="refund")) == {jobs["stuck"].pk}
+    assert listed(changelist(admin_client, kind="refund")) == {jobs["stuck"].pk, jobs["waiting"].pk}
     assert listed(changelist(admin_client, kind="archived")) == {jobs["completed"].pk}
 
 
@@ -393,7 +420,7 @@ def test_mark_failed__never_a_live_lease(admin_client: Client, jobs: dict[str, P
 
 def test_cancel__pending_only(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
     assert act(admin_client, "cancel", jobs["pending"], jobs["stuck"]) == [
-        "1 job cancelled; 1 skipped: only pending jobs can be cancelled"
+        "1 job cancelled; 1 skipped: only pending or waiting jobs can be cancelled"
     ]
     assert PaymentJob.objects.get(pk=jobs["pending"].pk).status == Status.CANCELLED
     assert PaymentJob.objects.get(pk=jobs["stuck"].pk).status == Status.PROCESSING
@@ -757,8 +784,9 @@ def test_overview__counts_and_lists(admin_client: Client, jobs: dict[str, Paymen
         "failed": 1,
         "review": 1,
         "cancelled": 1,
+        "waiting": 1,
     }
-    assert (data.stuck, data.near_expiry, data.under_review) == (1, 1, 1)
+    assert (data.stuck, data.near_expiry, data.under_review, data.blocked_by_lock) == (1, 1, 1, 1)
     assert (data.finished["completed"], data.finished["failed"]) == (1, 1)
     assert data.oldest_due_wait.total_seconds() == pytest.approx(180, abs=5)
     assert [w.worker_id for w in data.workers] == ["worker-a"]
@@ -766,6 +794,9 @@ def test_overview__counts_and_lists(admin_client: Client, jobs: dict[str, Paymen
 
     html = response.content.decode()
     assert re.search(r'id="dl-stuck" href="[^"]+\?lease=stuck">\s*<span class="dl-value">1<', html)
+    assert re.search(
+        r'id="dl-blocked" href="[^"]+\?locked=blocked">\s*<span class="dl-value">1<', html
+    )
     assert re.search(r'id="dl-oldest"[^>]*>\s*<span class="dl-value">3 min \d+ s<', html)
     assert html.count('<rect class="dl-bar-hover"') == 60
     assert html.count('<rect class="dl-bar-completed"') == 1

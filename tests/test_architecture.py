@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "django_leases"
 SQL_TEXT = ("SKIP LOCKED", "RETURNING", "STATEMENT_TIMESTAMP", "make_interval", "STRFTIME",
             "pg_notify")  # fmt: skip
 WORDS = {*JobStatus.values, *AttemptOutcome.values, *StuckPolicy.values, *Verdict.values}
-LEASE_FIELDS = {"lease_owner", "lease_until", "lease_token", "heartbeat_at", "attempts"}
+LEASE_FIELDS = {"lease_owner", "lease_until", "lease_token", "heartbeat_at", "attempts",
+                "lock_holder"}  # fmt: skip
 
 
 def modules(*, outside: tuple[str, ...] = ()) -> list[Path]:

@@ -88,6 +88,8 @@ def test_check_settings__retention_backoff_and_booleans() -> None:
     assert ids(RETENTION={"completed": -1}) == ["django_leases.E007"]
     assert ids(BACKOFF_BASE=10, BACKOFF_MAX=5) == ["django_leases.E008"]
     assert ids(USE_NOTIFY="yes") == ["django_leases.E009"]
+    assert ids(LOCK_BY_PAYMENT="yes") == ["django_leases.E009"]
+    assert ids(LOCK_BY_PAYMENT=False) == []
 
 
 def test_check_settings__messages_carry_hints() -> None:

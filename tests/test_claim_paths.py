@@ -33,7 +33,8 @@ def paths() -> list[ClaimPath]:
 
 
 def generate(seed: int) -> None:
-    """Enqueue a mix of due, future, expired, live and exhausted jobs, some past a checkpoint."""
+    """Enqueue a mix of due, future, expired, live and exhausted jobs, some past a checkpoint,
+    some of them behind an earlier job of their lock (waiting: no path may claim those)."""
     rng = random.Random(seed)
     PaymentJob.objects.enqueue("refund")  # at least one job is due
     for _ in range(rng.randint(5, 25)):
@@ -41,7 +42,10 @@ def generate(seed: int) -> None:
             rng.choice(KINDS),
             priority=rng.choice([0, 0, 1, 5, -1]),
             max_attempts=rng.choice([1, 3, 5]),
+            lock=rng.choice(["", "", "", "payment:a", "payment:b"]),
         )
+        if job.status == PaymentJob.Status.WAITING:
+            continue
         if rng.random() < 0.35:
             held = PaymentJob.objects.claim_job(job.pk, f"old-{job.pk}", ttl=60)
             assert held is not None
@@ -69,7 +73,9 @@ def outcome_of(path: ClaimPath, owner: str, limit: int, kinds: list[str] | None)
                 "job_ref", "attempt", "token", "owner", "outcome", "ended_by"
             )
         )
-        states = sorted(PaymentJob.objects.values_list("pk", "status", "attempts", "lease_token"))
+        states = sorted(
+            PaymentJob.objects.values_list("pk", "status", "attempts", "lease_token", "lock_holder")
+        )
         transaction.set_rollback(True)
     return claimed, rows, states
 
@@ -90,3 +96,5 @@ def test_claim_paths__claim_what_the_orm_path_claims(seed: int, settings: Any) -
         assert kinds or expected[0], "a due job is always claimable"
         for path in paths():
             assert outcome_of(path, "w", limit, kinds) == expected, (path, limit, kinds)
+    waiting = set(PaymentJob.objects.waiting().values_list("pk", flat=True))
+    assert not waiting & {pk for pk, *_ in outcome_of("orm", "w", 50, None)[0]}

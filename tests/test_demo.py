@@ -59,6 +59,7 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
     assert proc.returncode == 0, out
     assert "OK: every payment settled, double charges: 0." in out
     assert summary_count(out, "double charges") == 0
+    assert summary_count(out, "refunds before capture") == 0
     assert "SIGKILL demo-w1" in out
     # The database agrees with the summary.
     jobs = PaymentJob.objects.filter(kind__in=KINDS)
@@ -76,6 +77,17 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
         assert payment.status in {"captured", "declined", "refunded", "expired"} or (
             payment.status == "authorized" and str(payment.pk) in failed
         ), payment
+    # Some payments had their refund enqueued right behind their capture; each refund was
+    # claimed only once its capture had reached its final status (locked by payment).
+    paired = jobs.filter(
+        kind="refund", payment_id__in=jobs.filter(kind="capture").values("payment_id")
+    )
+    assert paired.exists()
+    for refund in paired:
+        capture = jobs.get(kind="capture", payment_id=refund.payment_id)
+        first = JobAttempt.objects.filter(job_ref=refund.pk).order_by("claimed_at").first()
+        assert refund.lock == capture.lock == f"payment:{refund.payment_id}"
+        assert first is not None and first.claimed_at >= capture.completed_at, refund
     # No attempt is left open: the killed worker's were closed by the watcher or a takeover.
     assert not JobAttempt.objects.filter(ended_at__isnull=True).exists()
     assert (

@@ -66,11 +66,11 @@ from django_leases.backoff import retry_delay
 from django_leases.exceptions import LeaseLost
 from django_leases.lease import Lease
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, Worker
+from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, PROCESSING, REVIEW
 from django_leases.watcher import StuckWatcher
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = PaymentJob.Status.values
 FINAL = {COMPLETED, FAILED, CANCELLED}
 # Kinds without handlers here: no reconcile hook resolves their reviews behind the test.
 RETRY_KIND, REVIEW_KIND = "payout", "settle"

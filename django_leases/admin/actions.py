@@ -14,7 +14,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_leases import stats
 from django_leases.querysets import LeaseQuerySet
-from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW
+from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW, WAITING
 
 
 def operator(request: HttpRequest) -> str:
@@ -38,11 +38,21 @@ class Skip:
     NOT_PROCESSING = _("not processing, so there is no lease to release")
     HOLDER_WORKING = _("its lease is live and its holder may still be working")
     FINISHED = _("already finished")
-    NOT_PENDING = _("only pending jobs can be cancelled")
+    NOT_PENDING = _("only pending or waiting jobs can be cancelled")
+    WAITING = _("it waits for an earlier job of its lock")
     NOT_IN_REVIEW = _("not under review")
 
 
-ALL_CATEGORIES = (PENDING, stats.LIVE_LEASE, stats.STUCK, COMPLETED, FAILED, REVIEW, CANCELLED)
+ALL_CATEGORIES = (
+    PENDING,
+    WAITING,
+    stats.LIVE_LEASE,
+    stats.STUCK,
+    COMPLETED,
+    FAILED,
+    REVIEW,
+    CANCELLED,
+)
 
 
 def skip_all_but(keep: Iterable[str], reason: Any) -> dict[str, Any]:

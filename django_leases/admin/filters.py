@@ -39,6 +39,25 @@ class LeaseStateFilter(admin.SimpleListFilter):
         return None
 
 
+class LockFilter(admin.SimpleListFilter):
+    title = _("lock")
+    parameter_name = "locked"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [
+            ("blocked", _("Blocked by a lock (waiting)")),
+            ("holding", _("Holding a lock")),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        jobs = cast(LeaseQuerySet[Any], queryset)
+        if self.value() == "blocked":
+            return jobs.waiting()
+        if self.value() == "holding":
+            return jobs.lock_holders()
+        return None
+
+
 class StatusFilter(admin.SimpleListFilter):
     title = _("status")
     parameter_name = "status"

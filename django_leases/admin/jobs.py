@@ -18,6 +18,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
@@ -25,7 +26,7 @@ from django.utils.translation import gettext_lazy as _
 from django_leases import stats
 from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
 from django_leases.admin.display import EMPTY, human_duration, short_text
-from django_leases.admin.filters import KindFilter, LeaseStateFilter, StatusFilter
+from django_leases.admin.filters import KindFilter, LeaseStateFilter, LockFilter, StatusFilter
 from django_leases.admin.ledger import AttemptInline, EventInline
 from django_leases.admin.mixins import IndexedSearchMixin, job_id
 from django_leases.admin.overview import OverviewMixin
@@ -34,7 +35,16 @@ from django_leases.exceptions import InvalidArgument, InvalidPayload
 from django_leases.limits import PRIORITY, check_int, check_json
 from django_leases.models import AbstractJobAttempt, AbstractJobEvent, PaymentJob
 from django_leases.querysets import LeaseQuerySet, ledger_model
-from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW, JobStatus, Verdict
+from django_leases.status import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    PENDING,
+    REVIEW,
+    WAITING,
+    JobStatus,
+    Verdict,
+)
 
 LEASE_FIELDS = (
     "status",
@@ -96,13 +106,14 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         "status_badge",
         "lease",
         "kind",
+        "lock_state",
         "owner",
         "attempts_of_max",
         "heartbeat",
         "last_error_short",
     ]
     list_display_links = ("id", "kind")
-    list_filter = (LeaseStateFilter, StatusFilter, KindFilter)
+    list_filter = (LeaseStateFilter, StatusFilter, LockFilter, KindFilter)
     search_help_text = _("A job id, or the start of the owner of a processing job.")
     search_fields = ("kind",)  # shows the search box; search() does the search
     # The primary key index serves the default order, however large the table.
@@ -112,9 +123,9 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     form = LeasedJobForm
     change_list_template = "admin/django_leases/leasedjob/change_list.html"
     change_form_template = "admin/django_leases/change_form.html"
-    readonly_fields = ["kind", *LEASE_FIELDS, "lease", "heartbeat"]
+    readonly_fields = ["kind", "lock", "lock_state", *LEASE_FIELDS, "lease", "heartbeat"]
     fieldsets = (
-        (None, {"fields": ("kind", "priority", "payload")}),
+        (None, {"fields": ("kind", ("lock", "lock_state"), "priority", "payload")}),
         (
             _("Lease"),
             {
@@ -147,7 +158,7 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         jobs = cast(LeaseQuerySet[Any], super().get_queryset(request))
-        return stats.with_lease_clock(jobs)
+        return stats.with_lock_holder(stats.with_lease_clock(jobs))
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # jobs are added with enqueue()
@@ -263,6 +274,29 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
             when,
         )
 
+    @admin.display(description=_("lock"), ordering="lock")
+    def lock_state(self, job: PaymentJob) -> str:
+        if job.status == JobStatus.WAITING:
+            holder = getattr(job, "waiting_for", None)
+            if holder is None:
+                return gettext("waiting for its lock")
+            url = reverse(
+                f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
+                args=[holder],
+                current_app=self.admin_site.name,
+            )
+            return format_html(
+                '<span class="dl-badge dl-waiting" title="{}">{}</span>',
+                job.lock,
+                format_html(
+                    gettext("waiting for job {} (same lock)"),
+                    format_html('<a href="{}">#{}</a>', url, holder),
+                ),
+            )
+        if job.lock_holder:
+            return format_html('<span title="{}">{}</span>', gettext("holds its lock"), job.lock)
+        return job.lock or EMPTY
+
     @admin.display(description=_("last heartbeat"), ordering="-heartbeat_at")
     def heartbeat(self, job: Any) -> str:
         age: timedelta | None = getattr(job, "heartbeat_age", None)
@@ -288,13 +322,13 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         _("Requeue now"),
         lambda jobs, by: jobs.requeue(by=by),
         lambda n: ngettext("%d job requeued", "%d jobs requeued", n) % n,
-        {stats.LIVE_LEASE: Skip.LIVE, COMPLETED: Skip.NEVER_REQUEUED},
+        {stats.LIVE_LEASE: Skip.LIVE, COMPLETED: Skip.NEVER_REQUEUED, WAITING: Skip.WAITING},
     )
     force_requeue = operator_action(
         _("Force requeue — takes a live lease, fencing out its holder"),
         lambda jobs, by: jobs.requeue(force=True, by=by),
         lambda n: ngettext("%d job requeued by force", "%d jobs requeued by force", n) % n,
-        {COMPLETED: Skip.NEVER_REQUEUED},
+        {COMPLETED: Skip.NEVER_REQUEUED, WAITING: Skip.WAITING},
     )
     release_stuck = operator_action(
         _("Release stuck lease (back to pending)"),
@@ -315,10 +349,10 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         },
     )
     cancel = operator_action(
-        _("Cancel (pending jobs only)"),
+        _("Cancel (pending or waiting jobs only)"),
         lambda jobs, by: jobs.cancel(by=by),
         lambda n: ngettext("%d job cancelled", "%d jobs cancelled", n) % n,
-        skip_all_but([PENDING], Skip.NOT_PENDING),
+        skip_all_but([PENDING, WAITING], Skip.NOT_PENDING),
     )
     resolve_review_completed = operator_action(
         _("Resolve review: completed"),
@@ -369,6 +403,7 @@ class PaymentJobAdmin(LeasedJobAdmin):
         "lease",
         "kind",
         "payment_id",
+        "lock_state",
         "owner",
         "attempts_of_max",
         "heartbeat",
@@ -378,9 +413,30 @@ class PaymentJobAdmin(LeasedJobAdmin):
         "An exact payment id or idempotency key, or the start of the owner of a processing job."
     )
     search_fields = ("payment_id",)  # shows the search box; search() does the search
-    readonly_fields = ["kind", "payment_id", "idempotency_key", *LEASE_FIELDS, "lease", "heartbeat"]
+    readonly_fields = [
+        "kind",
+        "payment_id",
+        "idempotency_key",
+        "lock",
+        "lock_state",
+        *LEASE_FIELDS,
+        "lease",
+        "heartbeat",
+    ]
     fieldsets = (
-        (None, {"fields": ("kind", "payment_id", "idempotency_key", "priority", "payload")}),
+        (
+            None,
+            {
+                "fields": (
+                    "kind",
+                    "payment_id",
+                    "idempotency_key",
+                    ("lock", "lock_state"),
+                    "priority",
+                    "payload",
+                )
+            },
+        ),
         *LeasedJobAdmin.fieldsets[1:],
     )
 

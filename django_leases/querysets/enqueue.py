@@ -14,6 +14,7 @@ from django_leases.exceptions import InvalidArgument
 from django_leases.limits import (
     IDEMPOTENCY_KEY_LENGTH,
     KIND_LENGTH,
+    LOCK_LENGTH,
     MAX_ATTEMPTS,
     PRIORITY,
     bad_character,
@@ -23,7 +24,7 @@ from django_leases.limits import (
     check_text,
     shown,
 )
-from django_leases.querysets.base import after
+from django_leases.querysets.base import after, retry_deadlocks
 from django_leases.querysets.ledger import J
 from django_leases.querysets.operators import OperatorActions
 from django_leases.sql import postgresql as statements
@@ -32,6 +33,9 @@ from django_leases.sql import postgresql as statements
 class Enqueueing(OperatorActions[J]):
     """`enqueue()` of a job table; `LeaseQuerySet` builds on it."""
 
+    # InnoDB may pick an enqueue of a locked job as a deadlock victim among the enqueues and
+    # completions of its lock; the whole transaction was rolled back, so it runs again.
+    @retry_deadlocks
     def enqueue(
         self,
         kind: str,
@@ -41,33 +45,37 @@ class Enqueueing(OperatorActions[J]):
         run_at: datetime | float | timedelta | None = None,
         priority: int = 0,
         max_attempts: int | None = None,
+        lock: str = "",
         **fields: Any,
     ) -> J:
-        """Add a pending job and return it.
+        """Add a pending job (waiting, behind an earlier job of its `lock`) and return it.
 
         Enqueueing an `idempotency_key` that already exists returns the first job and creates
         nothing; the model needs a unique `idempotency_key` field for it. `run_at` is a
         datetime, or a delay (seconds or `timedelta`) from the database clock; None means now.
-        `fields` fills the model's own columns (`payout=payout`, `payout_id=7`); the lease
-        fields are not among them. Raises `InvalidArgument` (`InvalidPayload`, ...) naming the
-        argument, and writes nothing, for anything out of bounds.
+        Jobs sharing a `lock` run one at a time, in enqueue order. `fields` fills the model's
+        own columns (`payout=payout`, `payout_id=7`); the lease fields are not among them.
+        Raises `InvalidArgument` (`InvalidPayload`, ...) naming the argument, and writes
+        nothing, for anything out of bounds.
         """
         values = {
             **_job_fields(kind, payload, run_at, priority, max_attempts),
+            "lock": check_text(lock, "lock", LOCK_LENGTH, blank=True),
             **_own_fields(self.model, fields),
         }
         if idempotency_key is not None:
             _check_idempotency_field(self.model)
             check_text(idempotency_key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
+            values["idempotency_key"] = idempotency_key
         with transaction.atomic(using=self.db):
             if idempotency_key is None:
-                job = self.create(**values)
+                job = self._add_job(values)
             else:
                 # The unique index decides between racing enqueues of one key, not a prior read:
                 # the loser's INSERT fails inside its savepoint and it returns the winner's row.
                 try:
                     with transaction.atomic(using=self.db):
-                        job = self.create(idempotency_key=idempotency_key, **values)
+                        job = self._add_job(values)
                 except IntegrityError:
                     existing = self.filter(idempotency_key=idempotency_key).first()
                     if existing is None:
@@ -75,6 +83,9 @@ class Enqueueing(OperatorActions[J]):
                     return existing
             self._notify(kind)
         return job
+
+    def _add_job(self, values: dict[str, Any]) -> J:
+        return self._enqueue_locked(values) if values["lock"] else self.create(**values)
 
     def _notify(self, kind: str) -> None:
         # NOTIFY is transactional on PostgreSQL: listeners hear it when the enqueue commits.

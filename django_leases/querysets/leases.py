@@ -281,16 +281,26 @@ class LeaseQuerySet(Enqueueing[J]):
         Raises `LeaseLost` if `owner` no longer holds the job.
         """
         ledger = self._ledger_names() if connections[self.db].vendor == "postgresql" else None
-        if ledger is not None and result is None:
-            self._complete_postgresql(pk, owner, token, ledger)
+        if (
+            ledger is not None
+            and result is None
+            and self._complete_postgresql(pk, owner, token, ledger)
+        ):
             return
-        values: dict[str, Any] = {"status": COMPLETED, "completed_at": Now(), "last_error": ""}
+        values: dict[str, Any] = {
+            "status": COMPLETED,
+            "completed_at": Now(),
+            "last_error": "",
+            "lock_holder": None,
+        }
         if result is not None:
             values["result"] = result
         self._holder_write(pk, owner, token, AttemptOutcome.COMPLETED, None, **values)
 
     @retry_deadlocks
-    def _complete_postgresql(self, pk: int, owner: str, token: int, ledger: LedgerNames) -> None:
+    def _complete_postgresql(self, pk: int, owner: str, token: int, ledger: LedgerNames) -> bool:
+        """Complete a job without a lock in one statement; False leaves the job (lost, or of a
+        lock, which is passed on in a transaction) to the general path."""
         statement = postgresql.complete(
             self._table(),
             ledger,
@@ -303,9 +313,7 @@ class LeaseQuerySet(Enqueueing[J]):
         with connections[self.db].cursor() as cursor:
             cursor.execute(*statement)
             (won,) = cursor.fetchone()
-        if not won:
-            self.record_fenced(pk, token)
-            raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
+        return bool(won)
 
     @retry_deadlocks
     def fail(
@@ -330,21 +338,30 @@ class LeaseQuerySet(Enqueueing[J]):
             status: Any = Value(FAILED)
             completed_at: Any = Now()
             run_at: Any = F("run_at")
+            lock_holder: Any = None
         else:
             delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
             status = Case(When(final, then=Value(FAILED)), default=Value(PENDING))
             completed_at = Case(When(final, then=Now()), default=None)
             run_at = Case(When(final, then=F("run_at")), default=after(delay) if delay else Now())
+            # A retry keeps the job's lock: the jobs behind it wait for its last attempt.
+            lock_holder = Case(When(final, then=None), default=F("lock_holder"))
         with transaction.atomic(using=self.db):
             won = self.held(pk, owner, token).update(
-                status=status, completed_at=completed_at, run_at=run_at, last_error=last_error
+                status=status,
+                completed_at=completed_at,
+                run_at=run_at,
+                last_error=last_error,
+                lock_holder=lock_holder,
             )
             if not won:
                 raise LeaseLost(f"job {pk}: lease lost before its failure could be recorded")
             # The row is ours until commit; read back which branch the UPDATE took.
-            new_status = self.filter(pk=pk).values_list("status", flat=True).get()
+            new_status, lock = self.filter(pk=pk).values_list("status", "lock").get()
             outcome = AttemptOutcome.FAILED if new_status == FAILED else AttemptOutcome.RETRIED
             self._close_attempt(pk, token, outcome, by=owner, error=(error_class, message))
+            if new_status == FAILED and lock:
+                self._pass_lock(pk)
         return new_status
 
     @retry_deadlocks
@@ -368,6 +385,7 @@ class LeaseQuerySet(Enqueueing[J]):
                     default=Value(PENDING),
                 ),
                 completed_at=Case(When(~review & final, then=Now()), default=None),
+                lock_holder=Case(When(~review & final, then=None), default=F("lock_holder")),
                 run_at=Case(
                     When(review | final, then=F("run_at")),
                     default=after(delay) if delay else Now(),
@@ -375,8 +393,10 @@ class LeaseQuerySet(Enqueueing[J]):
                 last_error=reason[:MAX_ERROR_LENGTH],
             )
             if won:
-                new_status = self.filter(pk=pk).values_list("status", flat=True).get()
+                new_status, lock = self.filter(pk=pk).values_list("status", "lock").get()
                 self._close_attempt(pk, token, TIMED_OUT, by=owner, error=("", reason))
+                if new_status == FAILED and lock:
+                    self._pass_lock(pk)
         if not won:
             self.record_fenced(pk, token)
             raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
@@ -430,7 +450,7 @@ class LeaseQuerySet(Enqueueing[J]):
         try:
             # One transaction: the job's transition and its ledger row commit together.
             with transaction.atomic(using=self.db):
-                if not held.update(**values):
+                if not self._held_update(held, pk, values):
                     raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
                 if outcome is not None:
                     self._close_attempt(pk, token, outcome, by=owner, error=error)
@@ -439,6 +459,22 @@ class LeaseQuerySet(Enqueueing[J]):
         except LeaseLost:
             self.record_fenced(pk, token)
             raise
+
+    def _held_update(self, held: LeaseQuerySet[J], pk: int, values: dict[str, Any]) -> bool:
+        """Apply the holder's write `values` to `held` (the job `pk` as its holder holds it);
+        one that releases the job's lock passes it on.
+
+        A job without a lock is updated in one statement, as before locks existed; a job of a
+        lock fails that statement's `lock = ''` and takes the second, then passes its lock on.
+        """
+        if "lock_holder" not in values:
+            return bool(held.update(**values))
+        if held.filter(lock="").update(**values):
+            return True
+        if not held.exclude(lock="").update(**values):
+            return False
+        self._pass_lock(pk)
+        return True
 
     # ---- the watcher ----------------------------------------------------------
 
@@ -472,7 +508,7 @@ class LeaseQuerySet(Enqueueing[J]):
             values = {"status": REVIEW}
             outcome = AttemptOutcome.REVIEW
         elif action in (FAILED, COMPLETED):
-            values = {"status": action, "completed_at": Now()}
+            values = {"status": action, "completed_at": Now(), "lock_holder": None}
             outcome = action
         else:
             raise ValueError(f"unknown rescue action {action!r}")
@@ -494,6 +530,8 @@ class LeaseQuerySet(Enqueueing[J]):
                 self._close_attempt(
                     job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
                 )
+                if "lock_holder" in values:
+                    self._pass_lock(job.pk)
         return bool(won)
 
 

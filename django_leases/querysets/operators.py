@@ -11,13 +11,13 @@ from typing import Any
 
 from django.apps import apps
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Greatest, Now
 
 from django_leases.exceptions import LeaseError
 from django_leases.querysets.base import retry_deadlocks
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, storable
-from django_leases.querysets.prune import Pruning
+from django_leases.querysets.locks import LockOrder
 from django_leases.status import (
     CANCELLED,
     COMPLETED,
@@ -25,6 +25,7 @@ from django_leases.status import (
     PENDING,
     PROCESSING,
     REVIEW,
+    WAITING,
     AttemptOutcome,
     EventAction,
     Verdict,
@@ -39,9 +40,11 @@ REVIEW_EVENTS: dict[str, str] = {
 }
 
 
-class OperatorActions(Pruning[J]):
-    """The operator actions of a job table; `LeaseQuerySet` builds on them (and on pruning
-    and the ledger writes, the classes below it) to keep each concern in its own module."""
+class OperatorActions(LockOrder[J]):
+    """The operator actions of a job table; `LeaseQuerySet` builds on them (and on the lock
+    order, pruning and the ledger writes, the classes below it) to keep each concern in its own
+    module. An action that finishes a job holding its lock passes the lock on, in its
+    transaction."""
 
     def requeue(self, *, force: bool = False, by: str = "operator") -> int:
         """Make the selected jobs pending and due now; return how many changed.
@@ -50,6 +53,10 @@ class OperatorActions(Pruning[J]):
         live lease only with `force`, which also bumps its fencing token so that the current
         holder is fenced out of every further write. Completed jobs are never requeued. A job
         without attempts left gets one more.
+
+        A job of a lock that holds it keeps it (pending, next in line). A finished job of a
+        lock rejoins it at its enqueue place: pending if the lock is free, else waiting, ahead
+        of every later job of the lock (the lowest id waiting goes first).
         """
         eligible = Q(status__in=[FAILED, CANCELLED, REVIEW, PENDING]) | Q(
             status=PROCESSING, lease_until__lt=Now()
@@ -57,7 +64,10 @@ class OperatorActions(Pruning[J]):
         if force:
             eligible |= Q(status=PROCESSING)
         values = {
-            "status": PENDING,
+            "status": Case(
+                When(Q(lock="") | Q(lock_holder__isnull=False), then=Value(PENDING)),
+                default=Value(WAITING),
+            ),
             "run_at": Now(),
             "completed_at": None,
             # A requeued job gets at least one more attempt, whatever it used up.
@@ -86,9 +96,11 @@ class OperatorActions(Pruning[J]):
         )
 
     def mark_failed(self, *, reason: str, force: bool = False, by: str = "operator") -> int:
-        """Fail the selected pending, under-review or expired jobs (any processing one with
-        `force`, fencing out its holder); return how many changed."""
-        eligible = Q(status__in=[PENDING, REVIEW]) | Q(status=PROCESSING, lease_until__lt=Now())
+        """Fail the selected pending, waiting, under-review or expired jobs (any processing one
+        with `force`, fencing out its holder); return how many changed."""
+        eligible = Q(status__in=[PENDING, WAITING, REVIEW]) | Q(
+            status=PROCESSING, lease_until__lt=Now()
+        )
         if force:
             eligible |= Q(status=PROCESSING)
         values = {
@@ -96,6 +108,7 @@ class OperatorActions(Pruning[J]):
             "completed_at": Now(),
             "last_error": reason[:MAX_ERROR_LENGTH],
             "lease_token": F("lease_token") + 1,
+            "lock_holder": None,
         }
         return self._operator_write(
             eligible,
@@ -107,9 +120,16 @@ class OperatorActions(Pruning[J]):
         )
 
     def cancel(self, *, by: str = "operator") -> int:
-        """Cancel the selected pending jobs; return how many changed."""
-        values = {"status": CANCELLED, "completed_at": Now(), "last_error": f"cancelled by {by}"}
-        return self._operator_write(Q(status=PENDING), values, by, event=EventAction.CANCELLED)
+        """Cancel the selected pending or waiting jobs; return how many changed."""
+        values = {
+            "status": CANCELLED,
+            "completed_at": Now(),
+            "last_error": f"cancelled by {by}",
+            "lock_holder": None,
+        }
+        return self._operator_write(
+            Q(status__in=[PENDING, WAITING]), values, by, event=EventAction.CANCELLED
+        )
 
     def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
         """Resolve the selected jobs under review: "completed", "retry" or "failed".
@@ -125,7 +145,7 @@ class OperatorActions(Pruning[J]):
                 "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
             }
         elif verdict in (COMPLETED, FAILED):
-            values = {"status": verdict, "completed_at": Now()}
+            values = {"status": verdict, "completed_at": Now(), "lock_holder": None}
         else:
             raise ValueError(f"unknown review verdict {verdict!r}")
         return self._operator_write(
@@ -181,14 +201,19 @@ class OperatorActions(Pruning[J]):
                 self.filter(eligible, pk__gt=after_pk)
                 .order_by("pk")
                 .select_for_update()
-                .values_list("pk", "lease_token", "attempts")[:OPERATOR_BATCH_SIZE]
+                .values_list("pk", "lease_token", "attempts", "lock")[:OPERATOR_BATCH_SIZE]
             )
             if not rows:
                 return 0, None
-            pks = [pk for pk, _, _ in rows]
+            pks = [pk for pk, _, _, _ in rows]
             won = self.filter(eligible, pk__in=pks).update(**values)
             if won != len(rows):
                 raise LeaseError(f"{won} of {len(rows)} locked jobs changed; rolled back")
+            # In id order: requeued jobs of one lock rejoin it in their enqueue order, and a
+            # lock a finished job released passes on in this transaction.
+            for pk, _, _, lock in rows:
+                if lock:
+                    self._pass_lock(pk, contested=True)
             ledger = self._ledger()
             if ledger is not None:
                 attempts = ledger.objects.using(self.db).filter(job_ref__in=pks)
@@ -204,13 +229,13 @@ class OperatorActions(Pruning[J]):
                     )
                 if resolution:
                     self._ledger_update(
-                        {pk: token for pk, token, _ in rows},
+                        {pk: token for pk, token, _, _ in rows},
                         Q(resolution=""),
                         resolution=resolution,
                         resolved_by=by,
                         resolved_at=Now(),
                     )
-            self._record_events(rows, event, by, reason)
+            self._record_events([row[:3] for row in rows], event, by, reason)
         return won, pks[-1]
 
     def _record_events(

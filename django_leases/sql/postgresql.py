@@ -1,4 +1,5 @@
-"""PostgreSQL statements: the one-statement claim and completion, and NOTIFY. Tested on 15."""
+"""PostgreSQL statements: the one-statement claim and completion, the enqueue's share lock on a
+lock holder, and NOTIFY. Tested on 15."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -143,15 +144,17 @@ def complete(
     processing: str,
     completed: str,
 ) -> tuple[str, Params]:
-    """Return the holder's completion: the job's conditional UPDATE and the closing of its ledger
-    row in one statement (a data-modifying CTE), so one round trip and no transaction block. The
-    ledger row is closed only if the job's UPDATE won; the statement returns how many did."""
+    """Return the holder's completion of a job without a lock: the job's conditional UPDATE and
+    the closing of its ledger row in one statement (a data-modifying CTE), so one round trip and
+    no transaction block. The ledger row is closed only if the job's UPDATE won; the statement
+    returns how many did. A job of a lock is left alone (0): passing its lock on needs a later
+    statement of the same transaction, whose snapshot sees the jobs enqueued behind it."""
     sql = f"""
         WITH done AS (
             UPDATE {table}
             SET status = %(completed)s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
             WHERE id = %(pk)s AND status = %(processing)s AND lease_owner = %(owner)s
-              AND lease_token = %(token)s
+              AND lease_token = %(token)s AND "lock" = ''
             RETURNING id, lease_token, checkpoint
         ), closed AS (
             UPDATE {ledger.table} AS a
@@ -175,6 +178,16 @@ def complete(
         "completed": completed,
     }
     return sql, params
+
+
+def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
+    """Return the enqueue's read of the job holding `lock`, share-locking its row until commit.
+
+    FOR SHARE, not FOR UPDATE: enqueues of one lock do not wait for each other, while the
+    holder's finishing UPDATE waits for every one of them (tested on 15).
+    """
+    sql = f"SELECT id FROM {table} WHERE lock_holder = %(lock)s FOR SHARE"  # noqa: S608
+    return sql, {"lock": lock}
 
 
 def notify(channel: str, message: str) -> tuple[str, Params]:

@@ -1,4 +1,5 @@
-"""SQLite statements: one pass of the claim. Needs SQLite 3.35+ for RETURNING."""
+"""SQLite statements: one pass of the claim, the enqueue's read of a lock holder. Needs SQLite
+3.35+ for RETURNING."""
 
 from typing import Any
 
@@ -6,6 +7,13 @@ Params = dict[str, Any]
 
 NOW = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
 """The database clock, in the text format Django stores datetimes in (UTC)."""
+
+
+def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
+    """Return the enqueue's read of the job holding `lock`. No row locks: the enqueue's
+    transaction holds SQLite's write lock already (IMMEDIATE), which serialises it with the
+    holder's finishing transaction."""
+    return f"SELECT id FROM {table} WHERE lock_holder = %(lock)s", {"lock": lock}  # noqa: S608
 
 
 def claim_pass(

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from django.core.management import call_command
 from django.db import OperationalError, connection, transaction
-from django.db.models import Count, F, Max, QuerySet
+from django.db.models import Count, F, Max, OuterRef, Q, QuerySet, Subquery
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -40,7 +40,9 @@ from example_project.payments.models import Payment
 
 MANAGE_PY = Path(__file__).resolve().parents[2] / "manage.py"
 KINDS = ("capture", "refund", "reconcile")
-OPEN = ("pending", "processing", "review")
+# A payment whose capture and refund are both enqueued, the refund right behind the capture.
+CAPTURE_THEN_REFUND = "capture+refund"
+OPEN = ("pending", "waiting", "processing", "review")
 CURRENCIES = ("EUR", "USD", "GBP", "CHF")
 ADMIN = "http://127.0.0.1:8000/admin/django_leases/paymentjob/"
 
@@ -106,6 +108,8 @@ class Report:
     fenced: int
     outlived_ttl: int
     audit: psp.Audit
+    refunds_before_capture: int
+    """Refunds that started before the capture of their payment was settled."""
     seconds: float
     events: list[str]
     logs: Path
@@ -246,15 +250,18 @@ class Demo:
     # -- setup
 
     def seed(self) -> Scope:
-        """Add `jobs` payments and one job each: mostly captures, some refunds and reconciles."""
+        """Add `jobs` jobs, one payment each: mostly captures, some refunds and reconciles, and
+        some captures with their refund enqueued right behind them (one payment, two jobs)."""
         scope = Scope.after_existing()
         total = self.options.jobs
-        refunds, reconciles = round(total * 0.12), round(total * 0.08)
-        kinds = ["refund"] * refunds + ["reconcile"] * reconciles
-        kinds += ["capture"] * (total - len(kinds))
+        pairs, refunds = round(total * 0.06), round(total * 0.06)
+        reconciles = round(total * 0.08)
+        kinds = ["refund"] * refunds + ["reconcile"] * reconciles + [CAPTURE_THEN_REFUND] * pairs
+        kinds += ["capture"] * (total - len(kinds) - pairs)
         random.shuffle(kinds)
         initial = {
             "capture": Payment.Status.AUTHORIZED,
+            CAPTURE_THEN_REFUND: Payment.Status.AUTHORIZED,
             "refund": Payment.Status.CAPTURED,
             "reconcile": Payment.Status.PENDING,
         }
@@ -270,13 +277,16 @@ class Demo:
             payments = list(scope.payments().order_by("pk"))
             for payment, kind in zip(payments, kinds, strict=True):
                 self._give_history(payment, kind)
-                PaymentJob.objects.enqueue(
-                    kind,
-                    {"amount": payment.amount, "currency": payment.currency},
-                    payment_id=str(payment.pk),
-                    idempotency_key=f"{kind}-{payment.pk}",
-                    max_attempts=8,
-                )
+                # Jobs of one payment are locked by it (LOCK_BY_PAYMENT): the refund enqueued
+                # right behind its capture waits until the capture is settled.
+                for job_kind in kind.split("+"):
+                    PaymentJob.objects.enqueue(
+                        job_kind,
+                        {"amount": payment.amount, "currency": payment.currency},
+                        payment_id=str(payment.pk),
+                        idempotency_key=f"{job_kind}-{payment.pk}",
+                        max_attempts=8,
+                    )
         return scope
 
     @staticmethod
@@ -374,6 +384,10 @@ class Demo:
             )
         if report.audit.double_charges:
             report.problems.append(f"{report.audit.double_charges} double charge(s) at the PSP")
+        if report.refunds_before_capture:
+            report.problems.append(
+                f"{report.refunds_before_capture} refund(s) started before their capture settled"
+            )
         if report.audit.phantom_payments:
             report.problems.append(
                 f"{report.audit.phantom_payments} payment(s) captured or refunded in the shop "
@@ -384,7 +398,7 @@ class Demo:
     def intro(self) -> str:
         options = self.options
         return (
-            f"{options.jobs} payments on the {connection.vendor} database "
+            f"{options.jobs} payment jobs on the {connection.vendor} database "
             f"{connection.settings_dict['NAME']}: {options.workers} worker(s) x "
             f"{options.concurrency} slots, TTL {options.ttl:g}s, heartbeat {options.heartbeat:g}s;"
             f" stuck captures are held for '{leases_settings.stuck_policy('capture')}'"
@@ -516,10 +530,27 @@ class Demo:
                 ended_at__gt=F("claimed_at") + timedelta(seconds=self.options.ttl),
             ).count(),
             audit=psp.audit(scope.payments()),
+            refunds_before_capture=refunds_before_capture(scope),
             seconds=seconds,
             events=self.events,
             logs=self.logs,
         )
+
+
+def refunds_before_capture(scope: Scope) -> int:
+    """Count the refunds whose first attempt started before their payment's capture job reached
+    its final status, by the database clock (the ledger's `claimed_at`)."""
+    jobs = scope.jobs()
+    capture = jobs.filter(kind="capture", payment_id=OuterRef("payment_id"))
+    first_claim = JobAttempt.objects.filter(job_ref=OuterRef("pk")).order_by("claimed_at")
+    refunds = jobs.filter(
+        kind="refund", payment_id__in=jobs.filter(kind="capture").values("payment_id")
+    ).annotate(
+        settled=Subquery(capture.values("completed_at")[:1]),
+        started=Subquery(first_claim.values("claimed_at")[:1]),
+    )
+    early = Q(settled__isnull=True) | Q(started__lt=F("settled"))
+    return refunds.filter(early, started__isnull=False).count()
 
 
 def count_by(queryset: QuerySet[Any], column: str) -> Counter[str]:
@@ -575,6 +606,11 @@ def render(report: Report, console: Console, database_url: str | None) -> None:
         "idempotent replays",
         str(audit.replays),
         "PSP calls answered from an earlier result: no money moved",
+    )
+    table.add_row(
+        "refunds before capture",
+        str(report.refunds_before_capture),
+        "refunds enqueued right behind their capture that started before it settled",
     )
     style = "bold red" if audit.double_charges else "bold green"
     table.add_row(

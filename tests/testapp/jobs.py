@@ -4,11 +4,12 @@ import asyncio
 import time
 
 from django.db import transaction
+from django.db.models.functions import Now
 
 from django_leases import PermanentError, job_handler
 from django_leases.models import PaymentJob
 
-from .models import Charge
+from .models import Charge, LockRun
 
 
 def duration(job, lease) -> float:
@@ -46,6 +47,14 @@ def charge(job, lease):
     time.sleep(duration(job, lease))
     with lease.atomic():
         Charge.objects.create(job_ref=job.pk, token=lease.token, owner=lease.owner)
+
+
+@job_handler("locked_step")
+def locked_step(job, lease):
+    """Record this execution's start and finish by the database clock, sleeping in between."""
+    run = LockRun.objects.create(job_ref=job.pk, lock=job.lock, token=lease.token)
+    time.sleep(duration(job, lease))
+    LockRun.objects.filter(pk=run.pk).update(finished_at=Now())
 
 
 @job_handler("risky")

@@ -1,4 +1,5 @@
 from django.db import models
+from django.db.models.functions import Now
 
 from django_leases.models import (
     AbstractJobAttempt,
@@ -61,3 +62,16 @@ class BareJob(AbstractLeasedJob):
 
     def __str__(self) -> str:
         return f"bare job {self.pk}"
+
+
+class LockRun(models.Model):
+    """One execution of a locked job's handler, with its start and finish by the database clock."""
+
+    job_ref = models.BigIntegerField()
+    lock = models.CharField(max_length=255)
+    token = models.PositiveBigIntegerField()
+    started_at = models.DateTimeField(db_default=Now())
+    finished_at = models.DateTimeField(null=True)
+
+    def __str__(self) -> str:
+        return f"run of job {self.job_ref} (lock {self.lock})"
