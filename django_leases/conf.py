@@ -51,6 +51,10 @@ DEFAULTS: dict[str, Any] = {
     # Dotted path of a callable (exception, text) -> text: what is kept of an error's text in
     # the ledger, `last_error` and the logs. The default strips values from database errors.
     "REDACT_ERRORS": "django_leases.redaction.redact_database_values",
+    # Seconds a worker or watcher waits on a silent database connection before giving it up
+    # (connect, TCP keepalives, statement and read timeouts); "auto" is a third of the TTL
+    # (2 to 30 s), None leaves the connections as configured.
+    "NETWORK_TIMEOUT": "auto",
 }
 
 

@@ -13,12 +13,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import router
+from django.db import connections, router
 from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings
+from django_leases.db import harden
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
 
 logger = logging.getLogger("django_leases.watcher")
@@ -66,6 +67,7 @@ class StuckWatcher:
 
     def run_once(self) -> list[Action]:
         """Run one pass and return what it did, job by job."""
+        harden(connections[self.using])
         actions = self._rescue(orphaned=False)
         actions += self._rescue(orphaned=True)
         actions += self._reconcile_reviews()
