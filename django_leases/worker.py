@@ -784,11 +784,7 @@ class LeaseWorker:
                 lease.renewed(started)
             elif not lease.finished:
                 lease.mark_lost("heartbeat refused: the lease expired or was taken over")
-                with self._lock:
-                    self._reported_lost.add(lease.key)
-                logger.warning(
-                    "lease lost job_id=%s token=%s: heartbeat refused", lease.pk, lease.token
-                )
+                self._live([lease])
         logger.debug("heartbeat renewed=%s of %s", len(renewed), len(leases))
 
     # ---- shutdown ---------------------------------------------------------------------------
