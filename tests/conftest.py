@@ -45,22 +45,29 @@ def wait_for(
 
 
 def read_until(proc: "subprocess.Popen[str]", *texts: str, timeout: float = 30.0) -> str:
-    """Read the process's output line by line until every one of `texts` has appeared."""
+    """Read the process's output until every one of `texts` has appeared; return all it read.
+
+    It reads the pipe itself, never through `proc.stdout`'s buffer: a line buffered there would
+    be invisible to `select()` (and to a later `communicate()`) until the process wrote more.
+    """
     assert proc.stdout is not None
-    seen: list[str] = []
-    missing = set(texts)
+    fd = proc.stdout.fileno()
+    read = b""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if ready:
-            line = proc.stdout.readline()
-            seen.append(line)
-            missing = {text for text in missing if text not in line}
-            if not missing:
-                return "".join(seen)
-            if not line and proc.poll() is not None:
-                break
-    pytest.fail(f"{sorted(missing)} not seen in the output within {timeout}s: {''.join(seen)}")
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break  # the process closed its output
+        read += chunk
+        text = read.decode(errors="replace")
+        if all(wanted in text for wanted in texts):
+            return text
+    text = read.decode(errors="replace")
+    missing = sorted(wanted for wanted in texts if wanted not in text)
+    pytest.fail(f"{missing} not seen in the output within {timeout}s: {text}")
 
 
 class Processes:
