@@ -57,9 +57,14 @@ def network_timeout(ttl: float | None = None) -> float | None:
     if value is None:
         return None
     if value == AUTO:
-        low, high = AUTO_RANGE
-        return min(max(float(ttl if ttl is not None else leases_settings.TTL) / 3, low), high)
+        return auto_timeout(float(ttl if ttl is not None else leases_settings.TTL))
     return float(value)
+
+
+def auto_timeout(ttl: float) -> float:
+    """Return the network timeout of NETWORK_TIMEOUT = "auto" for leases of `ttl` seconds."""
+    low, high = AUTO_RANGE
+    return min(max(ttl / 3, low), high)
 
 
 def hardened_options(vendor: str, timeout: float) -> dict[str, Any]:
