@@ -9,10 +9,11 @@ connection by `DJANGO_LEASES["NETWORK_TIMEOUT"]`:
   connect, read and write timeouts), which catches a path that dies between us and the server;
 - on the server, a `statement_timeout` (PostgreSQL), so a statement stuck on a live server ends
   with a clean error;
-- on the client, a watchdog that shuts the socket of a call still unanswered a second after the
-  timeout. TCP options cannot see a path that dies beyond the first hop (a proxy or a NAT still
-  acknowledges our packets), and a blocked socket read cannot be interrupted from Python; shutting
-  the socket down ends it at once with an `OperationalError`, and Django reconnects on next use.
+- on the client, a watchdog that shuts the socket of a call (a statement, a commit, a health
+  check) still unanswered a second after the timeout. TCP options cannot see a path that dies
+  beyond the first hop (a proxy or a NAT still acknowledges our packets), and a blocked socket
+  read cannot be interrupted from Python; shutting the socket down ends it at once with an
+  `OperationalError`, and Django reconnects on next use.
 
 Only the connections of the threads that call `harden()` change: a project's web requests keep
 their settings. Values the project sets in a database's `OPTIONS` win over these.
@@ -221,8 +222,10 @@ def harden(connection: BaseDatabaseWrapper, ttl: float | None = None) -> None:
     }
     deadline = Deadline(connection, timeout + CLIENT_SLACK)
     connection.execute_wrappers.append(deadline)
-    # COMMIT and ROLLBACK do not go through the execute wrappers.
-    for name in ("_commit", "_rollback"):
+    # What talks to the server without going through the execute wrappers: COMMIT, ROLLBACK,
+    # the health check (CONN_HEALTH_CHECKS, and the worker's own after an error) and the
+    # statements Django runs on every new connection.
+    for name in ("_commit", "_rollback", "is_usable", "init_connection_state"):
         setattr(connection, name, deadline.wrap(getattr(connection, name)))
     if connection.connection is not None and not connection.in_atomic_block:
         connection.close()

@@ -175,6 +175,10 @@ def test_watchdog__ends_a_call_the_network_swallowed(spare: BaseDatabaseWrapper)
         with spare.cursor() as cursor:
             cursor.execute("SELECT 3")
             assert cursor.fetchone() == (3,)
+        # The health check (CONN_HEALTH_CHECKS) talks to the server outside the execute wrappers.
+        proxy.blackhole()
+        assert spare.is_usable() is False
+        assert watchdog.fired == fired + 2
 
 
 def default_port(conn: BaseDatabaseWrapper) -> int:
