@@ -5,7 +5,7 @@ enqueued (its handler sleeps an hour) and a worker ("cut", `--concurrency 2`, ne
 left at NETWORK_TIMEOUT = "auto") reaches the database through a TCP proxy on 127.0.0.1
 (tests/proxy.py). Once it has claimed the job, and a random 0 to HEARTBEAT seconds later (so the
 partition falls anywhere between two heartbeats), the proxy turns into a black hole: it keeps
-every socket open and drops every byte, no reset. The parent reads the worker's log every 20 ms.
+every socket open and drops every byte, no reset. The parent reads the worker's log every 2 ms.
 
 Reported:
 - "cut->lost logged": seconds from the black hole to the worker's "lease lost" line;
@@ -110,7 +110,7 @@ def sample(args: argparse.Namespace, procs: common.Processes, db: common.BenchDB
             while LOST not in log.read_text():
                 if time.monotonic() - cut_at > args.ttl + args.timeout or cut.poll() is not None:
                     raise common.ChildError("no 'lease lost' line", cut)
-                time.sleep(0.02)
+                time.sleep(0.002)
             detected = time.monotonic() - cut_at
             (margin,) = db.row(conn, MARGIN_SQL[db.vendor].format(table=common.JOB_TABLE))
             noop = procs.call(db, "bench.partition:enqueue_noop")["id"]
