@@ -15,6 +15,7 @@ from django_leases.conf import DEFAULTS
 from django_leases.db import AUTO, TIMEOUT_RANGE
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 from django_leases.limits import BATCH_SIZE, CONCURRENCY, DURATION_RANGE, MAX_ATTEMPTS, MAX_DURATION
+from django_leases.status import FINAL_STATUSES, StuckPolicy
 
 DURATIONS = (
     "TTL",
@@ -29,8 +30,7 @@ DURATIONS = (
 )
 COUNTS = {"CONCURRENCY": CONCURRENCY, "MAX_ATTEMPTS": MAX_ATTEMPTS, "PRUNE_BATCH_SIZE": BATCH_SIZE}
 BOOLEANS = ("PRUNE_LEDGER", "USE_NOTIFY")
-POLICIES = ("retry", "review")
-FINAL_STATUSES = ("completed", "failed", "cancelled")
+POLICIES = tuple(StuckPolicy.values)
 
 
 def _is_positive_number(value: Any) -> bool:
