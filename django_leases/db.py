@@ -173,6 +173,8 @@ class Deadline:
     def __init__(self, connection: BaseDatabaseWrapper, seconds: float) -> None:
         self.connection = connection
         self.seconds = seconds
+        # The driver's base error (psycopg.Error, MySQLdb.Error).
+        self.driver_error: type[Exception] = connection.Database.Error  # type: ignore[attr-defined]
 
     def __call__(
         self,
@@ -187,12 +189,13 @@ class Deadline:
 
     @contextmanager
     def guarded(self) -> Iterator[None]:
-        raw = self.connection.connection
-        fileno = getattr(raw, "fileno", None)
-        if fileno is None:
+        try:
+            fd = self.connection.connection.fileno()
+        except (AttributeError, self.driver_error):
+            # Not connected, or a connection the driver knows is lost: nothing can block on it.
             yield
             return
-        with watchdog.guard(fileno(), self.seconds):
+        with watchdog.guard(fd, self.seconds):
             yield
 
     def wrap(self, call: Callable[[], Any]) -> Callable[[], Any]:

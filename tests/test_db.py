@@ -4,7 +4,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -170,6 +170,8 @@ def test_watchdog__ends_a_call_the_network_swallowed(spare: BaseDatabaseWrapper)
             cursor.execute("SELECT 2")
         assert watchdog.fired == fired + 1
         assert proxy.dropped > 0
+        # A connection the driver knows is lost is not guarded, and reports itself unusable.
+        assert spare.is_usable() is False
         proxy.restore()
         spare.close()  # Django does this between requests; the worker in its outage handling
         with spare.cursor() as cursor:
@@ -211,6 +213,17 @@ class Output:
     def text(self) -> str:
         return "".join(self.lines)
 
+    def wait_for(self, predicate: Callable[[], object], timeout: float = 60) -> None:
+        """Poll `predicate` until it is true; fail with the output so far at the deadline."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                pytest.fail(f"condition not met within {timeout}s; the worker said:\n{self.text}")
+            time.sleep(0.05)
+
+    def wait_for_line(self, text: str, timeout: float = 60) -> None:
+        self.wait_for(lambda: text in self.text, timeout)
+
     def finish(self) -> str:
         self._thread.join(timeout=30)
         return self.text
@@ -245,19 +258,19 @@ def test_worker__partition_loses_the_lease_in_time_and_recovers(processes: Proce
         )  # fmt: skip
         wait_for(lambda: PaymentJob.objects.get(pk=job.pk).lease_owner == "cut", timeout=60)
         log = Output(cut)
-        wait_for(lambda: f"claimed job_id={job.pk}" in log.text, timeout=60)
+        log.wait_for_line(f"claimed job_id={job.pk}")
         proxy.blackhole()
         peer = processes.manage(
             "run_lease_worker", "--worker-id", "peer", "--kind", "charge", *args
         )
-        wait_for(lambda: f"lease lost job_id={job.pk} token=1" in log.text, timeout=60)
-        wait_for(lambda: PaymentJob.objects.get(pk=job.pk).status == Status.COMPLETED, timeout=60)
+        log.wait_for_line(f"lease lost job_id={job.pk} token=1")
+        log.wait_for(lambda: PaymentJob.objects.get(pk=job.pk).status == Status.COMPLETED)
 
         proxy.restore()
         after = PaymentJob.objects.enqueue("noop")  # only "cut" runs this kind
-        wait_for(lambda: PaymentJob.objects.get(pk=after.pk).status == Status.COMPLETED, timeout=60)
+        log.wait_for(lambda: PaymentJob.objects.get(pk=after.pk).status == Status.COMPLETED)
         # Its handler wakes at 12 s and must be fenced out, not write.
-        wait_for(lambda: f"fenced out job_id={job.pk} token=1" in log.text, timeout=60)
+        log.wait_for_line(f"fenced out job_id={job.pk} token=1")
 
     assert cut.poll() is None, "the worker recovered without a restart"
     assert PaymentJob.objects.get(pk=after.pk).lease_owner == "cut"
