@@ -52,6 +52,9 @@ DEFAULTS: dict[str, Any] = {
     # Dotted path of a callable (exception, text) -> text: what is kept of an error's text in
     # the ledger, `last_error` and the logs. The default strips values from database errors.
     "REDACT_ERRORS": "django_leases.redaction.redact_database_values",
+    # Seconds a worker's registry row is kept after it stopped or was last seen; prune_jobs
+    # deletes older ones. Not shorter than WORKER_GONE_AFTER.
+    "WORKER_RETENTION": 7 * DAY,
     # Seconds a worker or watcher waits on a silent database connection before giving it up
     # (connect, TCP keepalives, statement and read timeouts); "auto" is a third of the TTL
     # (2 to 30 s), None leaves the connections as configured.
