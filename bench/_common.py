@@ -501,6 +501,13 @@ def latency_summary(ms: Sequence[float]) -> list[str]:
     return [f"{percentile(ms, q):.2f}" for q in (50, 95, 99)] + [f"{max(ms):.2f}"]
 
 
+def median_range(values: Sequence[float]) -> str:
+    """Return "median (min-max)", or the one value, with two decimals."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def spread(values: Sequence[float]) -> str:
     """Return (max - min) / median as a percentage: how much the rounds disagree."""
     median = statistics.median(values)

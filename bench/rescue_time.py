@@ -22,7 +22,6 @@ import argparse
 import os
 import random
 import signal
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -187,8 +186,8 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
                 f"{c.heartbeat:g}",
                 f"{c.watch_interval:g}" if c.watch_interval else "none",
                 len(samples),
-                summary(reclaimed),
-                summary(completed),
+                common.median_range(reclaimed),
+                common.median_range(completed),
                 f"{sum(s.by_watcher for s in samples)}/{len(samples)}",
             ]
         )
@@ -210,12 +209,6 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
         "\nmedian (min-max) over the samples. 'rescued by watcher': samples where the watcher "
         "returned the job to pending, the others were taken over by the second worker's claim."
     )
-
-
-def summary(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,5 +22,6 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_worker_retention)
         checks.register(lease_checks.check_job_model)
         checks.register(lease_checks.check_ledgers)
+        checks.register(lease_checks.check_network_timeout)
         conf.connect_signals()
         handlers.autodiscover()

@@ -13,6 +13,7 @@ from django.db import connections
 from django.utils.module_loading import import_string
 
 from django_leases.conf import DEFAULTS
+from django_leases.db import AUTO, TIMEOUT_RANGE
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 from django_leases.limits import BATCH_SIZE, CONCURRENCY, DURATION_RANGE, MAX_ATTEMPTS, MAX_DURATION
 from django_leases.querysets import job_model, leased_job_models, ledger_model
@@ -361,3 +362,21 @@ def check_ledgers(**kwargs: Any) -> list[CheckMessage]:
                 )
             )
     return messages
+
+
+def check_network_timeout(**kwargs: Any) -> list[CheckMessage]:
+    """Validate `DJANGO_LEASES["NETWORK_TIMEOUT"]`: None, "auto" or seconds in range."""
+    user = getattr(settings, "DJANGO_LEASES", {})
+    value: Any = user.get("NETWORK_TIMEOUT", AUTO) if isinstance(user, dict) else AUTO
+    low, high = TIMEOUT_RANGE
+    if value is None or value == AUTO or (_is_positive_number(value) and low <= value <= high):
+        return []
+    return [
+        Error(
+            f"DJANGO_LEASES['NETWORK_TIMEOUT'] must be None, 'auto' or a number of seconds from "
+            f"{low:g} to {high:g}, got {value!r}.",
+            hint="It bounds how long a worker or watcher waits on a silent database "
+            "connection; 'auto' (the default) is a third of the TTL, None turns it off.",
+            id="django_leases.E019",
+        )
+    ]

@@ -61,6 +61,10 @@ DEFAULTS: dict[str, Any] = {
     # Whether PaymentJob.objects.enqueue() locks a job with a payment_id by its payment
     # ("payment:<id>") when no `lock` is given: one job of a payment at a time, in enqueue order.
     "LOCK_BY_PAYMENT": True,
+    # Seconds a worker or watcher waits on a silent database connection before giving it up
+    # (connect, TCP keepalives, statement and read timeouts); "auto" is a third of the TTL
+    # (2 to 30 s), None leaves the connections as configured.
+    "NETWORK_TIMEOUT": "auto",
 }
 
 

@@ -70,6 +70,11 @@ class Lease:
         return self._lost.is_set()
 
     @property
+    def valid_until(self) -> float:
+        """Monotonic time at which the lease must be taken as lost unless renewed before."""
+        return self._valid_until
+
+    @property
     def lost_reason(self) -> str:
         return self._lost_reason
 

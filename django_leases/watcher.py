@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import InterfaceError, OperationalError, close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections, connections
 from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases.checks import database_clock_problems
 from django_leases.conf import leases_settings
+from django_leases.db import harden
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
 from django_leases.querysets import LeaseQuerySet, leased_jobs, registered_workers
 from django_leases.redaction import error_text
@@ -108,6 +109,7 @@ class StuckWatcher:
 
     def run_once(self) -> list[Action]:
         """Run one pass and return what it did, job by job."""
+        harden(connections[self.using])
         actions = self._rescue(orphaned=False)
         actions += self._rescue(orphaned=True)
         actions += self._reconcile_reviews()

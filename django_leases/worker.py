@@ -34,6 +34,7 @@ from django.db import (
 from django_leases.attempts import TRANSIENT, RunsAttempts, WorkerStats
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings, to_seconds
+from django_leases.db import harden
 from django_leases.exceptions import (
     LeaseLost,
     WorkerIdTaken,
@@ -167,6 +168,7 @@ class LeaseWorker(RunsAttempts):
             self.ttl,
             self.heartbeat_interval,
         )
+        harden(connections[self.using], self.ttl)
         listener = Listener.for_model(self.model, self.using)
         try:
             self._register()
@@ -439,6 +441,7 @@ class LeaseWorker(RunsAttempts):
                     lease = slot.lease
                     slot.started = time.monotonic()
                     slot.deadline = self._deadline(lease, slot.started)
+                harden(connections[self.using], self.ttl)  # per job: a dropped wrapper is new
                 self._execute(lease)
                 with self._changed:
                     mine = slot.thread is me
@@ -466,6 +469,11 @@ class LeaseWorker(RunsAttempts):
     # ---- heartbeat --------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
+        harden(connections[self.using], self.ttl)
+        clock = threading.Thread(
+            target=self._lease_clock, args=(threading.current_thread(),), daemon=True
+        )
+        clock.start()
         try:
             while not self._stopped.wait(timeout=self.heartbeat_interval):
                 try:
@@ -508,16 +516,36 @@ class LeaseWorker(RunsAttempts):
                 and not slot.lease.finished
             ]
 
-    def _renew(self) -> None:
-        leases = []
-        for lease in self._held():
+    def _lease_clock(self, heartbeat: threading.Thread) -> None:
+        """Report each held lease lost at its deadline, with no database access: the heartbeat
+        thread may be blocked on a silent connection right then, for up to NETWORK_TIMEOUT."""
+        while heartbeat.is_alive() and not self._stopped.wait(timeout=self._until_deadline()):
+            self._live(self._held())
+
+    def _until_deadline(self) -> float:
+        """Seconds until the first held lease runs out, at most one heartbeat interval."""
+        deadlines = [lease.valid_until for lease in self._held() if not lease.lost]
+        first = min(deadlines, default=time.monotonic() + self.heartbeat_interval)
+        return max(0.01, min(self.heartbeat_interval, first - time.monotonic()))
+
+    def _live(self, leases: list[Lease]) -> list[Lease]:
+        """Return the leases of `leases` not lost; log each lost one once."""
+        live = []
+        for lease in leases:
             if not lease.lost:
-                leases.append(lease)
-            elif lease.key not in self._reported_lost:
+                live.append(lease)
+                continue
+            with self._lock:
+                first = lease.key not in self._reported_lost
                 self._reported_lost.add(lease.key)
+            if first:
                 logger.warning(
                     "lease lost job_id=%s token=%s: %s", lease.pk, lease.token, lease.lost_reason
                 )
+        return live
+
+    def _renew(self) -> None:
+        leases = self._live(self._held())
         if not leases:
             return
         started = time.monotonic()
@@ -535,10 +563,7 @@ class LeaseWorker(RunsAttempts):
                 lease.renewed(started)
             elif not lease.finished:
                 lease.mark_lost("heartbeat refused: the lease expired or was taken over")
-                self._reported_lost.add(lease.key)
-                logger.warning(
-                    "lease lost job_id=%s token=%s: heartbeat refused", lease.pk, lease.token
-                )
+                self._live([lease])
         logger.debug("heartbeat renewed=%s of %s", len(renewed), len(leases))
 
     # ---- shutdown ---------------------------------------------------------------------------

@@ -1,0 +1,234 @@
+"""Network timeouts on the worker's and the watcher's database connections.
+
+A partition that drops packets without a reset leaves a database call waiting forever for an
+answer that never comes: the thread that made it can neither renew nor give up its leases, and
+after the path is back it still waits. `harden()` bounds every such wait on one thread's
+connection by `DJANGO_LEASES["NETWORK_TIMEOUT"]`:
+
+- at the TCP level (PostgreSQL: connect timeout, keepalives, `tcp_user_timeout`; MariaDB/MySQL:
+  connect, read and write timeouts), which catches a path that dies between us and the server;
+- on the server, a `statement_timeout` (PostgreSQL), so a statement stuck on a live server ends
+  with a clean error;
+- on the client, a watchdog that shuts the socket of a call (a statement, a commit, a health
+  check) still unanswered a second after the timeout. TCP options cannot see a path that dies
+  beyond the first hop (a proxy or a NAT still acknowledges our packets), and a blocked socket
+  read cannot be interrupted from Python; shutting the socket down ends it at once with an
+  `OperationalError`, and Django reconnects on next use.
+
+Only the connections of the threads that call `harden()` change: a project's web requests keep
+their settings. Values the project sets in a database's `OPTIONS` win over these.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_leases.conf import leases_settings
+from django_leases.limits import DAY
+
+# NETWORK_TIMEOUT = "auto": a third of the TTL, within these bounds (seconds). A third leaves
+# a blocked heartbeat time to fail and one more to be retried before the lease runs out.
+AUTO = "auto"
+AUTO_RANGE = (2.0, 30.0)
+# Bounds of an explicit NETWORK_TIMEOUT: the drivers take whole seconds, and a day is far past
+# any TTL that makes sense.
+TIMEOUT_RANGE = (1.0, float(DAY))
+# The watchdog waits this much longer than the server's statement_timeout, so that a slow
+# statement on a live server ends with the server's own error, not a cut connection.
+CLIENT_SLACK = 1.0
+# Keepalive probes sent before the kernel gives up on an idle connection.
+KEEPALIVE_PROBES = 3
+
+
+def network_timeout(ttl: float | None = None) -> float | None:
+    """Return the network timeout in seconds for leases of `ttl` seconds, or None if it is off.
+
+    `ttl` defaults to `DJANGO_LEASES["TTL"]`; it matters only for the "auto" setting.
+    """
+    value = leases_settings.NETWORK_TIMEOUT
+    if value is None:
+        return None
+    if value == AUTO:
+        return auto_timeout(float(ttl if ttl is not None else leases_settings.TTL))
+    return float(value)
+
+
+def auto_timeout(ttl: float) -> float:
+    """Return the network timeout of NETWORK_TIMEOUT = "auto" for leases of `ttl` seconds."""
+    low, high = AUTO_RANGE
+    return min(max(ttl / 3, low), high)
+
+
+def hardened_options(vendor: str, timeout: float) -> dict[str, Any]:
+    """Return the connection `OPTIONS` that bound every wait on a `vendor` connection by
+    `timeout` seconds (nothing for SQLite, which has no network)."""
+    seconds = max(1, math.ceil(timeout))
+    if vendor == "postgresql":
+        return {
+            # libpq reads connect_timeout in whole seconds and takes 1 as 2.
+            "connect_timeout": max(2, seconds),
+            # An idle connection is probed after half the timeout and given up on by the end.
+            "keepalives": 1,
+            "keepalives_idle": max(1, seconds // 2),
+            "keepalives_interval": max(1, seconds // (2 * KEEPALIVE_PROBES)),
+            "keepalives_count": KEEPALIVE_PROBES,
+            # Data sent and not acknowledged for this long (ms) closes the connection.
+            "tcp_user_timeout": seconds * 1000,
+            "options": f"-c statement_timeout={round(timeout * 1000)}",
+        }
+    if vendor == "mysql":
+        return {"connect_timeout": seconds, "read_timeout": seconds, "write_timeout": seconds}
+    return {}
+
+
+def merged_options(vendor: str, timeout: float, user: dict[str, Any]) -> dict[str, Any]:
+    """Return `user` (a database's `OPTIONS`) completed with the hardened options it lacks.
+
+    A PostgreSQL `options` string of the user's keeps its settings and gets the statement
+    timeout appended, unless it sets one itself.
+    """
+    ours = hardened_options(vendor, timeout)
+    merged = {**ours, **user}
+    theirs = str(user.get("options") or "")
+    if "options" in ours and theirs and "statement_timeout" not in theirs:
+        merged["options"] = f"{theirs} {ours['options']}"
+    return merged
+
+
+class Watchdog:
+    """Shut down the socket of a database call that overran its deadline.
+
+    One daemon thread per process serves every guarded call. A call's socket is shut down under
+    the same lock its guard is removed under, so a socket is never touched after its call ended.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._calls: dict[int, tuple[float, int]] = {}
+        self._next_key = 0
+        self._thread: threading.Thread | None = None
+        self.fired = 0
+
+    @contextmanager
+    def guard(self, fd: int, seconds: float) -> Iterator[None]:
+        """Shut down socket `fd` if the block is still running after `seconds`."""
+        with self._cond:
+            self._next_key += 1
+            key = self._next_key
+            self._calls[key] = (time.monotonic() + seconds, fd)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="django-leases-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._calls.pop(key, None)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for key, (deadline, fd) in list(self._calls.items()):
+                    if deadline <= now:
+                        del self._calls[key]
+                        self.fired += 1
+                        shut_down(fd)
+                deadlines = [deadline for deadline, _ in self._calls.values()]
+                self._cond.wait(timeout=min(deadlines) - now if deadlines else None)
+
+
+def shut_down(fd: int) -> None:
+    """Shut down both directions of socket `fd`: a call blocked on it fails at once."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already disconnected
+    finally:
+        sock.close()  # closes our duplicate only; the driver still owns `fd`
+
+
+watchdog = Watchdog()
+
+
+class Deadline:
+    """An execute wrapper (and commit/rollback guard) that bounds each call by the watchdog."""
+
+    def __init__(self, connection: BaseDatabaseWrapper, seconds: float) -> None:
+        self.connection = connection
+        self.seconds = seconds
+        # The driver's base error (psycopg.Error, MySQLdb.Error).
+        self.driver_error: type[Exception] = connection.Database.Error  # type: ignore[attr-defined]
+
+    def __call__(
+        self,
+        execute: Callable[..., Any],
+        sql: str,
+        params: Any,
+        many: bool,
+        context: dict[str, Any],
+    ) -> Any:
+        with self.guarded():
+            return execute(sql, params, many, context)
+
+    @contextmanager
+    def guarded(self) -> Iterator[None]:
+        try:
+            fd = self.connection.connection.fileno()
+        except (AttributeError, self.driver_error):
+            # Not connected, or a connection the driver knows is lost: nothing can block on it.
+            yield
+            return
+        with watchdog.guard(fd, self.seconds):
+            yield
+
+    def wrap(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        def guarded_call() -> Any:
+            with self.guarded():
+                return call()
+
+        return guarded_call
+
+
+def harden(connection: BaseDatabaseWrapper, ttl: float | None = None) -> None:
+    """Bound every network wait of `connection` (this thread's) by the network timeout.
+
+    Idempotent. An open connection outside a transaction is closed, so that the next use
+    reconnects with the new options; inside a transaction they apply from the next connection.
+    """
+    timeout = network_timeout(ttl)
+    if timeout is None or connection.vendor not in ("postgresql", "mysql"):
+        return
+    if any(isinstance(wrapper, Deadline) for wrapper in connection.execute_wrappers):
+        return
+    settings = connection.settings_dict
+    # A copy: the dict is shared by every thread's connection to this alias.
+    connection.settings_dict = {
+        **settings,
+        "OPTIONS": merged_options(connection.vendor, timeout, dict(settings.get("OPTIONS") or {})),
+    }
+    deadline = Deadline(connection, timeout + CLIENT_SLACK)
+    connection.execute_wrappers.append(deadline)
+    # What talks to the server without going through the execute wrappers: COMMIT, ROLLBACK,
+    # the health check (CONN_HEALTH_CHECKS, and the worker's own after an error) and the
+    # statements Django runs on every new connection.
+    for name in ("_commit", "_rollback", "is_usable", "init_connection_state"):
+        setattr(connection, name, deadline.wrap(getattr(connection, name)))
+    if connection.connection is not None and not connection.in_atomic_block:
+        connection.close()
