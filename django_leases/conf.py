@@ -52,6 +52,9 @@ DEFAULTS: dict[str, Any] = {
     # Dotted path of a callable (exception, text) -> text: what is kept of an error's text in
     # the ledger, `last_error` and the logs. The default strips values from database errors.
     "REDACT_ERRORS": "django_leases.redaction.redact_database_values",
+    # Seconds after which a running attempt shows as "running long" in the admin and metrics,
+    # for kinds whose handler has no `timeout` (theirs is that timeout).
+    "LONG_RUNNING": 600.0,
 }
 
 

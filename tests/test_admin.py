@@ -797,8 +797,9 @@ def bulk_jobs(n: int) -> None:
 # the same five: filters narrow the same two queries.
 CHANGELIST_QUERIES = 5
 # Session, user, then stats.overview(): per-status GROUP BY, expired count, near-expiry
-# count, oldest due wait, last hour's throughput, live workers, stuck sample.
-OVERVIEW_QUERIES = 9
+# count, oldest due wait, last hour's throughput, live workers, stuck sample, long runners'
+# count and sample.
+OVERVIEW_QUERIES = 11
 # Session, user, the job, its ledger (the inline).
 CHANGE_FORM_QUERIES = 4
 

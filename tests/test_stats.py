@@ -9,7 +9,7 @@ from django.db.models.functions import Now
 from django_leases import stats
 from django_leases.exceptions import InvalidDuration
 from django_leases.handlers import registered_kinds
-from django_leases.models import PaymentJob, Worker
+from django_leases.models import JobAttempt, PaymentJob, Worker
 
 pytestmark = pytest.mark.django_db
 
@@ -23,6 +23,17 @@ def job_in(status: str, *, kind: str = "capture", **values: Any) -> PaymentJob:
         values = {"completed_at": Now(), **values}
     PaymentJob.objects.filter(pk=job.pk).update(status=status, **values)
     return job
+
+
+def running_since(ago: timedelta, *, kind: str = "capture") -> PaymentJob:
+    """A job claimed now whose attempt's ledger row says it started `ago` (database clock)."""
+    job = PaymentJob.objects.enqueue(kind)
+    claimed = PaymentJob.objects.claim_job(job.pk, "w-long", ttl=60)
+    assert claimed is not None
+    JobAttempt.objects.filter(job_ref=job.pk, token=claimed.lease_token).update(
+        claimed_at=Now() - ago
+    )
+    return claimed
 
 
 def test_finished_within__final_statuses_inside_the_window() -> None:
@@ -112,14 +123,17 @@ def test_throughput__per_database_minute() -> None:
     )
 
 
-def test_overview__seven_queries(django_assert_num_queries: Any) -> None:
+def test_overview__nine_queries(django_assert_num_queries: Any) -> None:
     job_in("processing", lease_until=Now() - timedelta(seconds=5))
     job_in("pending", run_at=Now() - timedelta(minutes=2))
     job_in("review")
+    long_runner = running_since(timedelta(hours=2))
     Worker.objects.register("w1", instance="test", hostname="h", pid=1, kinds=[], concurrency=1)
-    with django_assert_num_queries(7):
+    with django_assert_num_queries(9):
         data = stats.overview(PaymentJob.objects.all(), Worker.objects.all(), near_expiry=20)
-    assert (data.total, data.stuck, data.near_expiry, data.under_review) == (3, 1, 0, 1)
+    assert (data.total, data.stuck, data.near_expiry, data.under_review) == (4, 1, 0, 1)
+    assert data.running_long == 1 and [job.pk for job in data.long_runners] == [long_runner.pk]
+    assert data.long_runners[0].running_for >= timedelta(hours=2)
     assert data.oldest_due_wait is not None
     assert data.oldest_due_wait.total_seconds() == pytest.approx(120, abs=5)
     assert [w.worker_id for w in data.workers] == ["w1"]

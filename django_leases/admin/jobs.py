@@ -87,6 +87,7 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         "owner",
         "attempts_of_max",
         "heartbeat",
+        "running_for",
         "last_error_short",
     )
     list_display_links = ("id", "kind")
@@ -247,6 +248,19 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         if age is None:
             return EMPTY
         return gettext("%(age)s ago") % {"age": human_duration(age)}
+
+    @admin.display(description=_("attempt running for"), ordering="running_for")
+    def running_for(self, job: PaymentJob) -> str:
+        ran: timedelta | None = getattr(job, "running_for", None)
+        if ran is None:
+            return EMPTY
+        if ran.total_seconds() <= stats.long_running_limit(job.kind):
+            return human_duration(ran)
+        return format_html(
+            '<span class="dl-badge dl-running_long">{}</span> <span class="dl-when">{}</span>',
+            gettext("Running long"),
+            human_duration(ran),
+        )
 
     @admin.display(description=_("last error"))
     def last_error_short(self, job: PaymentJob) -> str:

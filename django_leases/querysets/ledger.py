@@ -22,7 +22,7 @@ from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import AttemptOutcome
 
 if TYPE_CHECKING:
-    from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
+    from django_leases.models import AbstractLeasedJob
 
 
 MAX_ERROR_LENGTH = 2000
@@ -94,10 +94,6 @@ class AttemptQuerySet(models.QuerySet[Any]):
 
 class LedgerWrites(LeaseReads[J]):
     """The ledger writes of a job table's transitions; called inside their transactions."""
-
-    def _ledger(self) -> type[AbstractJobAttempt] | None:
-        label = self.model.attempt_model
-        return apps.get_model(label) if label else None
 
     def _ledger_names(self) -> LedgerNames | None:
         """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
