@@ -10,14 +10,11 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType, ModuleType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_leases.limits import MAX_DURATION, PORT
-
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
 
 WORKER_ID = re.compile(r"^[\w.:@/-]{1,255}$")
 
@@ -157,9 +154,10 @@ def prometheus_metrics() -> ModuleType:
 
 @contextmanager
 def metrics_endpoint(
-    command: BaseCommand, registry: "CollectorRegistry | None", port: int, address: str
+    command: BaseCommand, registry: object | None, port: int, address: str
 ) -> Iterator[None]:
-    """Serve `registry` while the block runs (nothing without one) and print where."""
+    """Serve `registry` (a prometheus_client `CollectorRegistry`) while the block runs, and
+    print where; without one, do nothing."""
     if registry is None:
         yield
         return
