@@ -82,12 +82,12 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         "id",
         "status_badge",
         "lease",
+        "running_for",
         "kind",
         "payment_id",
         "owner",
         "attempts_of_max",
         "heartbeat",
-        "running_for",
         "last_error_short",
     )
     list_display_links = ("id", "kind")
