@@ -149,7 +149,8 @@ class WatcherMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.rescues = Counter(
             f"{PREFIX}_rescues",
-            "Expired or orphaned leases the watcher acted on, per kind and action",
+            "Jobs the watcher acted on: expired or orphaned leases, and reviews a reconcile "
+            "hook resolved, per kind and action",
             ["kind", "action"],
             registry=self.registry,
         )
