@@ -59,19 +59,17 @@ class WorkerMetrics:
             str(event): Counter(f"{PREFIX}_{name}", text, ["kind"], registry=self.registry)
             for event, (name, text) in WORKER_COUNTERS.items()
         }
-        self.run_seconds = Histogram(
-            f"{PREFIX}_job_run_seconds",
-            "How long handlers ran, per attempt",
-            ["kind"],
-            buckets=RUN_BUCKETS,
-            registry=self.registry,
-        )
-        self.wait_seconds = Histogram(
-            f"{PREFIX}_job_wait_seconds",
-            "How long jobs waited from due (enqueued, or their retry delay over) to their claim",
-            ["kind"],
-            buckets=WAIT_BUCKETS,
-            registry=self.registry,
+        self.run_seconds, self.wait_seconds = (
+            Histogram(f"{PREFIX}_{name}", text, ["kind"], buckets=buckets, registry=self.registry)
+            for name, text, buckets in (
+                ("job_run_seconds", "How long handlers ran, per attempt", RUN_BUCKETS),
+                (
+                    "job_wait_seconds",
+                    "How long jobs waited from due (enqueued, or their retry delay over) to "
+                    "their claim",
+                    WAIT_BUCKETS,
+                ),
+            )
         )
 
     def count(self, event: str, kind: str, n: int) -> None:

@@ -57,6 +57,14 @@ def chromium_page(base_url: str) -> Iterator[Page]:
             browser.close()
 
 
+def log_in(page: Page, then: str) -> None:
+    """Log in as the `admin_user` fixture's superuser, then go to `then`."""
+    page.goto(f"/admin/login/?next={then}")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "password")
+    page.click("input[type=submit]")
+
+
 def queue_at_3am() -> dict[str, int]:
     """Two stuck leases, a healthy one, a near-expiry one, a backlog and an hour of history."""
     made = {}
@@ -98,10 +106,7 @@ def test_admin__release_a_stuck_lease_from_the_overview(live_server: Any, admin_
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
 
     with chromium_page(live_server.url) as page:
-        page.goto("/admin/login/?next=/admin/")
-        page.fill("#id_username", "admin")
-        page.fill("#id_password", "password")
-        page.click("input[type=submit]")
+        log_in(page, "/admin/")
         page.click("text=Queue overview")
 
         expect(page.locator("#dl-stuck .dl-value")).to_have_text("2")
@@ -159,10 +164,7 @@ def test_admin__find_a_long_runner_through_the_filter(live_server: Any, admin_us
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
 
     with chromium_page(live_server.url) as page:
-        page.goto("/admin/login/?next=/admin/django_leases/paymentjob/")
-        page.fill("#id_username", "admin")
-        page.fill("#id_password", "password")
-        page.click("input[type=submit]")
+        log_in(page, "/admin/django_leases/paymentjob/")
         rows = page.locator("#result_list tbody tr")
         expect(rows).to_have_count(2)
 

@@ -51,6 +51,18 @@ def endpoint(proc: "subprocess.Popen[str]") -> str:
     return match.group(1)
 
 
+def command(*args: str) -> "subprocess.CompletedProcess[str]":
+    """Run a management command to its end; what it printed is in `stdout` and `stderr`."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
@@ -169,21 +181,8 @@ def test_worker_metrics__port_in_use_is_a_one_line_error() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "manage.py",
-                "run_lease_worker",
-                "--metrics-port",
-                str(port),
-                "--metrics-address",
-                "127.0.0.1",
-            ],  # fmt: skip
-            cwd=ROOT,
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
+        proc = command(
+            "run_lease_worker", "--metrics-port", str(port), "--metrics-address", "127.0.0.1"
         )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
@@ -193,14 +192,7 @@ def test_worker_metrics__port_in_use_is_a_one_line_error() -> None:
 
 @pytest.mark.parametrize("port", ["-1", "65536", "http"])
 def test_worker_metrics__bad_port_is_refused(port: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "manage.py", "run_lease_worker", "--metrics-port", port],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = command("run_lease_worker", "--metrics-port", port)
     assert proc.returncode == 1
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("CommandError: run_lease_worker: argument --metrics-port:"), line
@@ -242,14 +234,7 @@ def test_without_prometheus_client__worker_runs_and_metrics_port_is_refused(
 
 
 def test_watcher_metrics__refused_with_once() -> None:
-    proc = subprocess.run(
-        [sys.executable, "manage.py", "watch_stuck_jobs", "--once", *LOCAL],
-        cwd=ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = command("watch_stuck_jobs", "--once", *LOCAL)
     assert proc.returncode == 1
     [line] = proc.stderr.strip().splitlines()
     assert "--metrics-port needs a watcher that keeps running" in line
