@@ -41,7 +41,8 @@ class Recorder(Protocol):
     (`django_leases.metrics.WorkerMetrics`)."""
 
     def count(self, event: str, kind: str, n: int) -> None:
-        """Count `n` events named like a `WorkerStats` field, or `AttemptOutcome.LEASE_LOST`."""
+        """Count `n` events named like a `WorkerStats` field, or `AttemptOutcome.LEASE_LOST`
+        for a lease the heartbeat found lost."""
 
     def ran(self, kind: str, seconds: float) -> None:
         """Note how long a handler ran."""

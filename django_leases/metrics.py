@@ -40,7 +40,7 @@ WORKER_COUNTERS = {
     AttemptOutcome.RETRIED: ("retries", "Attempts that failed and scheduled a retry"),
     AttemptOutcome.LEASE_LOST: (
         "leases_lost",
-        "Leases whose renewal the database refused: they expired or were taken over",
+        "Leases the worker found lost: a renewal refused, or none confirmed for a whole TTL",
     ),
     "lost": (
         "fenced_out_writes",

@@ -527,10 +527,7 @@ class LeaseWorker(RunsAttempts):
             if not lease.lost:
                 leases.append(lease)
             elif lease.key not in self._reported_lost:
-                self._reported_lost.add(lease.key)
-                logger.warning(
-                    "lease lost job_id=%s token=%s: %s", lease.pk, lease.token, lease.lost_reason
-                )
+                self._report_lost(lease, lease.lost_reason)
         if not leases:
             return
         started = time.monotonic()
@@ -548,13 +545,15 @@ class LeaseWorker(RunsAttempts):
                 lease.renewed(started)
             elif not lease.finished:
                 lease.mark_lost("heartbeat refused: the lease expired or was taken over")
-                self._reported_lost.add(lease.key)
-                if self.stats.recorder is not None:
-                    self.stats.recorder.count(AttemptOutcome.LEASE_LOST, lease.job.kind, 1)
-                logger.warning(
-                    "lease lost job_id=%s token=%s: heartbeat refused", lease.pk, lease.token
-                )
+                self._report_lost(lease, "heartbeat refused")
         logger.debug("heartbeat renewed=%s of %s", len(renewed), len(leases))
+
+    def _report_lost(self, lease: Lease, reason: str) -> None:
+        """Log a lease this worker found lost (once per lease), and count it."""
+        self._reported_lost.add(lease.key)
+        if self.stats.recorder is not None:
+            self.stats.recorder.count(AttemptOutcome.LEASE_LOST, lease.job.kind, 1)
+        logger.warning("lease lost job_id=%s token=%s: %s", lease.pk, lease.token, reason)
 
     # ---- shutdown ---------------------------------------------------------------------------
 

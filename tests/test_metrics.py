@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import re
 import signal
 import socket
@@ -176,6 +177,48 @@ def test_worker_metrics__a_timeout_is_counted(processes: Processes) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker_metrics__a_paused_worker_counts_its_lost_lease_and_fenced_out_write(
+    processes: Processes,
+) -> None:
+    # The paused holder's attempt sleeps 20 s, so it is still running when the process resumes
+    # (its heartbeat is refused), and ends later (its outcome is fenced out).
+    job = PaymentJob.objects.enqueue("sleep", {"durations": [20, 1]})
+    zombie = processes.manage(
+        "run_lease_worker", "--worker-id", "zombie", "--ttl", "2", "--heartbeat", "0.4",
+        "--poll-interval", "0.1", "--kind", "sleep", *LOCAL,
+    )  # fmt: skip
+    url = endpoint(zombie)
+    wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, lease_owner="zombie").exists())
+    os.killpg(zombie.pid, signal.SIGSTOP)
+    wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
+    processes.manage(
+        "run_lease_worker", "--worker-id", "owner", "--ttl", "3", "--heartbeat", "0.5",
+        "--poll-interval", "0.1", "--kind", "sleep",
+    )  # fmt: skip
+    wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, lease_token=2).exists())
+    os.killpg(zombie.pid, signal.SIGCONT)
+
+    wait_for(lambda: value(scrape(url), "django_leases_leases_lost_total", kind="sleep") == 1)
+    samples = wait_for(
+        lambda: (
+            (samples := scrape(url))
+            and value(samples, "django_leases_fenced_out_writes_total", kind="sleep") == 1
+            and samples
+        ),
+        timeout=60,
+    )
+    assert isinstance(samples, dict)
+    assert value(samples, "django_leases_claims_total", kind="sleep") == 1
+    assert value(samples, "django_leases_completions_total", kind="sleep") == 0
+    assert value(samples, "django_leases_leases_lost_total", kind="sleep") == 1
+    wait_for(lambda: PaymentJob.objects.get(pk=job.pk).status == Status.COMPLETED, timeout=60)
+    assert list(
+        JobAttempt.objects.filter(job_ref=job.pk).order_by("token").values_list("owner", "outcome")
+    ) == [("zombie", "lease_lost"), ("owner", "completed")]
+
+
 def test_worker_metrics__port_in_use_is_a_one_line_error() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
