@@ -88,8 +88,8 @@ class QueueCollector(Collector):
     """The queue's gauges, read from the database at each scrape (six index-backed queries);
     `django_leases_database_up` is 0 and the others absent when that fails.
 
-    With `close_connections`, each scrape closes the connections it opened: the HTTP server of
-    `serve()` answers each scrape on a new thread, which would leave its connection behind.
+    With `close_connections`, each scrape closes the connections it opened: an `Endpoint`
+    answers each scrape on a new thread, which would leave its connection behind.
     """
 
     def __init__(self, *, close_connections: bool = False) -> None:
