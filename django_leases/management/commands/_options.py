@@ -128,11 +128,13 @@ def add_metrics_arguments(parser: CommandParser, what: str) -> None:
         "--metrics-port",
         type=whole_number(PORT),
         default=None,
+        metavar="PORT",
         help=f"serve {what} to Prometheus at http://ADDRESS:PORT/metrics; 0 picks a free port "
         'and prints it (needs the extra: pip install "django-leases[prometheus]")',
     )
     parser.add_argument(
         "--metrics-address",
+        metavar="ADDRESS",
         default="0.0.0.0",  # noqa: S104 - Prometheus scrapes from another host
         help="address the metrics endpoint listens on (default: %(default)r)",
     )
