@@ -62,26 +62,18 @@ def measure_sizes(sizes: list[int], live: int, scrapes: int) -> list[dict[str, A
     return steps
 
 
-def measure(
-    args: argparse.Namespace, db: common.BenchDB, procs: common.Processes
-) -> list[tuple[str, dict[str, Any]]]:
-    common.note(f"{db.vendor}: sizes {args.sizes} ...")
-    steps = procs.call(
-        db,
-        "bench.gauges:measure_sizes",
-        timeout=args.timeout,
-        sizes=args.sizes,
-        live=args.live,
-        scrapes=args.scrapes,
-    )
-    return [(db.vendor, step) for step in steps]
-
-
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
     headers = ["database", "finished rows", "live jobs", "running long"]
     headers += ["p50 ms", "p95 ms", "p99 ms", "max ms"]
     skipped: dict[str, str] = {}
-    steps = common.each_database(args, "gauges", lambda db: measure(args, db, procs), skipped)
+    steps = common.each_database(
+        args,
+        "gauges",
+        lambda db: common.measure_sizes_on(
+            args, db, procs, "bench.gauges:measure_sizes", live=args.live, scrapes=args.scrapes
+        ),
+        skipped,
+    )
     rows = [
         [
             vendor,
@@ -102,12 +94,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(__doc__)
-    parser.add_argument(
-        "--sizes",
-        type=common.int_list,
-        default=[0, 100_000, 1_000_000],
-        help="comma-separated finished-row counts, k and M allowed (default: 0,100k,1M)",
-    )
+    common.add_sizes_argument(parser)
     parser.add_argument(
         "--live",
         type=common.positive_int,
