@@ -54,7 +54,7 @@ class WorkerMetrics:
     """A worker's `Recorder`: its counters and histograms, in a registry of its own."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         self.counters = {
             str(event): Counter(f"{PREFIX}_{name}", text, ["kind"], registry=self.registry)
             for event, (name, text) in WORKER_COUNTERS.items()
@@ -144,7 +144,7 @@ class WatcherMetrics:
     """The watcher's rescue counter and the queue's gauges, in a registry of their own."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         self.rescues = Counter(
             f"{PREFIX}_rescues",
             "Jobs the watcher acted on: expired or orphaned leases, and reviews a reconcile "
@@ -177,6 +177,6 @@ class Endpoint:
 
 def queue_metrics(request: HttpRequest) -> HttpResponse:
     """Serve the queue's gauges to Prometheus; route it behind your own access control."""
-    registry = CollectorRegistry(auto_describe=True)
+    registry = CollectorRegistry()
     registry.register(QueueCollector())
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -11,6 +11,7 @@ import sys
 import urllib.request
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db.models.functions import Now
@@ -327,9 +328,12 @@ def expected_gauges() -> Samples:
 @pytest.mark.django_db
 @pytest.mark.urls(__name__)
 @override_settings(DJANGO_LEASES=NEAR_EXPIRY)
-def test_queue_metrics__gauges_match_the_rows(client: Client) -> None:
+def test_queue_metrics__gauges_match_the_rows(
+    client: Client, django_assert_num_queries: Any
+) -> None:
     make_queue()
-    response = client.get("/metrics/")
+    with django_assert_num_queries(6):  # stats.queue_gauges(), once per scrape
+        response = client.get("/metrics/")
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
     samples = parse(response.content.decode())
