@@ -125,6 +125,16 @@ def add_common_arguments(
     )
 
 
+def add_sizes_argument(parser: argparse.ArgumentParser) -> None:
+    """Add --sizes: the finished-row counts a table is grown through."""
+    parser.add_argument(
+        "--sizes",
+        type=int_list,
+        default=[0, 100_000, 1_000_000],
+        help="comma-separated finished-row counts, k and M allowed (default: 0,100k,1M)",
+    )
+
+
 def server_urls(args: argparse.Namespace) -> dict[str, str]:
     return {"postgresql": args.pg_url, "mysql": args.mysql_url, "sqlite": ""}
 
@@ -397,6 +407,16 @@ class Processes:
             results.append(read_result(out, proc, target))
             self.stop(proc)
         return results
+
+
+def measure_sizes_on(
+    args: argparse.Namespace, db: BenchDB, procs: Processes, target: str, **kwargs: Any
+) -> list[tuple[str, dict[str, Any]]]:
+    """Run `target` (a child's `measure_sizes(sizes, ...)`) on `db` for `args.sizes`; return
+    (vendor, step) pairs."""
+    note(f"{db.vendor}: sizes {args.sizes} ...")
+    steps = procs.call(db, target, timeout=args.timeout, sizes=args.sizes, **kwargs)
+    return [(db.vendor, step) for step in steps]
 
 
 def poll_until(

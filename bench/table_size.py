@@ -318,12 +318,11 @@ def measure(
     args: argparse.Namespace, db: common.BenchDB, procs: common.Processes
 ) -> list[tuple[str, dict[str, Any]]]:
     """Run `measure_sizes` on `db`; return (vendor, step) pairs."""
-    common.note(f"{db.vendor}: sizes {args.sizes} ...")
-    steps = procs.call(
+    return common.measure_sizes_on(
+        args,
         db,
+        procs,
         "bench.table_size:measure_sizes",
-        timeout=args.timeout,
-        sizes=args.sizes,
         pending=args.claims + args.warmup + 10 + args.pending,
         claims=args.claims,
         warmup=args.warmup,
@@ -332,7 +331,6 @@ def measure(
         index_cleanup=args.index_cleanup,
         waiting_behind=args.waiting_behind,
     )
-    return [(db.vendor, step) for step in steps]
 
 
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
@@ -384,12 +382,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(__doc__)
-    parser.add_argument(
-        "--sizes",
-        type=common.int_list,
-        default=[0, 100_000, 1_000_000],
-        help="comma-separated finished-row counts, k and M allowed (default: 0,100k,1M)",
-    )
+    common.add_sizes_argument(parser)
     parser.add_argument(
         "--claims",
         type=common.positive_int,

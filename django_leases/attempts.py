@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from django.db import (
     DatabaseError,
@@ -36,6 +36,21 @@ logger = logging.getLogger("django_leases.worker")
 TRANSIENT = (OperationalError, InterfaceError)
 
 
+class Recorder(Protocol):
+    """Where a worker reports each event with its job's kind, e.g. to Prometheus
+    (`django_leases.metrics.WorkerMetrics`)."""
+
+    def count(self, event: str, kind: str, n: int) -> None:
+        """Count `n` events named like a `WorkerStats` field, or `AttemptOutcome.LEASE_LOST`
+        for a lease the heartbeat found lost."""
+
+    def ran(self, kind: str, seconds: float) -> None:
+        """Note how long a handler ran."""
+
+    def waited(self, kind: str, seconds: float) -> None:
+        """Note how long a job waited from its due time to its claim (database clock)."""
+
+
 @dataclass
 class WorkerStats:
     claimed: int = 0
@@ -48,13 +63,17 @@ class WorkerStats:
     timed_out: int = 0
     outages: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    recorder: Recorder | None = field(default=None, repr=False)
 
-    def add(self, name: str, count: int = 1) -> None:
+    def add(self, name: str, count: int = 1, *, kind: str | None = None) -> None:
+        """Count `count` events `name`, and report them with their job's `kind` if given."""
         with self.lock:
             setattr(self, name, getattr(self, name) + count)
+        if kind is not None and self.recorder is not None:
+            self.recorder.count(name, kind, count)
 
     def summary(self) -> str:
-        names = [f.name for f in fields(self) if f.name not in ("outages", "lock")]
+        names = [f.name for f in fields(self) if f.name not in ("outages", "lock", "recorder")]
         return " ".join(f"{name}={getattr(self, name)}" for name in names)
 
 
@@ -86,6 +105,8 @@ class RunsAttempts:
             handler.run(job, lease, deadline=deadline)
         except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
             error = exc
+        if self.stats.recorder is not None:
+            self.stats.recorder.ran(job.kind, time.monotonic() - started)
         left_open = self._restore_connections()
         if error is None and left_open:
             error = HandlerError(left_open)
@@ -111,7 +132,7 @@ class RunsAttempts:
             )
         elif lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
             outcome = lease.outcome or AttemptOutcome.COMPLETED
-            self.stats.add(outcome)
+            self.stats.add(outcome, kind=job.kind)
             logger.info(
                 "%s job_id=%s attempt=%s by the handler in=%.3fs",
                 outcome,
@@ -194,13 +215,14 @@ class RunsAttempts:
         self, lease: Lease, outcome: str, result: object, error: BaseException | None
     ) -> None:
         error_name = type(error).__name__ if error else ""
+        kind = lease.job.kind
         if outcome == AttemptOutcome.COMPLETED:
-            self.stats.add(AttemptOutcome.COMPLETED)
+            self.stats.add(AttemptOutcome.COMPLETED, kind=kind)
             logger.info(
                 "completed job_id=%s attempt=%s owner=%s", lease.pk, lease.attempt, lease.owner
             )
         elif outcome == TIMED_OUT:
-            self.stats.add(TIMED_OUT)
+            self.stats.add(TIMED_OUT, kind=kind)
             logger.warning(
                 "timed out job_id=%s attempt=%s: cancelled at its timeout; now %s",
                 lease.pk,
@@ -208,7 +230,7 @@ class RunsAttempts:
                 result,
             )
         elif result == FAILED or outcome == AttemptOutcome.FAILED:
-            self.stats.add(AttemptOutcome.FAILED)
+            self.stats.add(AttemptOutcome.FAILED, kind=kind)
             logger.warning(
                 "failed job_id=%s attempt=%s error_class=%s (no retry left or permanent)",
                 lease.pk,
@@ -216,7 +238,7 @@ class RunsAttempts:
                 error_name,
             )
         else:
-            self.stats.add(AttemptOutcome.RETRIED)
+            self.stats.add(AttemptOutcome.RETRIED, kind=kind)
             logger.info(
                 "retry job_id=%s attempt=%s error_class=%s", lease.pk, lease.attempt, error_name
             )
@@ -247,7 +269,7 @@ class RunsAttempts:
 
     def _fenced_out(self, lease: Lease, reason: str) -> None:
         lease.mark_lost(reason)
-        self.stats.add("lost")
+        self.stats.add("lost", kind=lease.job.kind)
         logger.warning(
             "fenced out job_id=%s token=%s owner=%s: %s; nothing written",
             lease.pk,

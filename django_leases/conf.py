@@ -65,6 +65,9 @@ DEFAULTS: dict[str, Any] = {
     # (connect, TCP keepalives, statement and read timeouts); "auto" is a third of the TTL
     # (2 to 30 s), None leaves the connections as configured.
     "NETWORK_TIMEOUT": "auto",
+    # Seconds after which a running attempt shows as "running long" in the admin and metrics,
+    # for kinds whose handler has no `timeout` (theirs is that timeout).
+    "LONG_RUNNING": 600.0,
 }
 
 

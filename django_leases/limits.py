@@ -39,6 +39,8 @@ CONCURRENCY = (1, 1_000)
 MAX_JOBS = (1, 2**31 - 1)
 # A job's id: a BIGINT.
 JOB_ID = (1, 2**63 - 1)
+# A TCP port to serve metrics on; 0 lets the system choose a free one.
+PORT = (0, 65535)
 
 # Characters of each text field (as the model declares them).
 KIND_LENGTH = 100

@@ -1,11 +1,12 @@
-"""Read-only numbers for the admin, built on the `LeaseQuerySet` reads.
+"""Read-only numbers for the admin and the Prometheus gauges, built on the `LeaseQuerySet` reads.
 
 Nothing here writes, and nothing reads one row per job into Python: every query is a count, a
 GROUP BY or a bounded list, each served by an index of `PaymentJob` — per-status counts walk
 `dl_job_finished_idx (status, completed_at)`, lease counts the processing-only `dl_job_lease_idx`,
 the oldest due job the pending-only `dl_job_due_idx` and the last hour's throughput a range of
-`dl_job_finished_idx`. So the overview costs the same number of queries however many rows pile up.
-Every "now" is the database clock.
+`dl_job_finished_idx`; long runners are processing jobs, each probing the ledger's unique
+(job_ref, token) index for its open attempt. So the overview costs the same number of queries
+however many rows pile up. Every "now" is the database clock.
 """
 
 from __future__ import annotations
@@ -28,19 +29,25 @@ from django.db.models import (
 )
 from django.db.models.functions import Now, TruncMinute
 
-from django_leases.handlers import registered_kinds
+from django_leases.conf import leases_settings
+from django_leases.handlers import get_handler, registered_kinds
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
-from django_leases.status import COMPLETED, FAILED, PROCESSING, REVIEW, WAITING
+from django_leases.status import COMPLETED, FAILED, PENDING, PROCESSING, REVIEW, WAITING
 
 STUCK, NEAR_EXPIRY, HEALTHY = "stuck", "near_expiry", "healthy"
+# Not a lease state of its own: a processing job whose attempt has run longer than its limit.
+RUNNING_LONG = "running_long"
 # The categories of `selection()`: a status, or a processing job split by its lease.
 LIVE_LEASE = "live_lease"
+# The statuses of jobs not finished yet; each is a range of an index of live rows.
+LIVE_STATUSES = (PENDING, PROCESSING, REVIEW)
 
 
 def with_lease_clock(jobs: LeaseQuerySet[Any]) -> LeaseQuerySet[Any]:
-    """Annotate `lease_left` (lease end minus now; processing jobs only) and `heartbeat_age`
-    (now minus the last heartbeat), both by the database clock."""
-    return jobs.annotate(
+    """Annotate `lease_left` (lease end minus now; processing jobs only), `heartbeat_age`
+    (now minus the last heartbeat) and `running_for` (see `with_running_for()`), all by the
+    database clock."""
+    return jobs.with_running_for().annotate(
         # A finished job keeps its last lease end; only a processing job's is a live deadline.
         lease_left=Case(
             When(status=PROCESSING, then=F("lease_until") - Now()),
@@ -172,6 +179,8 @@ class Overview:
     finished: Counter[str]
     workers: list[Any]
     stuck_jobs: list[Any]
+    running_long: int
+    long_runners: list[Any]
 
     @property
     def total(self) -> int:
@@ -186,6 +195,66 @@ class Overview:
         return self.by_status.get(WAITING, 0)
 
 
+def oldest_due_wait(jobs: LeaseQuerySet[Any]) -> timedelta | None:
+    """Return how long the oldest due pending job has waited since its `run_at` (database
+    clock), or None when none is due. One query on the pending-only due index."""
+    oldest = jobs.due().aggregate(
+        wait=ExpressionWrapper(Now() - Min("run_at"), output_field=DurationField())
+    )
+    wait: timedelta | None = oldest["wait"]
+    return wait
+
+
+def long_running_limits() -> tuple[float, dict[str, float]]:
+    """Return when an attempt runs long: `DJANGO_LEASES["LONG_RUNNING"]` seconds, and per kind
+    whose handler has a `timeout`, that timeout (`running_longer_than()`'s arguments)."""
+    timeouts = {kind: get_handler(kind).timeout for kind in registered_kinds()}
+    by_kind = {kind: timeout for kind, timeout in timeouts.items() if timeout is not None}
+    return float(leases_settings.LONG_RUNNING), by_kind
+
+
+def running_long(jobs: LeaseQuerySet[Any]) -> LeaseQuerySet[Any]:
+    """Processing jobs whose current attempt has run longer than `long_running_limits()`."""
+    default, by_kind = long_running_limits()
+    return jobs.running_longer_than(default, by_kind=by_kind)
+
+
+def long_running_limit(kind: str) -> float:
+    """Return the seconds after which an attempt of `kind` runs long."""
+    default, by_kind = long_running_limits()
+    return by_kind.get(kind, default)
+
+
+@dataclass(frozen=True)
+class QueueGauges:
+    """The queue's numbers for Prometheus (`django_leases.metrics`)."""
+
+    by_status_and_kind: dict[tuple[str, str], int]
+    stuck: int
+    near_expiry: int
+    under_review: int
+    running_long: int
+    oldest_due_wait: timedelta | None
+
+
+def queue_gauges(jobs: LeaseQuerySet[Any], *, near_expiry: float) -> QueueGauges:
+    """Read the queue's gauges in six queries, each over an index range of live rows.
+
+    Jobs are counted per kind in the live statuses only (pending, processing, review): counting
+    finished jobs per kind would scan the whole table; the workers' counters count them.
+    """
+    live = jobs.filter(status__in=LIVE_STATUSES).order_by().values_list("status", "kind")
+    by_status_and_kind = {(status, kind): n for status, kind, n in live.annotate(n=Count("*"))}
+    return QueueGauges(
+        by_status_and_kind=by_status_and_kind,
+        stuck=jobs.expired().count(),
+        near_expiry=jobs.near_expiry(near_expiry).count(),
+        under_review=jobs.under_review().count(),
+        running_long=running_long(jobs).count(),
+        oldest_due_wait=oldest_due_wait(jobs),
+    )
+
+
 def overview(
     jobs: LeaseQuerySet[Any],
     workers: WorkerQuerySet,
@@ -194,19 +263,19 @@ def overview(
     minutes: int = 60,
     stuck_sample: int = 10,
 ) -> Overview:
-    """Read the queue overview in seven queries, whatever the number of jobs."""
-    oldest = jobs.due().aggregate(
-        wait=ExpressionWrapper(Now() - Min("run_at"), output_field=DurationField())
-    )
+    """Read the queue overview in nine queries, whatever the number of jobs."""
     chart, finished = throughput(jobs, minutes=minutes)
+    long_runners = with_lease_clock(running_long(jobs))
     return Overview(
         by_status=status_counts(jobs),
         stuck=jobs.expired().count(),
         near_expiry=jobs.near_expiry(near_expiry).count(),
-        oldest_due_wait=oldest["wait"],
+        oldest_due_wait=oldest_due_wait(jobs),
         chart=chart,
         finished=finished,
         # The registry holds a row per worker process; the live ones are the fleet.
         workers=list(with_seen_ago(workers.alive()).order_by("worker_id")),
         stuck_jobs=list(with_lease_clock(jobs.expired()).order_by("lease_until")[:stuck_sample]),
+        running_long=long_runners.count(),
+        long_runners=list(long_runners.order_by("-running_for", "pk")[:stuck_sample]),
     )

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Collection
+from datetime import datetime
 from typing import Any, TypeVar
 
 from django.db import (
@@ -31,7 +32,7 @@ from django.db import (
     connections,
 )
 
-from django_leases.attempts import TRANSIENT, RunsAttempts, WorkerStats
+from django_leases.attempts import TRANSIENT, Recorder, RunsAttempts, WorkerStats
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden
@@ -92,6 +93,7 @@ class LeaseWorker(RunsAttempts):
         max_jobs: int | None = None,
         poll_interval: float | None = None,
         grace_period: float | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
         jobs = leased_jobs(model)
         self.model: type[Any] = jobs.model
@@ -138,7 +140,7 @@ class LeaseWorker(RunsAttempts):
             grace_period if grace_period is not None else leases_settings.GRACE_PERIOD
         )
         self.using = jobs.db
-        self.stats = WorkerStats()
+        self.stats = WorkerStats(recorder=recorder)
         self.failure: str | None = None
         """Why the worker stopped itself (for its supervisor to restart it); None otherwise."""
         self._instance = secrets.token_hex(8)
@@ -216,7 +218,8 @@ class LeaseWorker(RunsAttempts):
             with self._changed:
                 self._idle_slots()[0].lease = lease
                 self._changed.notify_all()
-            self.stats.add("claimed")
+            self.stats.add("claimed", kind=job.kind)
+            self._report_wait(job)
             logger.info(
                 "claimed job_id=%s kind=%s attempt=%s token=%s owner=%s",
                 job.pk,
@@ -226,6 +229,16 @@ class LeaseWorker(RunsAttempts):
                 self.worker_id,
             )
         return len(jobs)
+
+    def _report_wait(self, job: Any) -> None:
+        """Report how long a job waited from its due time to this claim, both by the database
+        clock (the claim sets `heartbeat_at` to its own time); a takeover did not wait."""
+        recorder = self.stats.recorder
+        if recorder is None or getattr(job, "taken_over", False):
+            return
+        if isinstance(job.heartbeat_at, datetime) and isinstance(job.run_at, datetime):
+            waited = (job.heartbeat_at - job.run_at).total_seconds()
+            recorder.waited(job.kind, max(waited, 0.0))
 
     def stop(self) -> None:
         """Stop claiming; running jobs get the grace period. Safe to call from a signal handler."""
@@ -373,7 +386,7 @@ class LeaseWorker(RunsAttempts):
 
     def _abandon(self, lease: Lease, why: str) -> None:
         lease.mark_lost(f"abandoned: {why}")
-        self.stats.add("abandoned")
+        self.stats.add("abandoned", kind=lease.job.kind)
         logger.warning(
             "abandoned job_id=%s token=%s: %s; its lease expires in at most %ss",
             lease.pk,
@@ -405,7 +418,7 @@ class LeaseWorker(RunsAttempts):
             self._abandoned.append(slot.thread)
             slot.thread, slot.lease, slot.started, slot.deadline = None, None, None, None
             self._changed.notify_all()
-        self.stats.add(TIMED_OUT)
+        self.stats.add(TIMED_OUT, kind=lease.job.kind)
         logger.warning(
             "timed out job_id=%s attempt=%s token=%s: %s; %s; its thread is abandoned",
             lease.pk,
@@ -539,9 +552,7 @@ class LeaseWorker(RunsAttempts):
                 first = lease.key not in self._reported_lost
                 self._reported_lost.add(lease.key)
             if first:
-                logger.warning(
-                    "lease lost job_id=%s token=%s: %s", lease.pk, lease.token, lease.lost_reason
-                )
+                self._report_lost(lease)
         return live
 
     def _renew(self) -> None:
@@ -565,6 +576,14 @@ class LeaseWorker(RunsAttempts):
                 lease.mark_lost("heartbeat refused: the lease expired or was taken over")
                 self._live([lease])
         logger.debug("heartbeat renewed=%s of %s", len(renewed), len(leases))
+
+    def _report_lost(self, lease: Lease) -> None:
+        """Log a lease this worker found lost, and count it; `_live()` calls it once per lease."""
+        if self.stats.recorder is not None:
+            self.stats.recorder.count(AttemptOutcome.LEASE_LOST, lease.job.kind, 1)
+        logger.warning(
+            "lease lost job_id=%s token=%s: %s", lease.pk, lease.token, lease.lost_reason
+        )
 
     # ---- shutdown ---------------------------------------------------------------------------
 
@@ -607,5 +626,5 @@ class LeaseWorker(RunsAttempts):
         except (LeaseLost, *TRANSIENT) as exc:
             logger.warning("could not release job_id=%s: %s", lease.pk, error_text(exc))
             return
-        self.stats.add(AttemptOutcome.RELEASED)
+        self.stats.add(AttemptOutcome.RELEASED, kind=lease.job.kind)
         logger.info("released unstarted job_id=%s token=%s", lease.pk, lease.token)

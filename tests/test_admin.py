@@ -226,6 +226,56 @@ def test_lease_filter__follows_near_expiry_setting(
     }
 
 
+def run_for(job: PaymentJob, ago: timedelta) -> None:
+    """Make the job's open attempt start `ago`, by the database clock (its lease stays live)."""
+    JobAttempt.objects.filter(job_ref=job.pk, ended_at__isnull=True).update(claimed_at=Now() - ago)
+
+
+def test_lease_filter__running_long_by_the_kinds_limit(
+    admin_client: Client, jobs: dict[str, PaymentJob], settings: Any
+) -> None:
+    settings.DJANGO_LEASES = {"LONG_RUNNING": 1800}
+    run_for(jobs["healthy"], timedelta(hours=1))  # heartbeating fine, yet an hour in
+    run_for(jobs["near"], timedelta(minutes=10))
+    hangs = claim(PaymentJob.objects.enqueue("hangs").pk, "worker-hangs")
+    run_for(hangs, timedelta(seconds=30))  # past its handler's timeout of 1.5 s
+    assert listed(changelist(admin_client, lease="running_long")) == {jobs["healthy"].pk, hangs.pk}
+    html = changelist(admin_client).content.decode()
+    assert ">Running long</a>" in html
+    long_row, short_row = (
+        row(changelist(admin_client), jobs["healthy"]),
+        row(changelist(admin_client), jobs["near"]),
+    )
+    assert re.search(r"Running long</span> <span class=\"dl-when\">1 h 0 min", long_row)
+    assert "Running long" not in short_row and ">10 min 0 s<" in short_row
+
+
+def test_changelist__sorts_by_running_time(
+    admin_client: Client, jobs: dict[str, PaymentJob]
+) -> None:
+    run_for(jobs["healthy"], timedelta(hours=1))
+    column = changelist(admin_client).context["cl"].list_display.index("running_for")
+    shown = changelist(admin_client, o=f"-{column}").context["cl"].result_list
+    processing = [job.pk for job in shown if job.status == Status.PROCESSING]
+    assert processing[0] == jobs["healthy"].pk
+
+
+def test_overview__counts_and_lists_long_runners(
+    admin_client: Client, jobs: dict[str, PaymentJob], settings: Any
+) -> None:
+    settings.DJANGO_LEASES = {"LONG_RUNNING": 1800}
+    run_for(jobs["healthy"], timedelta(hours=2))
+    run_for(jobs["stuck"], timedelta(hours=1))
+    run_for(jobs["near"], timedelta(minutes=5))
+    response = admin_client.get(reverse(OVERVIEW))
+    data = response.context["overview"]
+    assert data.running_long == 2
+    assert [job.pk for job in data.long_runners] == [jobs["healthy"].pk, jobs["stuck"].pk]
+    html = response.content.decode()
+    assert re.search(r'id="dl-running-long".*?<span class="dl-value">2</span>', html, re.S)
+    assert "?lease=running_long" in html and "pay_healthy" in html
+
+
 @pytest.mark.parametrize("status", list(Status.values))
 def test_status_filter__returns_jobs_of_that_status(
     admin_client: Client, jobs: dict[str, PaymentJob], status: str
@@ -867,8 +917,9 @@ def bulk_jobs(n: int) -> None:
 # the same five: filters narrow the same two queries.
 CHANGELIST_QUERIES = 5
 # Session, user, then stats.overview(): per-status GROUP BY, expired count, near-expiry
-# count, oldest due wait, last hour's throughput, live workers, stuck sample.
-OVERVIEW_QUERIES = 9
+# count, oldest due wait, last hour's throughput, live workers, stuck sample, jobs blocked by a
+# lock, long runners' count and sample.
+OVERVIEW_QUERIES = 11
 # Session, user, the job, its ledger and its operator events (the inlines).
 CHANGE_FORM_QUERIES = 5
 

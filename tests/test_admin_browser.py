@@ -17,7 +17,7 @@ from django.db.models.functions import Now
 from django.test import override_settings
 from playwright.sync_api import Page, expect, sync_playwright
 
-from django_leases.models import PaymentJob, Worker
+from django_leases.models import JobAttempt, PaymentJob, Worker
 
 from .conftest import ROOT
 
@@ -55,6 +55,14 @@ def chromium_page(base_url: str) -> Iterator[Page]:
             yield context.new_page()
         finally:
             browser.close()
+
+
+def log_in(page: Page, then: str) -> None:
+    """Log in as the `admin_user` fixture's superuser, then go to `then`."""
+    page.goto(f"/admin/login/?next={then}")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "password")
+    page.click("input[type=submit]")
 
 
 def queue_at_3am() -> dict[str, int]:
@@ -98,10 +106,7 @@ def test_admin__release_a_stuck_lease_from_the_overview(live_server: Any, admin_
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
 
     with chromium_page(live_server.url) as page:
-        page.goto("/admin/login/?next=/admin/")
-        page.fill("#id_username", "admin")
-        page.fill("#id_password", "password")
-        page.click("input[type=submit]")
+        log_in(page, "/admin/")
         page.click("text=Queue overview")
 
         expect(page.locator("#dl-stuck .dl-value")).to_have_text("2")
@@ -142,3 +147,44 @@ def test_admin__release_a_stuck_lease_from_the_overview(live_server: Any, admin_
     assert (released.status, released.attempts) == ("pending", 1)
     assert PaymentJob.objects.get(pk=made["stuck-b"]).status == "processing"
     assert PaymentJob.objects.get(pk=made["healthy"]).status == "processing"
+
+
+@override_settings(DJANGO_LEASES={"LONG_RUNNING": 1800})
+def test_admin__find_a_long_runner_through_the_filter(live_server: Any, admin_user: Any) -> None:
+    made = {}
+    for name, started in (("marathon", timedelta(hours=2)), ("sprint", timedelta(minutes=2))):
+        job = PaymentJob.objects.enqueue("capture", payment_id=f"pay_{name}")
+        claimed = PaymentJob.objects.claim_job(job.pk, f"host-1:{name}", ttl=600)
+        assert claimed is not None
+        # Heartbeating fine (its lease is live), but its attempt started `started` ago.
+        JobAttempt.objects.filter(job_ref=job.pk, ended_at__isnull=True).update(
+            claimed_at=Now() - started
+        )
+        made[name] = job.pk
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+
+    with chromium_page(live_server.url) as page:
+        log_in(page, "/admin/django_leases/paymentjob/")
+        rows = page.locator("#result_list tbody tr")
+        expect(rows).to_have_count(2)
+
+        page.locator("#changelist-filter").get_by_role("link", name="Running long").click()
+        expect(rows).to_have_count(1)
+        expect(rows.first).to_contain_text("pay_marathon")
+        expect(rows.first.locator("td.field-lease")).to_contain_text("Healthy")
+        expect(rows.first.locator("td.field-running_for")).to_contain_text(
+            re.compile(r"Running long\s+2 h 0 min")
+        )
+        page.screenshot(path=SCREENSHOTS / "running-long-filter.png", full_page=True)
+
+        page.goto("/admin/django_leases/paymentjob/overview/")
+        expect(page.locator("#dl-running-long .dl-value")).to_have_text("1")
+        expect(page.locator("#dl-long-runners tbody tr")).to_have_count(1)
+        expect(page.locator("#dl-long-runners")).to_contain_text("pay_marathon")
+        expect(page.locator("#dl-long-runners")).not_to_contain_text("pay_sprint")
+        page.screenshot(path=SCREENSHOTS / "running-long-overview.png", full_page=True)
+        page.click("#dl-running-long")
+        expect(rows).to_have_count(1)
+        expect(rows.first).to_contain_text("pay_marathon")
+
+    assert PaymentJob.objects.get(pk=made["marathon"]).status == "processing"

@@ -52,6 +52,7 @@ def test_check_settings__unknown_key_warns() -> None:
 def test_check_settings__non_positive_non_numeric_or_too_long_duration(value: object) -> None:
     assert "django_leases.E002" in ids(TTL=value)
     assert ids(WATCH_INTERVAL=value) == ["django_leases.E002"]
+    assert ids(LONG_RUNNING=value) == ["django_leases.E002"]
 
 
 def test_check_settings__heartbeat_not_shorter_than_ttl() -> None:

@@ -9,7 +9,7 @@ from django.db.models.functions import Now
 from django_leases import stats
 from django_leases.exceptions import InvalidDuration
 from django_leases.handlers import registered_kinds
-from django_leases.models import PaymentJob, Worker
+from django_leases.models import JobAttempt, PaymentJob, Worker
 
 pytestmark = pytest.mark.django_db
 
@@ -23,6 +23,17 @@ def job_in(status: str, *, kind: str = "capture", **values: Any) -> PaymentJob:
         values = {"completed_at": Now(), **values}
     PaymentJob.objects.filter(pk=job.pk).update(status=status, **values)
     return job
+
+
+def running_since(ago: timedelta, *, kind: str = "capture") -> PaymentJob:
+    """A job claimed now whose attempt's ledger row says it started `ago` (database clock)."""
+    job = PaymentJob.objects.enqueue(kind)
+    claimed = PaymentJob.objects.claim_job(job.pk, "w-long", ttl=60)
+    assert claimed is not None
+    JobAttempt.objects.filter(job_ref=job.pk, token=claimed.lease_token).update(
+        claimed_at=Now() - ago
+    )
+    return claimed
 
 
 def test_finished_within__final_statuses_inside_the_window() -> None:
@@ -112,15 +123,102 @@ def test_throughput__per_database_minute() -> None:
     )
 
 
-def test_overview__seven_queries(django_assert_num_queries: Any) -> None:
+def test_overview__nine_queries(django_assert_num_queries: Any) -> None:
     job_in("processing", lease_until=Now() - timedelta(seconds=5))
     job_in("pending", run_at=Now() - timedelta(minutes=2))
     job_in("review")
+    long_runner = running_since(timedelta(hours=2))
     Worker.objects.register("w1", instance="test", hostname="h", pid=1, kinds=[], concurrency=1)
-    with django_assert_num_queries(7):
+    with django_assert_num_queries(9):
         data = stats.overview(PaymentJob.objects.all(), Worker.objects.all(), near_expiry=20)
-    assert (data.total, data.stuck, data.near_expiry, data.under_review) == (3, 1, 0, 1)
+    assert (data.total, data.stuck, data.near_expiry, data.under_review) == (4, 1, 0, 1)
+    assert data.running_long == 1 and [job.pk for job in data.long_runners] == [long_runner.pk]
+    assert data.long_runners[0].running_for >= timedelta(hours=2)
     assert data.oldest_due_wait is not None
     assert data.oldest_due_wait.total_seconds() == pytest.approx(120, abs=5)
     assert [w.worker_id for w in data.workers] == ["w1"]
     assert len(data.stuck_jobs) == 1 and data.stuck_jobs[0].lease_left < timedelta(0)
+
+
+# ---- long runners --------------------------------------------------------------------------
+
+
+def test_running_longer_than__by_the_ledgers_claim_time_whatever_the_heartbeats() -> None:
+    old = running_since(timedelta(minutes=30))
+    young = running_since(timedelta(minutes=5))
+    # A heartbeat renews the lease, not the attempt: it still runs long.
+    PaymentJob.objects.heartbeat("w-long", {old.pk: old.lease_token}, ttl=600)
+    finished = running_since(timedelta(hours=3))
+    PaymentJob.objects.filter(pk=finished.pk).update(status="completed", completed_at=Now())
+    job_in("pending")
+
+    def long(seconds: float | timedelta) -> set[int]:
+        return set(PaymentJob.objects.running_longer_than(seconds).values_list("pk", flat=True))
+
+    assert long(600) == {old.pk}
+    assert long(timedelta(minutes=1)) == {old.pk, young.pk}
+    assert long(3600) == set()
+    with pytest.raises(InvalidDuration, match="seconds"):
+        PaymentJob.objects.running_longer_than(-1)
+
+
+def test_running_longer_than__a_new_attempt_starts_the_clock_again() -> None:
+    job = running_since(timedelta(hours=1))
+    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=1))
+    taken = PaymentJob.objects.claim_job(job.pk, "w-next", ttl=60)  # takes the expired lease
+    assert taken is not None and taken.attempts == 2
+    assert not PaymentJob.objects.running_longer_than(600).exists()
+    assert PaymentJob.objects.running_longer_than(600, by_kind={"capture": 3600}).count() == 0
+
+
+def test_running_longer_than__per_kind_limits() -> None:
+    capture = running_since(timedelta(minutes=20), kind="capture")
+    refund = running_since(timedelta(minutes=20), kind="refund")
+    webhook = running_since(timedelta(minutes=20), kind="webhook")
+
+    def long(**by_kind: float) -> set[int]:
+        jobs = PaymentJob.objects.running_longer_than(600, by_kind=by_kind)
+        return set(jobs.values_list("pk", flat=True))
+
+    assert long() == {capture.pk, refund.pk, webhook.pk}
+    assert long(capture=3600) == {refund.pk, webhook.pk}
+    assert long(capture=3600, refund=3600) == {webhook.pk}
+    assert long(capture=60, refund=3600, webhook=7200) == {capture.pk}
+
+
+def test_long_running_limits__handler_timeout_else_the_setting(settings: Any) -> None:
+    settings.DJANGO_LEASES = {"LONG_RUNNING": 42}
+    default, by_kind = stats.long_running_limits()
+    assert default == 42.0
+    assert by_kind["hangs"] == 1.5  # tests/testapp/jobs.py: @job_handler("hangs", timeout=1.5)
+    assert "noop" not in by_kind
+    assert stats.long_running_limit("noop") == 42.0
+    assert stats.long_running_limit("hangs") == 1.5
+
+
+def test_with_running_for__processing_jobs_only() -> None:
+    job = running_since(timedelta(minutes=7))
+    pending = job_in("pending")
+    annotated = {j.pk: j.running_for for j in PaymentJob.objects.with_running_for()}
+    assert annotated[pending.pk] is None
+    assert timedelta(minutes=7) <= annotated[job.pk] < timedelta(minutes=8)
+
+
+def test_queue_gauges__six_queries(django_assert_num_queries: Any) -> None:
+    running_since(timedelta(hours=1))
+    job_in("pending", kind="refund")
+    job_in("review", kind="refund")
+    job_in("completed")
+    with django_assert_num_queries(6):
+        gauges = stats.queue_gauges(PaymentJob.objects.all(), near_expiry=20)
+    assert gauges.by_status_and_kind == {
+        ("processing", "capture"): 1,
+        ("pending", "refund"): 1,
+        ("review", "refund"): 1,
+    }
+    assert (gauges.stuck, gauges.near_expiry, gauges.under_review, gauges.running_long) == (
+        0,
+        0,
+        1,
+        1,
+    )

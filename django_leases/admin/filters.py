@@ -25,6 +25,7 @@ class LeaseStateFilter(admin.SimpleListFilter):
             (stats.STUCK, _("Stuck (lease expired)")),
             (stats.NEAR_EXPIRY, _("Near expiry")),
             (stats.HEALTHY, _("Healthy")),
+            (stats.RUNNING_LONG, _("Running long")),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
@@ -36,6 +37,9 @@ class LeaseStateFilter(admin.SimpleListFilter):
             return jobs.near_expiry(leases_settings.NEAR_EXPIRY)
         if value == stats.HEALTHY:
             return jobs.healthy(leases_settings.NEAR_EXPIRY)
+        if value == stats.RUNNING_LONG:
+            default, by_kind = stats.long_running_limits()
+            return jobs.running_longer_than(default, by_kind=by_kind)
         return None
 
 

@@ -105,6 +105,7 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         "id",
         "status_badge",
         "lease",
+        "running_for",
         "kind",
         "lock_state",
         "owner",
@@ -304,6 +305,19 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
             return EMPTY
         return gettext("%(age)s ago") % {"age": human_duration(age)}
 
+    @admin.display(description=_("attempt running for"), ordering="running_for")
+    def running_for(self, job: PaymentJob) -> str:
+        ran: timedelta | None = getattr(job, "running_for", None)
+        if ran is None:
+            return EMPTY
+        if ran.total_seconds() <= stats.long_running_limit(job.kind):
+            return human_duration(ran)
+        return format_html(
+            '<span class="dl-badge dl-running_long">{}</span> <span class="dl-when">{}</span>',
+            gettext("Running long"),
+            human_duration(ran),
+        )
+
     @admin.display(description=_("last error"))
     def last_error_short(self, job: Any) -> str:
         return short_text(job.last_error)
@@ -401,6 +415,7 @@ class PaymentJobAdmin(LeasedJobAdmin):
         "id",
         "status_badge",
         "lease",
+        "running_for",
         "kind",
         "payment_id",
         "lock_state",

@@ -52,6 +52,10 @@ class OverviewMixin(admin.ModelAdmin):
             "near_expiry_seconds": near_expiry,
             "chart": chart(data.chart),
             "stuck_jobs": [(job, self.lease(job), self.heartbeat(job)) for job in data.stuck_jobs],
+            "long_runners": [
+                (job, human_duration(job.running_for), self.lease(job), self.heartbeat(job))
+                for job in data.long_runners
+            ],
             "workers": [(worker, human_duration(worker.seen_ago)) for worker in data.workers],
         }
         return TemplateResponse(request, "admin/django_leases/overview.html", context)

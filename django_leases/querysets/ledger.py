@@ -95,10 +95,6 @@ class AttemptQuerySet(models.QuerySet[Any]):
 class LedgerWrites(LeaseReads[J]):
     """The ledger writes of a job table's transitions; called inside their transactions."""
 
-    def _ledger(self) -> type[AbstractJobAttempt] | None:
-        label = self.model.attempt_model
-        return apps.get_model(label) if label else None
-
     def attempt_rows(self, pk: int) -> list[AbstractJobAttempt]:
         """Return the ledger rows of job `pk`, oldest acquisition first; [] without a ledger."""
         ledger = self._ledger()

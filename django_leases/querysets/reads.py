@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from django.apps import apps
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import (
+    Case,
+    DurationField,
+    Exists,
+    F,
+    OuterRef,
+    Q,
+    Subquery,
+    Value,
+    When,
+)
 from django.db.models.functions import Now
 
 from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.querysets.base import after
+from django_leases.querysets.base import after, ago
 from django_leases.status import (
     CANCELLED,
     COMPLETED,
@@ -24,7 +35,7 @@ from django_leases.status import (
 )
 
 if TYPE_CHECKING:
-    from django_leases.models import AbstractLeasedJob
+    from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
 
 J = TypeVar("J", bound="AbstractLeasedJob")
 
@@ -105,6 +116,61 @@ class LeaseReads(models.QuerySet[J]):
     def held(self, pk: int, owner: str, token: int) -> Self:
         """The one row `owner` holds under `token`, or nothing: the filter of every holder write."""
         return self.filter(pk=pk, status=PROCESSING, lease_owner=owner, lease_token=token)
+
+    def running_longer_than(
+        self, seconds: float | timedelta, *, by_kind: Mapping[str, float | timedelta] | None = None
+    ) -> Self:
+        """Processing jobs whose current attempt started more than `seconds` ago (`by_kind`:
+        other limits for some kinds), by the database clock, however often they heartbeat.
+
+        The attempt's start is its ledger row's `claimed_at`, found by the unique (job_ref,
+        token) index; a job table without a ledger has no long runners.
+        """
+        default = to_seconds(seconds, "seconds")
+        limits = {
+            kind: to_seconds(limit, f"by_kind[{kind!r}]") for kind, limit in (by_kind or {}).items()
+        }
+        ledger = self._ledger()
+        if ledger is None:
+            return self.none()
+
+        def started_before(seconds: float) -> Q:
+            return Q(Exists(self._open_attempt(ledger).filter(claimed_at__lt=ago(seconds))))
+
+        kinds_by_limit: dict[float, list[str]] = {}
+        for kind, limit in sorted(limits.items()):
+            kinds_by_limit.setdefault(limit, []).append(kind)
+        # One EXISTS per distinct limit: each compares claimed_at with a constant "now - limit".
+        started = started_before(default) & ~Q(kind__in=list(limits))
+        for limit, kinds in kinds_by_limit.items():
+            started |= Q(kind__in=kinds) & started_before(limit)
+        return self.filter(started, status=PROCESSING)
+
+    def with_running_for(self) -> Self:
+        """Annotate `running_for`: how long the current attempt of a processing job has run, by
+        the database clock (None for other jobs, and without a ledger)."""
+        ledger = self._ledger()
+        if ledger is None:
+            return self.annotate(running_for=Value(None, output_field=DurationField()))
+        claimed_at = Subquery(self._open_attempt(ledger).values("claimed_at")[:1])
+        return self.annotate(
+            running_for=Case(
+                When(status=PROCESSING, then=Now() - claimed_at),
+                default=None,
+                output_field=DurationField(),
+            )
+        )
+
+    def _ledger(self) -> type[AbstractJobAttempt] | None:
+        label = self.model.attempt_model
+        return apps.get_model(label) if label else None
+
+    @staticmethod
+    def _open_attempt(ledger: type[AbstractJobAttempt]) -> models.QuerySet[Any]:
+        """The open ledger row of the outer job's current lease."""
+        return ledger._default_manager.filter(
+            job_ref=OuterRef("pk"), token=OuterRef("lease_token"), ended_at__isnull=True
+        )
 
 
 def takeover_guard() -> tuple[Q, tuple[str, sql.Params]]:

@@ -9,13 +9,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any, NoReturn
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_leases.limits import MAX_DURATION
+from django_leases.limits import MAX_DURATION, PORT
 from django_leases.querysets import job_model
 
 WORKER_ID = re.compile(r"^[\w.:@/-]{1,255}$")
@@ -140,3 +140,57 @@ def stop_signals(stop: Callable[[], None]) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def add_metrics_arguments(parser: CommandParser, what: str) -> None:
+    """Add --metrics-port and --metrics-address, which serve `what` to Prometheus."""
+    parser.add_argument(
+        "--metrics-port",
+        type=whole_number(PORT),
+        default=None,
+        metavar="PORT",
+        help=f"serve {what} to Prometheus at http://ADDRESS:PORT/metrics; 0 picks a free port "
+        'and prints it (needs the extra: pip install "django-leases[prometheus]")',
+    )
+    parser.add_argument(
+        "--metrics-address",
+        metavar="ADDRESS",
+        default="0.0.0.0",  # noqa: S104 - Prometheus scrapes from another host
+        help="address the metrics endpoint listens on (default: %(default)r)",
+    )
+
+
+def prometheus_metrics() -> ModuleType:
+    """Return `django_leases.metrics`; without prometheus_client, a one-line `CommandError`."""
+    try:
+        # Imported here: prometheus_client is an optional extra, needed only for --metrics-port.
+        from django_leases import metrics
+    except ImportError as exc:
+        if not (exc.name or "").startswith("prometheus_client"):
+            raise
+        raise CommandError(
+            '--metrics-port needs prometheus_client: pip install "django-leases[prometheus]"'
+        ) from None
+    return metrics
+
+
+@contextmanager
+def metrics_endpoint(
+    command: BaseCommand, registry: object | None, port: int, address: str
+) -> Iterator[None]:
+    """Serve `registry` (a prometheus_client `CollectorRegistry`) while the block runs, and
+    print where; without one, do nothing."""
+    if registry is None:
+        yield
+        return
+    try:
+        endpoint = prometheus_metrics().Endpoint(registry, port, address)
+    except OSError as exc:
+        raise CommandError(
+            f"--metrics-port: cannot listen on {address}:{port}: {exc.strerror or exc}"
+        ) from None
+    command.stdout.write(f"metrics at http://{address}:{endpoint.port}/metrics")
+    try:
+        yield
+    finally:
+        endpoint.close()

@@ -10,10 +10,13 @@ from django_leases.exceptions import WorkerIdTaken
 from django_leases.limits import CONCURRENCY, MAX_JOBS
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_metrics_arguments,
     add_model_argument,
     configure_logging,
+    metrics_endpoint,
     non_negative_seconds,
     positive_seconds,
+    prometheus_metrics,
     stop_signals,
     whole_number,
     worker_id,
@@ -101,6 +104,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             help="seconds running jobs get to finish after SIGTERM "
             f"(default: DJANGO_LEASES['GRACE_PERIOD'], {leases_settings.GRACE_PERIOD})",
         )
+        add_metrics_arguments(parser, "this process's counters and histograms per job kind")
 
     def handle(
         self,
@@ -115,10 +119,13 @@ class Command(OneLineErrorsMixin, BaseCommand):
         poll_interval: float | None,
         grace_period: float | None,
         model: type[Any] | None,
+        metrics_port: int | None,
+        metrics_address: str,
         verbosity: int,
         **options: Any,
     ) -> None:
         configure_logging("django_leases.worker", verbosity)
+        recorder = None if metrics_port is None else prometheus_metrics().WorkerMetrics()
         try:
             worker = LeaseWorker(
                 model=model,
@@ -131,17 +138,20 @@ class Command(OneLineErrorsMixin, BaseCommand):
                 worker_id=worker_id,
                 poll_interval=poll_interval,
                 grace_period=grace_period,
+                recorder=recorder,
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         problems = database_clock_problems(worker.using)
         if problems:
             raise CommandError(problems[0])
-        with stop_signals(worker.stop):
-            try:
-                stats = worker.run()
-            except WorkerIdTaken as exc:
-                raise CommandError(str(exc)) from None
+        registry = None if recorder is None else recorder.registry
+        with metrics_endpoint(self, registry, metrics_port or 0, metrics_address):
+            with stop_signals(worker.stop):
+                try:
+                    stats = worker.run()
+                except WorkerIdTaken as exc:
+                    raise CommandError(str(exc)) from None
         if worker.failure is not None:
             raise CommandError(
                 f"worker {worker.worker_id} stopped itself: {worker.failure} ({stats.summary()})",

@@ -10,9 +10,12 @@ from django_leases.conf import leases_settings
 from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_metrics_arguments,
     add_model_argument,
     configure_logging,
+    metrics_endpoint,
     positive_seconds,
+    prometheus_metrics,
     stop_signals,
     whole_number,
     worker_id,
@@ -53,6 +56,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             default=None,
             help="name recorded in the ledger as who rescued (default: watcher:host:pid:random)",
         )
+        add_metrics_arguments(parser, "the queue's gauges and the rescues per kind and action")
 
     def handle(
         self,
@@ -62,9 +66,17 @@ class Command(OneLineErrorsMixin, BaseCommand):
         batch_size: int,
         watcher_id: str | None,
         model: type[Any] | None,
+        metrics_port: int | None,
+        metrics_address: str,
         verbosity: int,
         **options: Any,
     ) -> None:
+        if metrics_port is not None and once:
+            raise CommandError(
+                "--metrics-port needs a watcher that keeps running, not --once; from cron, "
+                "route the view django_leases.metrics.queue_metrics instead"
+            )
+        exporter = None if metrics_port is None else prometheus_metrics().WatcherMetrics()
         # This command prints each job it acts on itself; the watcher's own per-job log lines
         # would repeat them, so they show from -v 2 on.
         configure_logging("django_leases.watcher", max(verbosity - 1, 0))
@@ -78,18 +90,26 @@ class Command(OneLineErrorsMixin, BaseCommand):
         def on_pass(actions: list[Action]) -> None:
             for action in actions:
                 self.stdout.write(action.describe())
+                if exporter is not None:
+                    exporter.rescued(action.kind, action.action)
             if actions or once:
                 self.stdout.write(self.style.SUCCESS(watcher.summary(actions)))
 
         def on_outage(reason: str) -> None:
             self.stderr.write(f"database unavailable: {reason}; retrying next pass")
 
-        with stop_signals(stop.set):
-            try:
-                total = watcher.run(
-                    interval=interval, once=once, stop=stop, on_pass=on_pass, on_outage=on_outage
-                )
-            except ImproperlyConfigured as exc:
-                raise CommandError(str(exc)) from None
+        registry = None if exporter is None else exporter.registry
+        with metrics_endpoint(self, registry, metrics_port or 0, metrics_address):
+            with stop_signals(stop.set):
+                try:
+                    total = watcher.run(
+                        interval=interval,
+                        once=once,
+                        stop=stop,
+                        on_pass=on_pass,
+                        on_outage=on_outage,
+                    )
+                except ImproperlyConfigured as exc:
+                    raise CommandError(str(exc)) from None
         if not once:
             self.stdout.write(self.style.SUCCESS(f"watcher stopped: {total} job(s) acted on"))
