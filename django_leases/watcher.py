@@ -20,6 +20,7 @@ from django.db.models.functions import Now
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
+from django_leases.schedules import enqueue_due
 
 logger = logging.getLogger("django_leases.watcher")
 
@@ -66,6 +67,7 @@ class StuckWatcher:
 
     def run_once(self) -> list[Action]:
         """Run one pass and return what it did, job by job."""
+        enqueue_due(self.using, model=self.model)
         actions = self._rescue(orphaned=False)
         actions += self._rescue(orphaned=True)
         actions += self._reconcile_reviews()

@@ -49,6 +49,7 @@ from django_leases.handlers import get_handler, registered_kinds
 from django_leases.lease import Lease
 from django_leases.listener import Listener
 from django_leases.redaction import error_text
+from django_leases.schedules import Ticker
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -187,6 +188,7 @@ class LeaseWorker:
         self._abandoned: list[threading.Thread] = []
         self._heartbeat: threading.Thread | None = None
         self._reported_lost: set[tuple[int, int]] = set()
+        self._ticker = Ticker(model=model, using=self.using)
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -211,6 +213,7 @@ class LeaseWorker:
                 if self.failure is not None:
                     break
                 close_old_connections()
+                self._ticker.poll()
                 free = len(self._idle_slots())
                 claimed = self.run_once() if free > 0 and not self._quota_reached() else 0
                 if self._finished(claimed):
@@ -319,11 +322,11 @@ class LeaseWorker:
         return self.burst and claimed == 0 and self._in_flight() == 0
 
     def _next_wakeup(self, limit: float) -> float:
-        """Seconds until the earliest run-time limit of a running slot, at most `limit`."""
+        """Seconds until the earliest run-time limit of a running slot or the next schedule
+        tick, at most `limit`."""
         with self._lock:
             deadlines = [s.deadline for s in self._slots if s.running and s.deadline is not None]
-        if not deadlines:
-            return limit
+        deadlines.append(self._ticker.next_check)
         return max(0.01, min(limit, min(deadlines) - time.monotonic()))
 
     def _wait_for_slot(self) -> None:
