@@ -1,0 +1,273 @@
+"""Periodic jobs: one job per tick of the database clock, whatever the number of processes."""
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+from django_leases.models import JobAttempt, PaymentJob
+from django_leases.schedules import Schedule, Ticker, configured, database_now, enqueue_due
+from django_leases.watcher import StuckWatcher
+
+from .conftest import ON_SQLITE, Processes, subprocess_env, wait_for
+
+Status = PaymentJob.Status
+# Ticks of about 115 days: no test here runs across a boundary by chance.
+LONG = {"kind": "noop", "every": 10**7}
+
+
+def schedules(**entries: object) -> override_settings:
+    return override_settings(DJANGO_LEASES={"SCHEDULES": entries})
+
+
+def ticks(name: str = "beat") -> list[int]:
+    """Return the tick of every job of schedule `name`, in order."""
+    keys = PaymentJob.objects.filter(idempotency_key__startswith=f"schedule:{name}:")
+    return sorted(
+        int(key.rsplit(":", 1)[1]) for key in keys.values_list("idempotency_key", flat=True)
+    )
+
+
+def current_tick(schedule: Schedule) -> int:
+    return schedule.tick(database_now(connection.alias).timestamp())
+
+
+# ---- one pass -------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_enqueue_due__enqueues_the_current_tick_once() -> None:
+    with schedules(beat={**LONG, "payload": {"report": "daily"}}):
+        [schedule] = configured()
+        tick = current_tick(schedule)
+        [job] = enqueue_due()
+        assert enqueue_due() == []
+        assert StuckWatcher().run_once() == []
+    assert PaymentJob.objects.count() == 1
+    assert job.idempotency_key == f"schedule:beat:10000000:{tick}"
+    assert (job.kind, job.payload, job.status) == ("noop", {"report": "daily"}, Status.PENDING)
+    # Due at once: the tick started before now, by the database clock.
+    assert job.run_at == schedule.start(tick) <= database_now(connection.alias)
+
+
+@pytest.mark.django_db
+def test_enqueue_due__accepts_a_timedelta_and_keys_by_period() -> None:
+    with schedules(beat={"kind": "noop", "every": timedelta(days=200)}):
+        [schedule] = configured()
+        [job] = enqueue_due()
+    assert schedule.every == 200 * 86400.0
+    assert job.idempotency_key == f"schedule:beat:17280000:{current_tick(schedule)}"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_enqueue_due__missed_ticks_are_caught_up_once_or_skipped(catch_up: bool) -> None:
+    with schedules(beat={**LONG, "catch_up": catch_up}):
+        [schedule] = configured()
+        tick = current_tick(schedule)
+        # The schedule last ran five ticks ago; nothing ran during the four ticks since.
+        PaymentJob.objects.enqueue("noop", idempotency_key=schedule.key(tick - 5))
+        jobs = enqueue_due()
+        assert enqueue_due() == []
+    caught_up = [tick - 1] if catch_up else []
+    assert [job.idempotency_key for job in jobs] == [schedule.key(t) for t in [*caught_up, tick]]
+    assert ticks() == [tick - 5, *caught_up, tick]
+    if catch_up:
+        assert jobs[0].run_at == schedule.start(tick - 1)
+
+
+@pytest.mark.django_db
+def test_enqueue_due__a_new_schedule_or_period_catches_nothing_up() -> None:
+    with schedules(beat=LONG):
+        [old] = configured()
+        PaymentJob.objects.enqueue("noop", idempotency_key=old.key(current_tick(old) - 3))
+    with schedules(beat={**LONG, "every": 2 * 10**7}, fresh=LONG):
+        jobs = enqueue_due()
+    assert sorted(job.idempotency_key.rsplit(":", 1)[0] for job in jobs) == [
+        "schedule:beat:20000000",
+        "schedule:fresh:10000000",
+    ]
+
+
+@pytest.mark.django_db
+def test_enqueue_due__a_removed_schedule_enqueues_nothing() -> None:
+    with schedules(beat=LONG, other=LONG):
+        assert len(enqueue_due()) == 2
+    with schedules(other=LONG):
+        assert enqueue_due() == []
+    with schedules():
+        assert enqueue_due() == []
+        assert Ticker().poll() == []
+    assert PaymentJob.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_ticker__reads_the_clock_once_per_tick(django_assert_num_queries: object) -> None:
+    with schedules(beat=LONG):
+        ticker = Ticker()
+        [job] = ticker.poll()
+        # The next boundary is months away: the loop's later passes ask the database nothing.
+        with django_assert_num_queries(0):  # type: ignore[operator]
+            assert ticker.poll() == []
+        assert 0 < ticker.next_check < float("inf")
+    with schedules():
+        assert Ticker().next_check == float("inf")
+    assert PaymentJob.objects.get() == job
+
+
+# ---- real processes -------------------------------------------------------------------------
+
+EVERY_SECOND = {"SCHEDULES": {"beat": {"kind": "noop", "every": 1}}}
+
+
+def start(processes: Processes, name: str, settings: dict[str, object], *prefix: str):
+    env = subprocess_env(LEASES_TEST_SETTINGS=json.dumps(settings))
+    args = ["--worker-id", name, "--kind", "noop", "--poll-interval", "0.5", "-v", "2"]
+    return processes.manage("run_lease_worker", *args, env=env, prefix=list(prefix) or None)
+
+
+def stop(*procs: subprocess.Popen[str]) -> list[str]:
+    """SIGTERM `procs`; return their output once each exited 0."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        outputs.append(out)
+    return outputs
+
+
+def settled_ticks(count: int) -> list[int]:
+    """Wait until `count` ticks' jobs are completed; return every tick enqueued."""
+    done = PaymentJob.objects.filter(kind="noop", status=Status.COMPLETED)
+    wait_for(lambda: done.count() >= count, timeout=30 + 3 * count, interval=0.2)
+    return ticks()
+
+
+def assert_one_job_per_tick() -> list[int]:
+    """Every tick from the first to the last has one job, each run by one acquisition."""
+    enqueued = ticks()
+    assert enqueued == list(range(enqueued[0], enqueued[-1] + 1)), enqueued
+    assert PaymentJob.objects.filter(kind="noop").count() == len(enqueued)
+    for job in PaymentJob.objects.filter(kind="noop", status=Status.COMPLETED):
+        attempts = JobAttempt.objects.filter(job_ref=job.pk)
+        assert job.attempts == 1 and list(attempts.values_list("outcome", flat=True)) == [
+            "completed"
+        ], job
+    return enqueued
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_schedules__three_workers_and_a_watcher_enqueue_one_job_per_tick(
+    processes: Processes,
+) -> None:
+    workers = [start(processes, f"w{n}", EVERY_SECOND) for n in range(3)]
+    watcher = processes.manage(
+        "watch_stuck_jobs",
+        *("--interval", "0.5", "--watcher-id", "watcher"),
+        env=subprocess_env(LEASES_TEST_SETTINGS=json.dumps(EVERY_SECOND)),
+    )
+    settled_ticks(8)
+    outputs = stop(*workers, watcher)
+
+    enqueued = assert_one_job_per_tick()
+    assert len(enqueued) >= 8
+    # Each job was created within its own tick or, caught up, the next one (database clock).
+    for job in PaymentJob.objects.filter(kind="noop"):
+        tick = int(job.idempotency_key.rsplit(":", 1)[1])
+        assert job.run_at.timestamp() == tick
+        assert tick <= job.created_at.timestamp() < tick + 2, job.idempotency_key
+    # Several processes enqueued ticks (a race's loser logs the winner's job): the race was
+    # real, and harmless.
+    logged = [
+        set(re.findall(r"enqueued schedule=beat tick=\d+ job_id=(\d+)", out)) for out in outputs
+    ]
+    assert set().union(*logged) == {
+        str(pk) for pk in PaymentJob.objects.values_list("pk", flat=True)
+    }
+    assert sum(1 for ids in logged if ids) >= 2, outputs
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (Debian package)")
+@pytest.mark.skipif(
+    ON_SQLITE,
+    reason="SQLite has no server clock: its now() is read by each calling process, so a "
+    "process with a faked clock brings its own; SQLite is for one host, whose processes share "
+    "one clock",
+)
+def test_schedules__ticks_follow_the_database_clock_not_the_hosts(processes: Processes) -> None:
+    ahead = start(processes, "ahead", EVERY_SECOND, "faketime", "-f", "+5h")
+    behind = start(processes, "behind", EVERY_SECOND, "faketime", "-f", "-3h")
+    settled_ticks(6)
+    stop(ahead, behind)
+
+    enqueued = assert_one_job_per_tick()
+    now = database_now(connection.alias).timestamp()
+    # Hosts five hours ahead and three behind: every tick is within seconds of the database's.
+    assert now - 120 < enqueued[0] <= enqueued[-1] <= now
+    for job in PaymentJob.objects.filter(kind="noop"):
+        tick = int(job.idempotency_key.rsplit(":", 1)[1])
+        assert tick <= job.created_at.timestamp() < tick + 2, job.idempotency_key
+
+
+def wait_for_database_clock(seconds: float) -> None:
+    start = database_now(connection.alias)
+    wait_for(
+        lambda: database_now(connection.alias) >= start + timedelta(seconds=seconds),
+        timeout=seconds + 30,
+        interval=0.2,
+    )
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_schedules__ticks_missed_while_nothing_ran_are_caught_up_once_or_skipped(
+    processes: Processes, catch_up: bool
+) -> None:
+    settings = {"SCHEDULES": {"beat": {"kind": "noop", "every": 1, "catch_up": catch_up}}}
+    first = start(processes, "first", settings)
+    settled_ticks(1)
+    stop(first)
+    before = ticks()
+    wait_for_database_clock(4)  # nothing runs for four ticks or more
+
+    later = start(processes, "later", settings)
+    settled_ticks(len(before) + 3)
+    stop(later)
+
+    after = ticks()[len(before) :]
+    assert after == list(range(after[0], after[-1] + 1))
+    # Two ticks or more were skipped; of the others, the latest missed one was enqueued once,
+    # late (in a later tick), when catching up; without, the first job is the current tick's.
+    assert after[0] - before[-1] - 1 >= 2, (before, after)
+    first_after = PaymentJob.objects.get(idempotency_key=f"schedule:beat:1:{after[0]}")
+    assert (first_after.created_at.timestamp() - after[0] >= 1) is catch_up
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_schedules__a_removed_schedule_stops_enqueueing(processes: Processes) -> None:
+    first = start(processes, "first", EVERY_SECOND)
+    settled_ticks(2)
+    stop(first)
+    before = ticks()
+
+    # A job due in four seconds: when the worker has run it, four ticks have passed under it.
+    marker = PaymentJob.objects.enqueue("noop", run_at=4)
+    later = start(processes, "later", {"SCHEDULES": {}})
+    wait_for(lambda: PaymentJob.objects.get(pk=marker.pk).status == Status.COMPLETED, timeout=60)
+    stop(later)
+
+    assert ticks() == before
+    assert PaymentJob.objects.get(pk=marker.pk).lease_owner == "later"
