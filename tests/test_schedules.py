@@ -178,7 +178,7 @@ def test_schedules__three_workers_and_a_watcher_enqueue_one_job_per_tick(
     workers = [start(processes, f"w{n}", EVERY_SECOND) for n in range(3)]
     watcher = processes.manage(
         "watch_stuck_jobs",
-        *("--interval", "0.5", "--watcher-id", "watcher"),
+        *("--interval", "0.5", "--watcher-id", "watcher", "-v", "2"),
         env=subprocess_env(LEASES_TEST_SETTINGS=json.dumps(EVERY_SECOND)),
     )
     settled_ticks(8)

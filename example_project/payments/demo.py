@@ -1,10 +1,11 @@
 """The payment demo: real worker and watcher processes, a crash, a frozen worker, an audit.
 
 `manage.py demo` runs `Demo.run()`. It migrates the database, adds a few hundred payments with
-their jobs, starts `run_lease_worker` processes and a `watch_stuck_jobs` process, then on purpose
-SIGKILLs one worker in the middle of a PSP call and freezes another (SIGSTOP) for longer than
-its leases, so that it wakes up as a zombie. It shows the jobs settle, then holds the fake PSP's
-books against the payments: no payment may be charged twice.
+their jobs (and some pending payments whose PSP webhook was lost, for the periodic reconcile
+sweep to heal), starts `run_lease_worker` processes and a `watch_stuck_jobs` process, then on
+purpose SIGKILLs one worker in the middle of a PSP call and freezes another (SIGSTOP) for longer
+than its leases, so that it wakes up as a zombie. It shows the jobs settle, then holds the fake
+PSP's books against the payments: no payment may be charged twice.
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ from rich.table import Table
 
 from django_leases.conf import leases_settings
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.schedules import configured
 from example_project.payments import psp
 from example_project.payments.models import Payment
 
 MANAGE_PY = Path(__file__).resolve().parents[2] / "manage.py"
 KINDS = ("capture", "refund", "reconcile")
+# The periodic job that enqueues the reconciles (DJANGO_LEASES["SCHEDULES"] in settings.py).
+SWEEP = "reconcile_sweep"
 OPEN = ("pending", "processing", "review")
 CURRENCIES = ("EUR", "USD", "GBP", "CHF")
 ADMIN = "http://127.0.0.1:8000/admin/django_leases/paymentjob/"
@@ -92,6 +96,19 @@ class Scope:
     def jobs(self) -> QuerySet[PaymentJob]:
         return PaymentJob.objects.filter(pk__gt=self.job_floor, kind__in=KINDS)
 
+    def sweeps(self) -> QuerySet[PaymentJob]:
+        return PaymentJob.objects.filter(pk__gt=self.job_floor, kind=SWEEP)
+
+    def unhealed(self) -> QuerySet[Payment]:
+        """Payments still pending: the PSP captured them, the sweep has not healed them yet."""
+        return self.payments().filter(status=Payment.Status.PENDING)
+
+    def healed(self) -> int:
+        """Payments the sweep's reconcile jobs found captured at the PSP and recorded so."""
+        reconciled = self.jobs().filter(kind="reconcile", status=PaymentJob.Status.COMPLETED)
+        refs = [int(ref) for ref in reconciled.values_list("payment_id", flat=True)]
+        return self.payments().filter(pk__in=refs, status=Payment.Status.CAPTURED).count()
+
     def attempts(self) -> QuerySet[JobAttempt]:
         return JobAttempt.objects.filter(job_ref__gt=self.job_floor)
 
@@ -105,6 +122,8 @@ class Report:
     outcomes: Counter[str]
     fenced: int
     outlived_ttl: int
+    healed: int
+    sweeps: int
     audit: psp.Audit
     seconds: float
     events: list[str]
@@ -246,7 +265,8 @@ class Demo:
     # -- setup
 
     def seed(self) -> Scope:
-        """Add `jobs` payments and one job each: mostly captures, some refunds and reconciles."""
+        """Add `jobs` payments: mostly captures and some refunds, with their jobs, and some
+        pending payments whose webhook was lost, for the sweep to find and reconcile."""
         scope = Scope.after_existing()
         total = self.options.jobs
         refunds, reconciles = round(total * 0.12), round(total * 0.08)
@@ -270,6 +290,8 @@ class Demo:
             payments = list(scope.payments().order_by("pk"))
             for payment, kind in zip(payments, kinds, strict=True):
                 self._give_history(payment, kind)
+                if kind == "reconcile":
+                    continue  # the sweep enqueues it
                 PaymentJob.objects.enqueue(
                     kind,
                     {"amount": payment.amount, "currency": payment.currency},
@@ -287,7 +309,7 @@ class Demo:
             key = f"capture-{payment.pk}"
             result = psp.act_now(psp.CAPTURE, ref, amount, currency, idempotency_key=key)
             Payment.objects.filter(pk=payment.pk).update(psp_reference=result.reference)
-        elif kind == "reconcile" and payment.pk % 2:
+        elif kind == "reconcile":
             # The customer paid at checkout, but the PSP's webhook never reached the shop.
             key = f"checkout-{payment.pk}"
             psp.act_now(psp.CAPTURE, ref, amount, currency, idempotency_key=key)
@@ -334,7 +356,7 @@ class Demo:
             *("--ttl", str(options.ttl), "--heartbeat", str(options.heartbeat)),
             *("--concurrency", str(options.concurrency), "--poll-interval", "0.2"),
             *("--grace-period", str(options.grace_period)),
-            *(arg for kind in KINDS for arg in ("--kind", kind)),
+            *(arg for kind in (*KINDS, SWEEP) for arg in ("--kind", kind)),
         )
 
     def start_watcher(self) -> Child:
@@ -383,11 +405,13 @@ class Demo:
 
     def intro(self) -> str:
         options = self.options
+        sweeps = [schedule.every for schedule in configured() if schedule.kind == SWEEP]
+        sweep = f"a reconcile sweep every {sweeps[0]:g}s" if sweeps else "no reconcile sweep"
         return (
             f"{options.jobs} payments on the {connection.vendor} database "
             f"{connection.settings_dict['NAME']}: {options.workers} worker(s) x "
             f"{options.concurrency} slots, TTL {options.ttl:g}s, heartbeat {options.heartbeat:g}s;"
-            f" stuck captures are held for '{leases_settings.stuck_policy('capture')}'"
+            f" stuck captures are held for '{leases_settings.stuck_policy('capture')}'; {sweep}"
         )
 
     def say(self, text: str) -> None:
@@ -398,6 +422,8 @@ class Demo:
         jobs = scope.jobs()
         while time.monotonic() < deadline:
             counts = count_by(jobs, "status")
+            # A payment waiting for the sweep is open too; its reconcile job counts once.
+            counts["pending"] += scope.unhealed().count() - counts_of(jobs, "reconcile", OPEN)
             view.update(counts, jobs.expired().count())
             left = sum(counts[status] for status in OPEN)
             self._accidents(scope, view, workers, 1 - left / self.options.jobs, idle=left == 0)
@@ -515,6 +541,8 @@ class Demo:
                 outcome="completed",
                 ended_at__gt=F("claimed_at") + timedelta(seconds=self.options.ttl),
             ).count(),
+            healed=scope.healed(),
+            sweeps=scope.sweeps().filter(status=PaymentJob.Status.COMPLETED).count(),
             audit=psp.audit(scope.payments()),
             seconds=seconds,
             events=self.events,
@@ -524,6 +552,10 @@ class Demo:
 
 def count_by(queryset: QuerySet[Any], column: str) -> Counter[str]:
     return Counter(dict(queryset.order_by().values_list(column).annotate(n=Count("pk"))))
+
+
+def counts_of(jobs: QuerySet[PaymentJob], kind: str, statuses: tuple[str, ...]) -> int:
+    return jobs.filter(kind=kind, status__in=statuses).count()
 
 
 def describe(jobs: list[PaymentJob]) -> str:
@@ -570,6 +602,12 @@ def render(report: Report, console: Console, database_url: str | None) -> None:
         "kept by heartbeats",
         str(report.outlived_ttl),
         "attempts that ran longer than the TTL and kept their lease",
+    )
+    table.add_row(
+        "healed by the sweep",
+        str(report.healed),
+        f"pending payments the PSP had captured (lost webhook), found by {report.sweeps} "
+        "periodic sweep(s) and reconciled",
     )
     table.add_row(
         "idempotent replays",
