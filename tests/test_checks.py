@@ -236,11 +236,14 @@ def schedule_ids(**schedules: object) -> list[str]:
 
 def test_check_schedules__valid_schedules_are_clean() -> None:
     assert schedule_ids() == []
-    assert schedule_ids(
-        beat={"kind": "noop", "every": 60},
-        sweep={"kind": "noop", "every": timedelta(hours=1), "payload": {"n": 1}},
-        once={"kind": "noop", "every": 1.5, "catch_up": False},
-    ) == []
+    assert (
+        schedule_ids(
+            beat={"kind": "noop", "every": 60},
+            sweep={"kind": "noop", "every": timedelta(hours=1), "payload": {"n": 1}},
+            once={"kind": "noop", "every": 1.5, "catch_up": False},
+        )
+        == []
+    )
 
 
 @pytest.mark.parametrize("schedules", [[("beat", {"kind": "noop", "every": 60})], "beat", None])
