@@ -186,11 +186,12 @@ def test_schedules__three_workers_and_a_watcher_enqueue_one_job_per_tick(
 
     enqueued = assert_one_job_per_tick()
     assert len(enqueued) >= 8
-    # Each job was created within its own tick or, caught up, the next one (database clock).
+    # Each job was created in its own tick or, caught up, the next one (database clock; a busy
+    # machine may cross one more boundary between the clock read and the INSERT).
     for job in PaymentJob.objects.filter(kind="noop"):
         tick = int(job.idempotency_key.rsplit(":", 1)[1])
         assert job.run_at.timestamp() == tick
-        assert tick <= job.created_at.timestamp() < tick + 2, job.idempotency_key
+        assert tick <= job.created_at.timestamp() < tick + 3, job.idempotency_key
     # Several processes enqueued ticks (a race's loser logs the winner's job): the race was
     # real, and harmless.
     logged = [
@@ -222,7 +223,7 @@ def assert_ticks_follow_the_database_clock(since: float) -> None:
         tick = int(job.idempotency_key.rsplit(":", 1)[1])
         # Hosts hours ahead or behind would be thousands of ticks off.
         assert since - 2 <= tick <= now, (since, job.idempotency_key, now)
-        assert tick <= job.created_at.timestamp() < tick + 2, job.idempotency_key
+        assert tick <= job.created_at.timestamp() < tick + 3, job.idempotency_key
 
 
 @pytest.mark.concurrency
@@ -301,15 +302,17 @@ def test_schedules__ticks_missed_while_nothing_ran_are_caught_up_once_or_skipped
 
     later = start(processes, "later", settings)
     settled_ticks(len(before) + 3)
-    stop(later)
+    [out] = stop(later)
 
     after = ticks()[len(before) :]
-    assert after == list(range(after[0], after[-1] + 1))
-    # Two ticks or more were skipped; of the others, the latest missed one was enqueued once,
-    # late (in a later tick), when catching up; without, the first job is the current tick's.
-    assert after[0] - before[-1] - 1 >= 2, (before, after)
-    first_after = PaymentJob.objects.get(idempotency_key=f"schedule:beat:1:{after[0]}")
-    assert (first_after.created_at.timestamp() - after[0] >= 1) is catch_up
+    late = re.findall(r"enqueued schedule=beat tick=(\d+) job_id=\d+ kind=noop late=True", out)
+    if catch_up:
+        # The gap's latest tick was enqueued once, late, by the first pass of the later worker;
+        # the ticks before it were skipped all the same.
+        assert after == list(range(after[0], after[-1] + 1))
+        assert late[0] == str(after[0]) and after[0] - before[-1] - 1 >= 2, (before, after, out)
+    else:
+        assert late == [] and after[0] - before[-1] - 1 >= 3, (before, after, out)
 
 
 @pytest.mark.concurrency
