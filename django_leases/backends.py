@@ -16,18 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import django
 from django.apps import apps
 from django.core.checks import CheckMessage, Error, Warning
 from django.core.exceptions import ImproperlyConfigured
-from django.db import router
 from django.utils.module_loading import import_string
 
 from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidPayload, InvalidTaskJob, LeaseLost
 from django_leases.limits import MAX_ATTEMPTS, check_json
+from django_leases.querysets import PaymentJobQuerySet, leased_jobs
+from django_leases.status import AttemptOutcome, JobStatus
 
 if TYPE_CHECKING or django.VERSION >= (6, 0):
     from django.tasks import task_backends
@@ -53,12 +54,12 @@ else:  # Django 5.2 with the django-tasks backport, which has the same API
 
 TASK_KIND_PREFIX = "tasks."
 STATUSES = {
-    "pending": TaskResultStatus.READY,
-    "processing": TaskResultStatus.RUNNING,
-    "review": TaskResultStatus.RUNNING,
-    "completed": TaskResultStatus.SUCCESSFUL,
-    "failed": TaskResultStatus.FAILED,
-    "cancelled": TaskResultStatus.FAILED,
+    JobStatus.PENDING: TaskResultStatus.READY,
+    JobStatus.PROCESSING: TaskResultStatus.RUNNING,
+    JobStatus.REVIEW: TaskResultStatus.RUNNING,
+    JobStatus.COMPLETED: TaskResultStatus.SUCCESSFUL,
+    JobStatus.FAILED: TaskResultStatus.FAILED,
+    JobStatus.CANCELLED: TaskResultStatus.FAILED,
 }
 OPTIONS = ("RETRIES", "MAX_ATTEMPTS")
 
@@ -131,10 +132,8 @@ class LeaseBackend(BaseTaskBackend):
         return messages
 
     @staticmethod
-    def _jobs() -> Any:
-        from django_leases.models import PaymentJob
-
-        return PaymentJob._default_manager.db_manager(router.db_for_write(PaymentJob))
+    def _jobs() -> PaymentJobQuerySet:
+        return cast(PaymentJobQuerySet, leased_jobs())
 
     def enqueue(self, task: Any, args: Any, kwargs: Any) -> TaskResult:
         self.validate_task(task)
@@ -194,7 +193,7 @@ class LeaseBackend(BaseTaskBackend):
 
     def _raised_before(self, job: Any) -> int:
         """Count the earlier attempts of `job` in which the task raised (the ledger is exact)."""
-        return int(job.attempt_log.filter(outcome="retried").count())
+        return int(job.attempt_log.filter(outcome=AttemptOutcome.RETRIED).count())
 
 
 def in_installed_app(module: str) -> bool:

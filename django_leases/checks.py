@@ -27,6 +27,7 @@ from django_leases.limits import (
     shown,
 )
 from django_leases.schedules import MIN_EVERY, SCHEDULE_KEYS, SCHEDULE_NAME_LENGTH
+from django_leases.status import COMPLETED, FINAL_STATUSES, StuckPolicy
 
 DURATIONS = (
     "TTL",
@@ -41,8 +42,7 @@ DURATIONS = (
 )
 COUNTS = {"CONCURRENCY": CONCURRENCY, "MAX_ATTEMPTS": MAX_ATTEMPTS, "PRUNE_BATCH_SIZE": BATCH_SIZE}
 BOOLEANS = ("PRUNE_LEDGER", "USE_NOTIFY")
-POLICIES = ("retry", "review")
-FINAL_STATUSES = ("completed", "failed", "cancelled")
+POLICIES = tuple(StuckPolicy.values)
 
 
 def _is_positive_number(value: Any) -> bool:
@@ -414,7 +414,7 @@ def _check_schedule(name: Any, entry: Any, retention: Any) -> list[CheckMessage]
                 id="django_leases.E023",
             )
         )
-    kept: Any = retention.get("completed") if isinstance(retention, dict) else None
+    kept: Any = retention.get(COMPLETED) if isinstance(retention, dict) else None
     if catch_up is True and _is_positive_number(kept) and seconds > kept:
         messages.append(
             Warning(

@@ -11,6 +11,7 @@ from django.core.signals import setting_changed
 
 from django_leases.exceptions import InvalidDuration
 from django_leases.limits import DAY, DURATION_RANGE, MAX_DURATION, shown
+from django_leases.status import CANCELLED, COMPLETED, FAILED, StuckPolicy
 
 # Every default, in the order the README documents them.
 DEFAULTS: dict[str, Any] = {
@@ -35,11 +36,11 @@ DEFAULTS: dict[str, Any] = {
     # Seconds between two passes of watch_stuck_jobs (jittered).
     "WATCH_INTERVAL": 30.0,
     # What the watcher does with an expired lease: "retry" (back to pending) or "review".
-    "STUCK_POLICY": "retry",
+    "STUCK_POLICY": StuckPolicy.RETRY.value,
     # Per-kind overrides of STUCK_POLICY, e.g. {"capture": "review"}.
     "STUCK_POLICY_BY_KIND": {},
     # Seconds a finished job is kept per final status before prune_jobs deletes it.
-    "RETENTION": {"completed": 7 * DAY, "failed": 30 * DAY, "cancelled": 30 * DAY},
+    "RETENTION": {COMPLETED: 7 * DAY, FAILED: 30 * DAY, CANCELLED: 30 * DAY},
     # Rows prune_jobs deletes per statement.
     "PRUNE_BATCH_SIZE": 1000,
     # Whether prune_jobs deletes a job's attempt ledger with it (False keeps the audit trail).

@@ -12,6 +12,7 @@ from asgiref.sync import async_to_sync
 
 from django_leases.conf import to_seconds
 from django_leases.exceptions import HandlerError, HandlerTimeout, InvalidDuration
+from django_leases.status import Verdict
 
 if TYPE_CHECKING:
     from django_leases.lease import Lease
@@ -22,7 +23,7 @@ HandlerFunc = Callable[[Any, "Lease"], object]
 # A reconcile hook is given an expired job and says what became of it: "completed", "retry" or
 # "failed" (see watch_stuck_jobs). It typically asks the PSP about the job's idempotency key.
 ReconcileFunc = Callable[[Any], str]
-RECONCILE_VERDICTS = ("completed", "retry", "failed")
+RECONCILE_VERDICTS = tuple(Verdict.values)
 KIND_MAX_LENGTH = 100
 
 

@@ -10,14 +10,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import router, transaction
+from django.db import transaction
 
 from django_leases.conf import to_seconds
 from django_leases.exceptions import LeaseLost
+from django_leases.querysets import LeaseQuerySet, leased_jobs
+from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
-    from django_leases.querysets import LeaseQuerySet
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -87,8 +88,7 @@ class Lease:
             raise LeaseLost(f"job {self.pk}: {self._lost_reason or 'lease lost'}")
 
     def _jobs(self) -> LeaseQuerySet[Any]:
-        model = type(self.job)
-        return model._default_manager.db_manager(router.db_for_write(model)).all()
+        return leased_jobs(type(self.job))
 
     def heartbeat(self) -> None:
         """Renew the lease now for another TTL; raise `LeaseLost` if it was lost."""
@@ -111,7 +111,7 @@ class Lease:
     def complete(self, result: Any = None) -> None:
         """Complete the job now (storing `result`, if given); the worker then writes nothing."""
         self._guard(lambda: self._jobs().complete(self.pk, self.owner, self.token, result=result))
-        self.finished, self.outcome = True, "completed"
+        self.finished, self.outcome = True, AttemptOutcome.COMPLETED
 
     def fail(
         self, error: BaseException | str, *, retry_in: float | None = None, permanent: bool = False
@@ -121,12 +121,15 @@ class Lease:
                 self.pk, self.owner, self.token, error, retry_in=retry_in, permanent=permanent
             )
         )
-        self.finished, self.outcome = True, ("failed" if status == "failed" else "retried")
+        self.finished, self.outcome = (
+            True,
+            (AttemptOutcome.FAILED if status == FAILED else AttemptOutcome.RETRIED),
+        )
         return str(status)
 
     def release(self) -> None:
         self._guard(lambda: self._jobs().release(self.pk, self.owner, self.token))
-        self.finished, self.outcome = True, "released"
+        self.finished, self.outcome = True, AttemptOutcome.RELEASED
 
     def time_out(self, reason: str, *, retry_in: float) -> str:
         """End the attempt as timed out (the worker's run-time limit); return the new status."""
@@ -136,7 +139,7 @@ class Lease:
             )
         )
         self.mark_lost(reason)
-        self.finished, self.outcome = True, "timed_out"
+        self.finished, self.outcome = True, TIMED_OUT
         return str(status)
 
     @contextmanager
@@ -154,7 +157,7 @@ class Lease:
             self._guard(lambda: jobs.lock_held(self.pk, self.owner, self.token))
             yield
             self._guard(lambda: jobs.complete(self.pk, self.owner, self.token))
-        self.finished, self.outcome = True, "completed"
+        self.finished, self.outcome = True, AttemptOutcome.COMPLETED
 
     def run_atomic(self, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call `func` inside `atomic()`: its writes and the completion commit together."""

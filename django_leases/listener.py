@@ -13,8 +13,9 @@ from typing import Any
 from django.db import connections
 
 from django_leases.conf import leases_settings
-from django_leases.querysets import notify_channel
+from django_leases.querysets.payments import notify_channel
 from django_leases.redaction import error_text
+from django_leases.sql import postgresql as statements
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -46,12 +47,11 @@ class Listener:
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for an enqueue notification; return whether one came."""
         import psycopg
-        from psycopg import sql
 
         try:
             if self._conn is None:
                 self._conn = psycopg.connect(autocommit=True, **self._params)
-                self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+                self._conn.execute(statements.listen(self._channel))
             for _ in self._conn.notifies(timeout=timeout, stop_after=1):
                 return True
         except psycopg.Error as exc:

@@ -7,27 +7,23 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
-from django_leases.querysets import (
-    AttemptQuerySet,
-    LeaseQuerySet,
-    PaymentJobQuerySet,
-    WorkerQuerySet,
-)
+from django_leases.querysets.leases import LeaseQuerySet
+from django_leases.querysets.ledger import AttemptQuerySet
+from django_leases.querysets.payments import PaymentJobQuerySet
+from django_leases.querysets.workers import WorkerQuerySet
+from django_leases.status import AttemptOutcome, JobStatus
 
-
-class JobStatus(models.TextChoices):
-    PENDING = "pending", _("Pending")
-    """Enqueued, retried, released or requeued: claimable once `run_at` has passed."""
-    PROCESSING = "processing", _("Processing")
-    """Claimed: a worker holds the lease until `lease_until`."""
-    COMPLETED = "completed", _("Completed")
-    """The handler returned and its holder recorded the success."""
-    FAILED = "failed", _("Failed")
-    """A permanent error, or no attempts left."""
-    REVIEW = "review", _("Under review")
-    """The lease expired after a risky checkpoint: an operator or a reconcile hook decides."""
-    CANCELLED = "cancelled", _("Cancelled")
-    """Cancelled by an operator while pending; never ran to completion."""
+__all__ = [
+    "AbstractJobAttempt",
+    "AbstractLeasedJob",
+    "AttemptOutcome",
+    "JobAttempt",
+    "JobStatus",
+    "lease_constraints",
+    "lease_indexes",
+    "PaymentJob",
+    "Worker",
+]
 
 
 class AbstractLeasedJob(models.Model):
@@ -143,18 +139,6 @@ class PaymentJob(AbstractLeasedJob):
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.pk} ({self.status})"
-
-
-class AttemptOutcome(models.TextChoices):
-    RUNNING = "running", _("Running")
-    COMPLETED = "completed", _("Completed")
-    FAILED = "failed", _("Failed")
-    RETRIED = "retried", _("Failed, retry scheduled")
-    LEASE_LOST = "lease_lost", _("Lease lost (taken over after expiry)")
-    RESCUED = "rescued", _("Returned to pending after its lease expired")
-    REVIEW = "review", _("Held for review by the watcher")
-    RELEASED = "released", _("Released by its holder")
-    REQUEUED = "requeued", _("Requeued by an operator")
 
 
 class AbstractJobAttempt(models.Model):

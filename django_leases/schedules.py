@@ -20,13 +20,14 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from django.db import InterfaceError, OperationalError, router
+from django.db import InterfaceError, OperationalError
 from django.db.models.functions import Now
 from django.db.models.sql import Query
 
 from django_leases.conf import leases_settings, to_seconds
+from django_leases.querysets import PaymentJobQuerySet, leased_jobs
 
 logger = logging.getLogger("django_leases.schedules")
 
@@ -98,14 +99,14 @@ def enqueue_due(using: str | None = None, *, model: type[Any] | None = None) -> 
     Returns the jobs this call found missing and enqueued; a process racing this one may have
     created some of them, and both get the same row.
     """
-    return _enqueue_due(_job_model(model), using)[0]
+    return _enqueue_due(model, using)[0]
 
 
 class Ticker:
     """Enqueue due ticks from a loop, reading the database clock only when a tick may be due."""
 
     def __init__(self, *, model: type[Any] | None = None, using: str | None = None) -> None:
-        self.model = _job_model(model)
+        self.model = model
         self.using = using
         self.next_check = 0.0 if leases_settings.SCHEDULES else math.inf
         """Monotonic time of the next tick boundary; `math.inf` without schedules."""
@@ -126,23 +127,13 @@ class Ticker:
         return jobs
 
 
-def _job_model(model: type[Any] | None) -> type[Any]:
-    if model is not None:
-        return model
-    # Imported here: this module loads before the app registry is ready.
-    from django_leases.models import PaymentJob
-
-    return PaymentJob
-
-
-def _enqueue_due(model: type[Any], using: str | None) -> tuple[list[Any], float]:
+def _enqueue_due(model: type[Any] | None, using: str | None) -> tuple[list[Any], float]:
     """Enqueue the missing due ticks; return them and the seconds until the next boundary."""
     schedules = configured()
     if not schedules:
         return [], math.inf
-    using = using or router.db_for_write(model)
-    jobs = model._default_manager.db_manager(using)
-    epoch = database_now(using).timestamp()
+    jobs = cast(PaymentJobQuerySet, leased_jobs(model, using))
+    epoch = database_now(jobs.db).timestamp()
     current = {schedule.name: schedule.tick(epoch) for schedule in schedules}
     wanted = [s.key(current[s.name] - back) for s in schedules for back in (0, 1)]
     # Most passes find every tick enqueued already: one indexed look-up instead of an INSERT

@@ -19,14 +19,8 @@ from django.db.models import Case, Count, DurationField, ExpressionWrapper, F, M
 from django.db.models.functions import Now, TruncMinute
 
 from django_leases.handlers import registered_kinds
-from django_leases.querysets import (
-    COMPLETED,
-    FAILED,
-    PROCESSING,
-    REVIEW,
-    LeaseQuerySet,
-    WorkerQuerySet,
-)
+from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
+from django_leases.status import COMPLETED, FAILED, PROCESSING, REVIEW
 
 STUCK, NEAR_EXPIRY, HEALTHY = "stuck", "near_expiry", "healthy"
 # The categories of `selection()`: a status, or a processing job split by its lease.

@@ -9,18 +9,26 @@ are safe. It parses no arguments and prints nothing; `watch_stuck_jobs` drives i
 from __future__ import annotations
 
 import logging
+import random
+import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import router
+from django.core.exceptions import ImproperlyConfigured
+from django.db import InterfaceError, OperationalError, close_old_connections
 from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases.backoff import retry_delay
+from django_leases.checks import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
+from django_leases.querysets import LeaseQuerySet, leased_jobs, registered_workers
+from django_leases.redaction import error_text
 from django_leases.schedules import enqueue_due
+from django_leases.status import StuckPolicy, Verdict
 
 logger = logging.getLogger("django_leases.watcher")
 
@@ -53,17 +61,52 @@ class StuckWatcher:
     def __init__(
         self, *, model: type[Any] | None = None, watcher_id: str = "watcher", batch_size: int = 500
     ) -> None:
-        if model is None:
-            from django_leases.models import PaymentJob
-
-            model = PaymentJob
-        self.model = model
+        jobs = leased_jobs(model)
+        self.model = jobs.model
         self.watcher_id = watcher_id
         self.batch_size = batch_size
-        self.using = router.db_for_write(model)
+        self.using = jobs.db
 
-    def _jobs(self) -> Any:
-        return self.model._default_manager.db_manager(self.using)
+    def _jobs(self) -> LeaseQuerySet[Any]:
+        return leased_jobs(self.model, self.using)
+
+    def run(
+        self,
+        *,
+        interval: float | None = None,
+        once: bool = False,
+        stop: threading.Event | None = None,
+        on_pass: Callable[[list[Action]], object] | None = None,
+        on_outage: Callable[[str], object] | None = None,
+    ) -> int:
+        """Run passes every `interval` seconds (jittered) until `stop` is set, or one with
+        `once`; return how many jobs were acted on in all.
+
+        `on_pass` gets each pass's actions, `on_outage` the reason a pass failed on a database
+        connection error (the next pass tries again: a watcher never exits for an outage).
+        Raises `ImproperlyConfigured` before the first pass where the database session clock
+        would make every expiry wrong (see `checks.database_clock_problems`).
+        """
+        problems = database_clock_problems(self.using)
+        if problems:
+            raise ImproperlyConfigured(problems[0])
+        every = interval if interval is not None else leases_settings.WATCH_INTERVAL
+        stop = stop or threading.Event()
+        total = 0
+        while True:
+            close_old_connections()
+            try:
+                actions = self.run_once()
+            except (OperationalError, InterfaceError) as exc:
+                actions = []
+                if on_outage is not None:
+                    on_outage(error_text(exc))
+            total += len(actions)
+            if on_pass is not None:
+                on_pass(actions)
+            # Jitter keeps several watchers from scanning in lockstep.
+            if once or stop.wait(every * random.uniform(0.8, 1.2)):  # noqa: S311
+                return total
 
     def run_once(self) -> list[Action]:
         """Run one pass and return what it did, job by job."""
@@ -84,9 +127,7 @@ class StuckWatcher:
     def _rescue(self, *, orphaned: bool) -> list[Action]:
         jobs = self._jobs()
         if orphaned:
-            from django_leases.models import Worker
-
-            gone = list(Worker.objects.using(self.using).gone().values_list("worker_id", flat=True))
+            gone = list(registered_workers(self.using).gone().values_list("worker_id", flat=True))
             if not gone:
                 return []
             candidates = jobs.orphaned(gone)
@@ -96,7 +137,7 @@ class StuckWatcher:
         actions = []
         for job in candidates[: self.batch_size]:
             action, reason = self._decide(job, orphaned)
-            delay = retry_delay(job.attempts) if action == "retry" else None
+            delay = retry_delay(job.attempts) if action == Verdict.RETRY else None
             if not jobs.rescue(
                 job, action, by=self.watcher_id, retry_in=delay, reason=reason, orphaned=orphaned
             ):
@@ -119,16 +160,16 @@ class StuckWatcher:
 
     def _decide(self, job: Any, orphaned: bool) -> tuple[str, str]:
         why = "its worker is gone" if orphaned else "its lease expired"
-        if job.checkpoint and leases_settings.stuck_policy(job.kind) == "review":
-            return "review", (
+        if job.checkpoint and leases_settings.stuck_policy(job.kind) == StuckPolicy.REVIEW:
+            return StuckPolicy.REVIEW, (
                 f"{why} after checkpoint {job.checkpoint!r}: the external step may have happened"
             )
         if job.attempts >= job.max_attempts:
-            return "failed", (
+            return Verdict.FAILED, (
                 f"{why} on attempt {job.attempts} of {job.max_attempts}; no attempts left "
                 f"(last owner {job.lease_owner})"
             )
-        return "retry", ""
+        return Verdict.RETRY, ""
 
     # ---- reconcile hooks -------------------------------------------------------------------
 

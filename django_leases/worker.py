@@ -22,39 +22,32 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Collection
 from typing import Any, TypeVar
 
 from django.db import (
     DatabaseError,
-    InterfaceError,
-    OperationalError,
     close_old_connections,
     connections,
-    router,
 )
 
+from django_leases.attempts import TRANSIENT, RunsAttempts, WorkerStats
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.exceptions import (
-    HandlerError,
-    HandlerTimeout,
     LeaseLost,
-    PermanentError,
     WorkerIdTaken,
 )
 from django_leases.handlers import get_handler, registered_kinds
 from django_leases.lease import Lease
 from django_leases.listener import Listener
+from django_leases.querysets import LeaseQuerySet, WorkerQuerySet, leased_jobs, registered_workers
 from django_leases.redaction import error_text
 from django_leases.schedules import Ticker
+from django_leases.status import TIMED_OUT, AttemptOutcome
 
 logger = logging.getLogger("django_leases.worker")
 
-# Errors that mean "the database is unreachable right now", worth a retry after a pause.
-TRANSIENT = (OperationalError, InterfaceError)
 # A coroutine is cancelled at its timeout by its own event loop; the loop supervises it only this
 # much later, for a coroutine that blocks its loop and so cannot be cancelled.
 ASYNC_TIMEOUT_SLACK = 2.0
@@ -64,31 +57,6 @@ T = TypeVar("T")
 def default_worker_id() -> str:
     """Return "<host>:<pid>:<random>": unique per process, readable in the admin and logs."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-@dataclass
-class WorkerStats:
-    claimed: int = 0
-    completed: int = 0
-    retried: int = 0
-    failed: int = 0
-    lost: int = 0
-    released: int = 0
-    abandoned: int = 0
-    timed_out: int = 0
-    outages: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, name: str, count: int = 1) -> None:
-        with self.lock:
-            setattr(self, name, getattr(self, name) + count)
-
-    def summary(self) -> str:
-        names = (
-            "claimed", "completed", "retried", "failed", "lost", "released", "abandoned",
-            "timed_out",
-        )  # fmt: skip
-        return " ".join(f"{name}={getattr(self, name)}" for name in names)
 
 
 class Slot:
@@ -108,7 +76,7 @@ class Slot:
         return self.lease is not None and self.started is not None
 
 
-class LeaseWorker:
+class LeaseWorker(RunsAttempts):
     """Claim jobs of the registered kinds and run them, `concurrency` at a time."""
 
     def __init__(
@@ -125,12 +93,8 @@ class LeaseWorker:
         poll_interval: float | None = None,
         grace_period: float | None = None,
     ) -> None:
-        if model is None:
-            # Imported here: this module loads before the app registry is ready.
-            from django_leases.models import PaymentJob
-
-            model = PaymentJob
-        self.model = model
+        jobs = leased_jobs(model)
+        self.model: type[Any] = jobs.model
         self.worker_id = worker_id or default_worker_id()
         self.ttl = to_seconds(ttl if ttl is not None else leases_settings.TTL, "ttl")
         self.heartbeat_interval = to_seconds(
@@ -173,7 +137,7 @@ class LeaseWorker:
         self.grace_period = (
             grace_period if grace_period is not None else leases_settings.GRACE_PERIOD
         )
-        self.using = router.db_for_write(model)
+        self.using = jobs.db
         self.stats = WorkerStats()
         self.failure: str | None = None
         """Why the worker stopped itself (for its supervisor to restart it); None otherwise."""
@@ -188,7 +152,7 @@ class LeaseWorker:
         self._abandoned: list[threading.Thread] = []
         self._heartbeat: threading.Thread | None = None
         self._reported_lost: set[tuple[int, int]] = set()
-        self._ticker = Ticker(model=model, using=self.using)
+        self._ticker = Ticker(model=self.model, using=self.using)
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -271,14 +235,11 @@ class LeaseWorker:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def _jobs(self) -> Any:
-        return self.model._default_manager.db_manager(self.using)
+    def _jobs(self) -> LeaseQuerySet[Any]:
+        return leased_jobs(self.model, self.using)
 
-    def _workers(self) -> Any:
-        # Imported here: this module loads before the app registry is ready.
-        from django_leases.models import Worker
-
-        return Worker.objects.db_manager(self.using)
+    def _workers(self) -> WorkerQuerySet:
+        return registered_workers(self.using)
 
     def _register(self) -> None:
         """Take this worker's registry row, waiting out database outages (until stopped)."""
@@ -445,7 +406,7 @@ class LeaseWorker:
             self._abandoned.append(slot.thread)
             slot.thread, slot.lease, slot.started, slot.deadline = None, None, None, None
             self._changed.notify_all()
-        self.stats.add("timed_out")
+        self.stats.add(TIMED_OUT)
         logger.warning(
             "timed out job_id=%s attempt=%s token=%s: %s; %s; its thread is abandoned",
             lease.pk,
@@ -504,188 +465,6 @@ class LeaseWorker:
             return None
         slack = ASYNC_TIMEOUT_SLACK if handler.is_async else 0.0
         return started + handler.timeout + slack
-
-    def _execute(self, lease: Lease) -> None:
-        job = lease.job
-        handler = get_handler(job.kind)
-        started = time.monotonic()
-        logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
-        error: BaseException | None = None
-        try:
-            close_old_connections()
-            deadline = None if handler.timeout is None else started + handler.timeout
-            handler.run(job, lease, deadline=deadline)
-        except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
-            error = exc
-        left_open = self._restore_connections()
-        if error is None and left_open:
-            error = HandlerError(left_open)
-        if lease.outcome == "timed_out":
-            return  # the loop ended this attempt at its timeout; the handler came back late
-        if isinstance(error, LeaseLost):
-            self._fenced_out(lease, str(error))
-        elif isinstance(error, HandlerTimeout):
-            delay = retry_delay(lease.attempt)
-            self._record(lease, "timed_out", partial(lease.time_out, str(error), retry_in=delay))
-        elif error is not None and lease.lost:
-            self._fenced_out(
-                lease, f"handler raised {type(error).__name__} after the lease was lost"
-            )
-        elif isinstance(error, PermanentError):
-            self._record(lease, "failed", partial(lease.fail, error, permanent=True), error)
-        elif error is not None:
-            delay = retry_delay(lease.attempt)
-            self._record(lease, "retry", partial(lease.fail, error, retry_in=delay), error)
-        elif lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
-            outcome = lease.outcome or "completed"
-            self.stats.add(outcome)
-            logger.info(
-                "%s job_id=%s attempt=%s by the handler in=%.3fs",
-                outcome,
-                job.pk,
-                lease.attempt,
-                time.monotonic() - started,
-            )
-        elif lease.lost:
-            self._fenced_out(lease, "the lease was lost while the handler ran; result discarded")
-        else:
-            self._record(lease, "completed", lease.complete)
-
-    def _restore_connections(self) -> str:
-        """Undo a transaction the handler left open on this thread's connections.
-
-        Returns what was wrong, or "". Left as it was, the worker's own write of the outcome
-        would run inside the handler's transaction, and commit or vanish with it.
-        """
-        problems = []
-        for conn in connections.all(initialized_only=True):
-            try:
-                if conn.in_atomic_block:
-                    # An atomic block entered and never exited: the wrapper cannot leave it
-                    # cleanly, so close the connection and forget it; the next use reconnects.
-                    conn.close()
-                    del connections[conn.alias]
-                elif conn.connection is not None and not conn.get_autocommit():
-                    conn.rollback()
-                    conn.set_autocommit(True)
-                else:
-                    continue
-            except DatabaseError:
-                conn.close()
-            problems.append(conn.alias)
-        if not problems:
-            return ""
-        return (
-            f"the handler returned with a transaction open on database(s) "
-            f"{', '.join(problems)}; its uncommitted writes were rolled back"
-        )
-
-    def _record(
-        self,
-        lease: Lease,
-        outcome: str,
-        write: Callable[[], object],
-        error: BaseException | None = None,
-    ) -> None:
-        """Write a job's outcome, retrying while the database is down and the lease may be live."""
-        had_outage = False
-        while True:
-            try:
-                result = write()
-                break
-            except LeaseLost as exc:
-                if had_outage and self._jobs().finished_by(lease.pk, lease.owner, lease.token):
-                    # Our earlier attempt committed; only its acknowledgement was lost.
-                    result = "unknown"
-                    break
-                self._fenced_out(lease, str(exc))
-                return
-            except TRANSIENT as exc:
-                if connections[self.using].is_usable():
-                    # The database answered, and refused this statement: not an outage.
-                    self._unrecordable(lease, outcome, exc)
-                    return
-                had_outage = True
-                if lease.lost:
-                    self._fenced_out(lease, "database unreachable for longer than the TTL")
-                    return
-                self._outage(f"{outcome} of job {lease.pk}", exc)
-                if self._stopped.is_set():
-                    return
-            except Exception as exc:  # noqa: BLE001 - e.g. a value the database cannot store
-                self._unrecordable(lease, outcome, exc)
-                return
-        self._count(lease, outcome, result, error)
-
-    def _count(
-        self, lease: Lease, outcome: str, result: object, error: BaseException | None
-    ) -> None:
-        error_name = type(error).__name__ if error else ""
-        if outcome == "completed":
-            self.stats.add("completed")
-            logger.info(
-                "completed job_id=%s attempt=%s owner=%s", lease.pk, lease.attempt, lease.owner
-            )
-        elif outcome == "timed_out":
-            self.stats.add("timed_out")
-            logger.warning(
-                "timed out job_id=%s attempt=%s: cancelled at its timeout; now %s",
-                lease.pk,
-                lease.attempt,
-                result,
-            )
-        elif result == "failed" or outcome == "failed":
-            self.stats.add("failed")
-            logger.warning(
-                "failed job_id=%s attempt=%s error_class=%s (no retry left or permanent)",
-                lease.pk,
-                lease.attempt,
-                error_name,
-            )
-        else:
-            self.stats.add("retried")
-            logger.info(
-                "retry job_id=%s attempt=%s error_class=%s", lease.pk, lease.attempt, error_name
-            )
-
-    def _unrecordable(self, lease: Lease, outcome: str, exc: Exception) -> None:
-        """The database refused the outcome write itself: fail the attempt without its details,
-        or, if even that is refused, stop renewing so that the lease expires for the watcher."""
-        logger.error(
-            "could not record the outcome %s of job_id=%s: %s",
-            outcome,
-            lease.pk,
-            type(exc).__name__,
-        )
-        if outcome != "failed-unrecordable":
-            reason = (
-                f"the worker could not record the outcome {outcome!r}: the database refused it "
-                f"({type(exc).__name__})"
-            )
-            delay = retry_delay(lease.attempt)
-            self._record(
-                lease,
-                "failed-unrecordable",
-                partial(lease.fail, HandlerError(reason), retry_in=delay),
-                exc,
-            )
-            return
-        self._abandon(lease, "the database refused every outcome write")
-
-    def _fenced_out(self, lease: Lease, reason: str) -> None:
-        lease.mark_lost(reason)
-        self.stats.add("lost")
-        logger.warning(
-            "fenced out job_id=%s token=%s owner=%s: %s; nothing written",
-            lease.pk,
-            lease.token,
-            lease.owner,
-            reason,
-        )
-        try:
-            self._jobs().record_fenced(lease.pk, lease.token)
-        except DatabaseError:
-            close_old_connections()
 
     # ---- heartbeat --------------------------------------------------------------------------
 
@@ -806,5 +585,5 @@ class LeaseWorker:
         except (LeaseLost, *TRANSIENT) as exc:
             logger.warning("could not release job_id=%s: %s", lease.pk, error_text(exc))
             return
-        self.stats.add("released")
+        self.stats.add(AttemptOutcome.RELEASED)
         logger.info("released unstarted job_id=%s token=%s", lease.pk, lease.token)

@@ -1,5 +1,6 @@
 """Fixtures shared by the suite: real worker subprocesses against the test database."""
 
+import codecs
 import os
 import select
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import pytest
 from django.db import connection
@@ -44,23 +46,53 @@ def wait_for(
         time.sleep(interval)
 
 
+# Output read from a child's pipe by read_until() beyond the lines it returned.
+UNREAD: "WeakKeyDictionary[subprocess.Popen[str], tuple[str, codecs.IncrementalDecoder]]" = (
+    WeakKeyDictionary()
+)
+
+
 def read_until(proc: "subprocess.Popen[str]", *texts: str, timeout: float = 30.0) -> str:
-    """Read the process's output line by line until every one of `texts` has appeared."""
+    """Read the process's output line by line until every one of `texts` has appeared.
+
+    Reads the pipe's file descriptor itself: `proc.stdout.readline()` would read ahead into
+    Python's buffer, where select() cannot see the lines still waiting, and the next wait would
+    last until the child writes again. What was read past the last line returned waits for the
+    next read_until() or finish().
+    """
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    pending, decoder = UNREAD.get(proc) or ("", codecs.getincrementaldecoder("utf-8")("replace"))
     seen: list[str] = []
     missing = set(texts)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if ready:
-            line = proc.stdout.readline()
-            seen.append(line)
+    while True:
+        while "\n" in pending:
+            line, pending = pending.split("\n", 1)
+            seen.append(line + "\n")
             missing = {text for text in missing if text not in line}
             if not missing:
+                UNREAD[proc] = (pending, decoder)
                 return "".join(seen)
-            if not line and proc.poll() is not None:
-                break
+        if time.monotonic() >= deadline:
+            break
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break  # the child closed its output
+            pending += decoder.decode(chunk)
+    UNREAD[proc] = (pending, decoder)
     pytest.fail(f"{sorted(missing)} not seen in the output within {timeout}s: {''.join(seen)}")
+
+
+def finish(proc: "subprocess.Popen[str]", timeout: float = 60) -> str:
+    """Wait for the process to exit and return the output read_until() has not returned yet."""
+    out, _ = proc.communicate(timeout=timeout)
+    pending, decoder = UNREAD.pop(proc, ("", None))
+    if decoder is not None:
+        pending += decoder.decode(b"", final=True)
+    return pending + (out or "")
 
 
 class Processes:

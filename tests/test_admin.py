@@ -15,7 +15,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from django_leases.admin import PaymentJobAdmin
+from django_leases.admin.jobs import PaymentJobAdmin
 from django_leases.exceptions import LeaseLost
 from django_leases.handlers import registered_kinds
 from django_leases.models import JobAttempt, PaymentJob, Worker

@@ -13,7 +13,7 @@ from django_leases.models import JobAttempt, PaymentJob, Worker
 from example_project.payments import psp
 from example_project.payments.models import Payment
 
-from .conftest import Processes, read_until, subprocess_env
+from .conftest import Processes, finish, read_until, subprocess_env
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -108,7 +108,7 @@ def test_demo__ctrl_c_leaves_no_process_behind(processes: Processes) -> None:
     assert len(children) == 3, children  # two workers and the watcher
 
     proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=60)[0]
+    out = finish(proc)
 
     assert proc.returncode == 130, out
     assert "interrupted by SIGINT: every worker and watcher was stopped" in out

@@ -14,7 +14,7 @@ from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
 
-from .conftest import ON_SQLITE, Processes, read_until, subprocess_env, wait_for
+from .conftest import ON_SQLITE, Processes, finish, read_until, subprocess_env, wait_for
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -52,11 +52,6 @@ def ledger(job: PaymentJob) -> list[tuple[int, str, str]]:
         .order_by("token")
         .values_list("token", "owner", "outcome")
     )
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 60) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    return out
 
 
 def test_worker__burst_runs_every_job_and_exits_zero(processes: Processes) -> None:
@@ -248,9 +243,9 @@ def test_worker__survives_the_database_going_away(processes: Processes) -> None:
 def test_worker__sigterm_lets_running_jobs_finish_and_exits_zero(processes: Processes) -> None:
     # Long enough that SIGTERM lands while both run, even when a loaded machine delays the test
     # process by seconds between reading "started" and sending the signal.
-    running = [PaymentJob.objects.enqueue("sleep", {"seconds": 15}, priority=1) for _ in range(2)]
+    running = [PaymentJob.objects.enqueue("sleep", {"seconds": 8}, priority=1) for _ in range(2)]
     waiting = [PaymentJob.objects.enqueue("noop") for _ in range(3)]
-    proc = worker(processes, "graceful", "--concurrency", "2", "--grace-period", "40")
+    proc = worker(processes, "graceful", "--concurrency", "2", "--grace-period", "30")
     # Claimed is not started: a job still queued for a slot would be released, not finished.
     started = read_until(proc, *(f"started job_id={job.pk} " for job in running))
     proc.send_signal(signal.SIGTERM)

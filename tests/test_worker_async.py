@@ -9,8 +9,8 @@ from django.db.models.functions import Now
 from django_leases.models import JobAttempt, PaymentJob
 from tests.testapp.models import Charge
 
-from .conftest import Processes, read_until, wait_for
-from .test_worker import finish, fresh, ledger, worker
+from .conftest import Processes, finish, read_until, wait_for
+from .test_worker import fresh, ledger, worker
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 

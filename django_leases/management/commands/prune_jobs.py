@@ -5,7 +5,6 @@ import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
-from django.db import router
 from django.db.models import Count
 
 from django_leases.conf import leases_settings
@@ -16,8 +15,7 @@ from django_leases.management.commands._options import (
     positive_seconds,
     whole_number,
 )
-from django_leases.models import PaymentJob
-from django_leases.querysets import PrunedBatch
+from django_leases.querysets import PrunedBatch, leased_jobs
 
 logger = logging.getLogger("django_leases.prune")
 
@@ -65,7 +63,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         retention = dict(leases_settings.RETENTION)
         if older_than is not None:
             retention = dict.fromkeys(retention, older_than)
-        jobs = PaymentJob.objects.db_manager(router.db_for_write(PaymentJob)).all()
+        jobs = leased_jobs()
         if dry_run:
             counts = dict(
                 jobs.prunable(retention).order_by().values_list("status").annotate(n=Count("pk"))

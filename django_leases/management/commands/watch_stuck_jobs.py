@@ -1,13 +1,11 @@
 """`manage.py watch_stuck_jobs`: return expired leases to the pool, or hold them for review."""
 
-import random
 import threading
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import InterfaceError, OperationalError, close_old_connections
 
-from django_leases.checks import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
@@ -18,8 +16,7 @@ from django_leases.management.commands._options import (
     whole_number,
     worker_id,
 )
-from django_leases.redaction import error_text
-from django_leases.watcher import StuckWatcher
+from django_leases.watcher import Action, StuckWatcher
 from django_leases.worker import default_worker_id
 
 
@@ -71,30 +68,23 @@ class Command(OneLineErrorsMixin, BaseCommand):
         watcher = StuckWatcher(
             watcher_id=watcher_id or f"watcher:{default_worker_id()}", batch_size=batch_size
         )
-        problems = database_clock_problems(watcher.using)
-        if problems:
-            raise CommandError(problems[0])
-        every = interval if interval is not None else leases_settings.WATCH_INTERVAL
         stop = threading.Event()
-        total = 0
+
+        def on_pass(actions: list[Action]) -> None:
+            for action in actions:
+                self.stdout.write(action.describe())
+            if actions or once:
+                self.stdout.write(self.style.SUCCESS(watcher.summary(actions)))
+
+        def on_outage(reason: str) -> None:
+            self.stderr.write(f"database unavailable: {reason}; retrying next pass")
+
         with stop_signals(stop.set):
-            while True:
-                close_old_connections()
-                try:
-                    actions = watcher.run_once()
-                except (OperationalError, InterfaceError) as exc:
-                    reason = error_text(exc)
-                    self.stderr.write(f"database unavailable: {reason}; retrying next pass")
-                    actions = []
-                for action in actions:
-                    self.stdout.write(action.describe())
-                total += len(actions)
-                if once:
-                    self.stdout.write(self.style.SUCCESS(watcher.summary(actions)))
-                    return
-                if actions:
-                    self.stdout.write(self.style.SUCCESS(watcher.summary(actions)))
-                # Jitter keeps several watchers from scanning in lockstep.
-                if stop.wait(every * random.uniform(0.8, 1.2)):  # noqa: S311
-                    break
-        self.stdout.write(self.style.SUCCESS(f"watcher stopped: {total} job(s) acted on"))
+            try:
+                total = watcher.run(
+                    interval=interval, once=once, stop=stop, on_pass=on_pass, on_outage=on_outage
+                )
+            except ImproperlyConfigured as exc:
+                raise CommandError(str(exc)) from None
+        if not once:
+            self.stdout.write(self.style.SUCCESS(f"watcher stopped: {total} job(s) acted on"))

@@ -1,0 +1,111 @@
+"""Operator actions: each makes ONE queryset operator call and says what it skipped, and why."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils.translation import gettext
+from django.utils.translation import gettext_lazy as _
+
+from django_leases import stats
+from django_leases.querysets import LeaseQuerySet
+from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW
+
+
+def operator(request: HttpRequest) -> str:
+    """Name the operator in the ledger: "admin:<username>"."""
+    return f"admin:{request.user.get_username()}"
+
+
+STATE_LABELS = {
+    stats.STUCK: _("Stuck"),
+    stats.NEAR_EXPIRY: _("Near expiry"),
+    stats.HEALTHY: _("Healthy"),
+}
+
+
+class Skip:
+    """Why an action skipped a job in some category of `stats.selection()`."""
+
+    LIVE = _("its lease is live — use “Force requeue”")
+    NEVER_REQUEUED = _("completed jobs are never requeued")
+    NOT_STUCK = _("its lease is live, so it is not stuck")
+    NOT_PROCESSING = _("not processing, so there is no lease to release")
+    HOLDER_WORKING = _("its lease is live and its holder may still be working")
+    FINISHED = _("already finished")
+    NOT_PENDING = _("only pending jobs can be cancelled")
+    NOT_IN_REVIEW = _("not under review")
+
+
+ALL_CATEGORIES = (PENDING, stats.LIVE_LEASE, stats.STUCK, COMPLETED, FAILED, REVIEW, CANCELLED)
+
+
+def skip_all_but(keep: Iterable[str], reason: Any) -> dict[str, Any]:
+    return {category: reason for category in ALL_CATEGORIES if category not in keep}
+
+
+def report(
+    before: Counter[str],
+    changed: int,
+    done: Callable[[int], str],
+    skipped: dict[str, Any],
+) -> tuple[str, int]:
+    """Return the message and level that say how many jobs changed and why the others, counted
+    by category in `before` (read just before the write), were skipped."""
+    message = done(changed)
+    missed = sum(before.values()) - changed
+    if missed <= 0:
+        return message, messages.SUCCESS
+    # Only the categories the action skips, in the action's order of reasons.
+    reasons: Counter[str] = Counter()
+    for category, reason in skipped.items():
+        if before[category]:
+            reasons[str(reason)] += before[category]
+    explained = sum(reasons.values())
+    if missed > explained:
+        reasons[gettext("it changed state while the action ran")] += missed - explained
+    if len(reasons) == 1:
+        why = next(iter(reasons))
+    else:
+        why = "; ".join(f"{reason} ({n})" for reason, n in reasons.items())
+    message = gettext("%(done)s; %(n)d skipped: %(why)s") % {
+        "done": message,
+        "n": missed,
+        "why": why,
+    }
+    return message, messages.WARNING
+
+
+AdminAction = Callable[[admin.ModelAdmin, HttpRequest, QuerySet[Any]], None]
+
+
+def operator_action(
+    description: Any,
+    write: Callable[[LeaseQuerySet[Any], str], int],
+    done: Callable[[int], str],
+    skipped: dict[str, Any],
+) -> AdminAction:
+    """Build an admin action that makes ONE `LeaseQuerySet` operator call on the selected jobs.
+
+    Args:
+        write: the call, given the selected jobs and the operator's name for the ledger; it
+            returns how many jobs changed.
+        done: the message for that number.
+        skipped: why a job of a `stats.selection()` category is skipped by `write`.
+    """
+
+    @admin.action(description=description, permissions=["change"])
+    def action(
+        model_admin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> None:
+        jobs = cast(LeaseQuerySet[Any], queryset.order_by())
+        before = stats.selection(jobs)
+        changed = write(jobs, operator(request))
+        model_admin.message_user(request, *report(before, changed, done, skipped))
+
+    return action

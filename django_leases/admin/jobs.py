@@ -1,0 +1,327 @@
+"""The job admin: lease-aware list, safe edits of pending jobs, operator actions."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, cast
+from weakref import WeakKeyDictionary
+
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.db.models import QuerySet
+from django.forms import ModelForm
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.utils.html import format_html
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
+
+from django_leases import stats
+from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
+from django_leases.admin.display import EMPTY, human_duration, short_text
+from django_leases.admin.filters import KindFilter, LeaseStateFilter, StatusFilter
+from django_leases.admin.ledger import AttemptInline
+from django_leases.admin.mixins import IndexedSearchMixin
+from django_leases.admin.overview import OverviewMixin
+from django_leases.conf import leases_settings
+from django_leases.exceptions import InvalidArgument, InvalidPayload
+from django_leases.limits import PRIORITY, check_int, check_json
+from django_leases.models import PaymentJob
+from django_leases.querysets import LeaseQuerySet
+from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW, JobStatus, Verdict
+
+LEASE_FIELDS = (
+    "status",
+    "run_at",
+    "attempts",
+    "max_attempts",
+    "lease_owner",
+    "lease_until",
+    "lease_token",
+    "heartbeat_at",
+    "checkpoint",
+    "last_error",
+    "created_at",
+    "completed_at",
+)
+# The only fields an operator edits, and only while the job is pending: a running job's payload
+# is in its handler's hands. The save is one UPDATE that restates `status = pending`, so a job
+# claimed while the form was open is left alone, and it never writes a lease field.
+EDITABLE_FIELDS = ("priority", "payload")
+# The kinds of `LeaseBackend` tasks (backends.TASK_KIND_PREFIX, not imported here: that module
+# needs the Tasks framework). Their payload names the callable to run, so it is never edited.
+TASK_KINDS = "tasks."
+# Why a change form's save wrote nothing, per request, for `response_change()` to say.
+NOT_SAVED: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
+
+
+class PaymentJobForm(ModelForm):
+    """The change form: the bounds of `enqueue()`, the same on every database (SQLite would
+    store a priority PostgreSQL refuses)."""
+
+    def clean_payload(self) -> Any:
+        payload = self.cleaned_data["payload"]
+        try:
+            check_json(payload, "payload")
+        except InvalidPayload as exc:
+            raise ValidationError(str(exc)) from None
+        return payload
+
+    def clean_priority(self) -> Any:
+        priority = self.cleaned_data["priority"]
+        try:
+            check_int(priority, "priority", PRIORITY)
+        except InvalidArgument as exc:
+            raise ValidationError(str(exc)) from None
+        return priority
+
+
+@admin.register(PaymentJob)
+class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
+    # Status and lease state first: they are what an operator scans for.
+    list_display = (
+        "id",
+        "status_badge",
+        "lease",
+        "kind",
+        "payment_id",
+        "owner",
+        "attempts_of_max",
+        "heartbeat",
+        "last_error_short",
+    )
+    list_display_links = ("id", "kind")
+    list_filter = (LeaseStateFilter, StatusFilter, KindFilter)
+    search_help_text = _(
+        "An exact payment id or idempotency key, or the start of the owner of a processing job."
+    )
+    search_fields = ("payment_id",)  # shows the search box; search() does the search
+    # The primary key index serves the default order, however large the table.
+    ordering = ("-id",)
+    # One COUNT of the filtered rows per page, not a second one of the whole table.
+    show_full_result_count = False
+    inlines = (AttemptInline,)
+    form = PaymentJobForm
+    readonly_fields = ("kind", "payment_id", "idempotency_key", *LEASE_FIELDS, "lease", "heartbeat")
+    fieldsets = (
+        (None, {"fields": ("kind", "payment_id", "idempotency_key", "priority", "payload")}),
+        (
+            _("Lease"),
+            {
+                "fields": (
+                    "status",
+                    "lease",
+                    "lease_owner",
+                    "lease_token",
+                    "lease_until",
+                    "heartbeat",
+                    "heartbeat_at",
+                    "checkpoint",
+                    ("attempts", "max_attempts"),
+                    "run_at",
+                )
+            },
+        ),
+        (_("Outcome"), {"fields": ("last_error", "created_at", "completed_at")}),
+    )
+    actions = (
+        "requeue",
+        "force_requeue",
+        "release_stuck",
+        "mark_failed",
+        "cancel",
+        "resolve_review_completed",
+        "resolve_review_retry",
+        "resolve_review_failed",
+    )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        jobs = cast(LeaseQuerySet[Any], super().get_queryset(request))
+        return stats.with_lease_clock(jobs)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # jobs are added with PaymentJob.objects.enqueue()
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Deleting a job would pull it from under a live worker and orphan its ledger;
+        # finished jobs go with prune_jobs.
+        return False
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        fields = tuple(super().get_readonly_fields(request, obj))
+        if obj is None or obj.status != PENDING:
+            return (*fields, *EDITABLE_FIELDS)
+        if obj.kind.startswith(TASK_KINDS):
+            return (*fields, "payload")
+        return fields
+
+    def save_model(
+        self, request: HttpRequest, obj: Any, form: ModelForm[Any], change: bool
+    ) -> None:
+        # Fields the operator's (older) page posted that are read-only now: the job left pending.
+        stale = [
+            name for name in EDITABLE_FIELDS if name in request.POST and name not in form.fields
+        ]
+        edits = {
+            name: form.cleaned_data[name] for name in form.changed_data if name in EDITABLE_FIELDS
+        }
+        if stale and obj.status == PENDING:  # a task job, whose payload names what it runs
+            NOT_SAVED[request] = gettext(
+                "Nothing was saved: the payload of task job %(id)s cannot be changed here."
+            ) % {"id": obj.pk}
+            return
+        if stale:
+            NOT_SAVED[request] = gettext(
+                "Nothing was saved: job %(id)s is %(status)s now, and only a pending job's "
+                "%(fields)s can be changed."
+            ) % {"id": obj.pk, "status": obj.get_status_display(), "fields": ", ".join(stale)}
+            return
+        if not edits:
+            return
+        jobs = cast(LeaseQuerySet[Any], self.model._default_manager.all()).pending()
+        if "payload" in edits:
+            jobs = jobs.exclude(kind__startswith=TASK_KINDS)
+        if not jobs.filter(pk=obj.pk).update(**edits):
+            NOT_SAVED[request] = gettext(
+                "Nothing was saved: job %(id)s left pending (a worker claimed it, or an operator "
+                "acted on it) while the form was open."
+            ) % {"id": obj.pk}
+
+    def log_change(self, request: HttpRequest, obj: Any, message: Any) -> Any:
+        if request in NOT_SAVED:
+            return None  # nothing changed: the admin's history must not say otherwise
+        return super().log_change(request, obj, message)
+
+    def response_change(self, request: HttpRequest, obj: Any) -> HttpResponse:
+        reason = NOT_SAVED.pop(request, None)
+        if reason is None:
+            return super().response_change(request, obj)
+        self.message_user(request, reason, messages.WARNING)
+        return HttpResponseRedirect(request.path)
+
+    # ---- columns ------------------------------------------------------------------------------
+
+    @admin.display(description=_("status"), ordering="status")
+    def status_badge(self, job: PaymentJob) -> str:
+        return format_html(
+            '<span class="dl-badge dl-{}">{}</span>', job.status, job.get_status_display()
+        )
+
+    @admin.display(description=_("owner"), ordering="lease_owner")
+    def owner(self, job: PaymentJob) -> str:
+        if not job.lease_owner:
+            return EMPTY
+        if job.status == JobStatus.PROCESSING:
+            return job.lease_owner
+        # A job keeps the owner of its last lease; it holds none now.
+        return format_html(
+            '<span class="dl-quiet" title="{}">{}</span>', gettext("last holder"), job.lease_owner
+        )
+
+    @admin.display(description=_("attempts"), ordering="attempts")
+    def attempts_of_max(self, job: PaymentJob) -> str:
+        exhausted = " dl-exhausted" if job.attempts >= job.max_attempts else ""
+        return format_html(
+            '<span class="dl-attempts{}">{} / {}</span>', exhausted, job.attempts, job.max_attempts
+        )
+
+    @admin.display(description=_("lease"), ordering="lease_left")
+    def lease(self, job: PaymentJob) -> str:
+        left: timedelta | None = getattr(job, "lease_left", None)
+        state = stats.lease_state(left, leases_settings.NEAR_EXPIRY)
+        if state is None or left is None:
+            return EMPTY
+        if state == stats.STUCK:
+            when = gettext("expired %(age)s ago") % {"age": human_duration(left)}
+        else:
+            when = gettext("%(left)s left") % {"left": human_duration(left)}
+        return format_html(
+            '<span class="dl-badge dl-{}">{}</span> <span class="dl-when">{}</span>',
+            state,
+            STATE_LABELS[state],
+            when,
+        )
+
+    @admin.display(description=_("last heartbeat"), ordering="-heartbeat_at")
+    def heartbeat(self, job: PaymentJob) -> str:
+        age: timedelta | None = getattr(job, "heartbeat_age", None)
+        if age is None:
+            return EMPTY
+        return gettext("%(age)s ago") % {"age": human_duration(age)}
+
+    @admin.display(description=_("last error"))
+    def last_error_short(self, job: PaymentJob) -> str:
+        return short_text(job.last_error)
+
+    def search(self, queryset: QuerySet[Any], term: str) -> QuerySet[Any]:
+        jobs = cast(LeaseQuerySet[Any], queryset)
+        # Three index probes ORed together: the payment id and idempotency key indexes, and the
+        # processing-only lease index for the owner. A job that no longer holds a lease is found
+        # by its owner in the attempt ledger.
+        found = jobs.filter(payment_id=term) | jobs.filter(idempotency_key=term)
+        return found | jobs.processing().filter(lease_owner__startswith=term)
+
+    # ---- actions ------------------------------------------------------------------------------
+
+    requeue = operator_action(
+        _("Requeue now"),
+        lambda jobs, by: jobs.requeue(by=by),
+        lambda n: ngettext("%d job requeued", "%d jobs requeued", n) % n,
+        {stats.LIVE_LEASE: Skip.LIVE, COMPLETED: Skip.NEVER_REQUEUED},
+    )
+    force_requeue = operator_action(
+        _("Force requeue — takes a live lease, fencing out its holder"),
+        lambda jobs, by: jobs.requeue(force=True, by=by),
+        lambda n: ngettext("%d job requeued by force", "%d jobs requeued by force", n) % n,
+        {COMPLETED: Skip.NEVER_REQUEUED},
+    )
+    release_stuck = operator_action(
+        _("Release stuck lease (back to pending)"),
+        lambda jobs, by: jobs.release_stuck(by=by),
+        lambda n: ngettext("%d stuck job released", "%d stuck jobs released", n) % n,
+        {
+            stats.LIVE_LEASE: Skip.NOT_STUCK,
+            **skip_all_but([stats.LIVE_LEASE, stats.STUCK], Skip.NOT_PROCESSING),
+        },
+    )
+    mark_failed = operator_action(
+        _("Mark failed (no live lease)"),
+        lambda jobs, by: jobs.mark_failed(reason=f"marked failed by {by}", by=by),
+        lambda n: ngettext("%d job marked failed", "%d jobs marked failed", n) % n,
+        {
+            stats.LIVE_LEASE: Skip.HOLDER_WORKING,
+            **dict.fromkeys([COMPLETED, FAILED, CANCELLED], Skip.FINISHED),
+        },
+    )
+    cancel = operator_action(
+        _("Cancel (pending jobs only)"),
+        lambda jobs, by: jobs.cancel(by=by),
+        lambda n: ngettext("%d job cancelled", "%d jobs cancelled", n) % n,
+        skip_all_but([PENDING], Skip.NOT_PENDING),
+    )
+    resolve_review_completed = operator_action(
+        _("Resolve review: completed"),
+        lambda jobs, by: jobs.resolve_review(COMPLETED, by=by),
+        lambda n: (
+            ngettext("%d job under review completed", "%d jobs under review completed", n) % n
+        ),
+        skip_all_but([REVIEW], Skip.NOT_IN_REVIEW),
+    )
+    resolve_review_retry = operator_action(
+        _("Resolve review: retry"),
+        lambda jobs, by: jobs.resolve_review(Verdict.RETRY, by=by),
+        lambda n: (
+            ngettext(
+                "%d job under review sent back to pending",
+                "%d jobs under review sent back to pending",
+                n,
+            )
+            % n
+        ),
+        skip_all_but([REVIEW], Skip.NOT_IN_REVIEW),
+    )
+    resolve_review_failed = operator_action(
+        _("Resolve review: failed"),
+        lambda jobs, by: jobs.resolve_review(FAILED, by=by),
+        lambda n: ngettext("%d job under review failed", "%d jobs under review failed", n) % n,
+        skip_all_but([REVIEW], Skip.NOT_IN_REVIEW),
+    )

@@ -1,0 +1,85 @@
+"""The attempt ledger: read-only, inline on each job and as its own list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.urls import reverse
+from django.utils.html import format_html
+from django.utils.translation import gettext_lazy as _
+
+from django_leases.admin.display import attempt_error
+from django_leases.admin.filters import OpenAttemptFilter
+from django_leases.admin.mixins import IndexedSearchMixin, ReadOnlyMixin, job_id
+from django_leases.models import JobAttempt
+
+
+class AttemptInline(ReadOnlyMixin, admin.TabularInline):
+    model = JobAttempt
+    fk_name = "job"
+    verbose_name = _("attempt")
+    verbose_name_plural = _("attempt ledger (newest first)")
+    fields = readonly_fields = (
+        "attempt",
+        "token",
+        "owner",
+        "claimed_at",
+        "last_heartbeat_at",
+        "ended_at",
+        "outcome",
+        "ended_by",
+        "checkpoint",
+        "error",
+        "fenced_at",
+        "resolution",
+        "resolved_by",
+    )
+    # Tokens only grow: the highest is the latest acquisition.
+    ordering = ("-token",)
+    extra = 0
+
+    @admin.display(description=_("error"))
+    def error(self, attempt: JobAttempt) -> str:
+        return attempt_error(attempt)
+
+
+@admin.register(JobAttempt)
+class JobAttemptAdmin(IndexedSearchMixin, ReadOnlyMixin, admin.ModelAdmin):
+    list_display = (
+        "id",
+        "job_link",
+        "attempt",
+        "token",
+        "owner",
+        "outcome",
+        "claimed_at",
+        "ended_at",
+        "ended_by",
+        "fenced_at",
+        "error",
+    )
+    list_filter = (OpenAttemptFilter, "outcome")
+    search_help_text = _("A job id, or the start of an owner.")
+    search_fields = ("owner",)  # shows the search box; search() does the search
+    # The primary key, not Meta.ordering's claimed_at, which has no index.
+    ordering = ("-id",)
+    show_full_result_count = False
+
+    @admin.display(description=_("job"), ordering="job_ref")
+    def job_link(self, attempt: JobAttempt) -> str:
+        if attempt.job_id is None:  # the job was pruned; the ledger keeps its id
+            return str(attempt.job_ref)
+        url = reverse("admin:django_leases_paymentjob_change", args=[attempt.job_ref])
+        return format_html('<a href="{}">{}</a>', url, attempt.job_ref)
+
+    @admin.display(description=_("error"))
+    def error(self, attempt: JobAttempt) -> str:
+        return attempt_error(attempt)
+
+    def search(self, queryset: QuerySet[Any], term: str) -> QuerySet[Any]:
+        pk = job_id(term)
+        if pk is not None:  # (job_ref, ended_at) is indexed
+            return queryset.filter(job_ref=pk)
+        return queryset.filter(owner__startswith=term)

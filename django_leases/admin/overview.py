@@ -1,0 +1,89 @@
+"""The queue overview page: counts, throughput chart, stuck jobs and workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib import admin
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+from django.utils.translation import gettext
+
+from django_leases import stats
+from django_leases.admin.display import human_duration
+from django_leases.conf import leases_settings
+from django_leases.models import Worker
+from django_leases.status import JobStatus
+
+
+class OverviewMixin(admin.ModelAdmin):
+    """Adds the overview page (`overview/`) to a job admin, which shows its stuck jobs with the
+    admin's own `lease` and `heartbeat` columns."""
+
+    lease: Callable[[Any], str]
+    heartbeat: Callable[[Any], str]
+
+    def get_urls(self) -> list[URLPattern]:
+        name = f"{self.opts.app_label}_{self.opts.model_name}_overview"
+        overview = path("overview/", self.admin_site.admin_view(self.overview_view), name=name)
+        return [overview, *super().get_urls()]  # before the catch-all "<object_id>/" routes
+
+    def overview_view(self, request: HttpRequest) -> TemplateResponse:
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        near_expiry = leases_settings.NEAR_EXPIRY
+        data = stats.overview(
+            self.model._default_manager.all(),
+            Worker.objects.all(),
+            near_expiry=near_expiry,
+        )
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": gettext("Queue overview"),
+            "overview": data,
+            "statuses": [
+                (value, label, data.by_status.get(value, 0)) for value, label in JobStatus.choices
+            ],
+            "oldest_due_wait": human_duration(data.oldest_due_wait),
+            "near_expiry_seconds": near_expiry,
+            "chart": chart(data.chart),
+            "stuck_jobs": [(job, self.lease(job), self.heartbeat(job)) for job in data.stuck_jobs],
+            "workers": [(worker, human_duration(worker.seen_ago)) for worker in data.workers],
+        }
+        return TemplateResponse(request, "admin/django_leases/overview.html", context)
+
+
+CHART_HEIGHT = 120
+BAR_WIDTH = 10
+
+
+def chart(minutes: list[stats.Minute]) -> dict[str, Any]:
+    """Lay the throughput out as SVG bars: completed below, failed stacked on top."""
+    peak = max((minute.total for minute in minutes), default=0) or 1
+
+    def height(n: int) -> int:
+        return max(1, round(n * CHART_HEIGHT / peak)) if n else 0  # one job still shows
+
+    bars = []
+    for i, minute in enumerate(minutes):
+        completed, failed = height(minute.completed), height(minute.failed)
+        bars.append(
+            {
+                "x": i * BAR_WIDTH,
+                "completed_y": CHART_HEIGHT - completed,
+                "completed_h": completed,
+                "failed_y": CHART_HEIGHT - completed - failed,
+                "failed_h": failed,
+                "minute": minute,
+            }
+        )
+    return {
+        "bars": bars,
+        "width": len(minutes) * BAR_WIDTH,
+        "height": CHART_HEIGHT,
+        "peak": peak,
+    }

@@ -1,0 +1,55 @@
+"""The worker registry: which workers run, where, and when they were last seen."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from django.contrib import admin
+from django.db.models import Exists, OuterRef, QuerySet
+from django.http import HttpRequest
+from django.utils.html import format_html
+from django.utils.translation import gettext
+from django.utils.translation import gettext_lazy as _
+
+from django_leases import stats
+from django_leases.admin.display import human_duration
+from django_leases.admin.filters import WorkerStateFilter
+from django_leases.admin.mixins import ReadOnlyMixin
+from django_leases.models import Worker
+from django_leases.querysets import WorkerQuerySet
+
+
+@admin.register(Worker)
+class WorkerAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    list_display = (
+        "worker_id",
+        "state",
+        "hostname",
+        "pid",
+        "kinds",
+        "concurrency",
+        "last_seen",
+        "started_at",
+        "stopped_at",
+    )
+    list_filter = (WorkerStateFilter,)
+    search_fields = ("worker_id", "hostname")
+    ordering = ("-last_seen_at",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        workers = cast(WorkerQuerySet, super().get_queryset(request))
+        # alive() decides, in the same query: no second definition of "alive" here.
+        return stats.with_seen_ago(workers).annotate(
+            is_alive=Exists(workers.alive().filter(pk=OuterRef("pk")))
+        )
+
+    @admin.display(description=_("state"))
+    def state(self, worker: Worker) -> str:
+        if getattr(worker, "is_alive", False):
+            return format_html('<span class="dl-badge dl-healthy">{}</span>', gettext("alive"))
+        label = gettext("stopped") if worker.stopped_at else gettext("gone")
+        return format_html('<span class="dl-badge dl-quiet">{}</span>', label)
+
+    @admin.display(description=_("last seen"), ordering="-last_seen_at")
+    def last_seen(self, worker: Worker) -> str:
+        return gettext("%(age)s ago") % {"age": human_duration(getattr(worker, "seen_ago", None))}

@@ -1,0 +1,261 @@
+"""One attempt of a job on a slot thread: run the handler, then record what came of it.
+
+`LeaseWorker` runs attempts through these methods. Whatever the handler raises ends the attempt
+here, with its error recorded; the outcome write is retried while the database is down and the
+lease may still be live, and an outcome the database refuses still ends the attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from functools import partial
+from typing import Any
+
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+)
+
+from django_leases.backoff import retry_delay
+from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
+from django_leases.handlers import get_handler
+from django_leases.lease import Lease
+from django_leases.querysets import LeaseQuerySet
+from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
+
+logger = logging.getLogger("django_leases.worker")
+
+# Errors that mean "the database is unreachable right now", worth a retry after a pause.
+TRANSIENT = (OperationalError, InterfaceError)
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    completed: int = 0
+    retried: int = 0
+    failed: int = 0
+    lost: int = 0
+    released: int = 0
+    abandoned: int = 0
+    timed_out: int = 0
+    outages: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, count: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + count)
+
+    def summary(self) -> str:
+        names = [f.name for f in fields(self) if f.name not in ("outages", "lock")]
+        return " ".join(f"{name}={getattr(self, name)}" for name in names)
+
+
+class RunsAttempts:
+    """The attempt half of `LeaseWorker` (its base class): what happens on a slot thread."""
+
+    stats: WorkerStats
+    using: str
+    _stopped: threading.Event
+
+    def _jobs(self) -> LeaseQuerySet[Any]:
+        raise NotImplementedError
+
+    def _outage(self, what: str, exc: Exception) -> None:
+        raise NotImplementedError
+
+    def _abandon(self, lease: Lease, why: str) -> None:
+        raise NotImplementedError
+
+    def _execute(self, lease: Lease) -> None:
+        job = lease.job
+        handler = get_handler(job.kind)
+        started = time.monotonic()
+        logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
+        error: BaseException | None = None
+        try:
+            close_old_connections()
+            deadline = None if handler.timeout is None else started + handler.timeout
+            handler.run(job, lease, deadline=deadline)
+        except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
+            error = exc
+        left_open = self._restore_connections()
+        if error is None and left_open:
+            error = HandlerError(left_open)
+        if lease.outcome == TIMED_OUT:
+            return  # the loop ended this attempt at its timeout; the handler came back late
+        if isinstance(error, LeaseLost):
+            self._fenced_out(lease, str(error))
+        elif isinstance(error, HandlerTimeout):
+            delay = retry_delay(lease.attempt)
+            self._record(lease, TIMED_OUT, partial(lease.time_out, str(error), retry_in=delay))
+        elif error is not None and lease.lost:
+            self._fenced_out(
+                lease, f"handler raised {type(error).__name__} after the lease was lost"
+            )
+        elif isinstance(error, PermanentError):
+            self._record(
+                lease, AttemptOutcome.FAILED, partial(lease.fail, error, permanent=True), error
+            )
+        elif error is not None:
+            delay = retry_delay(lease.attempt)
+            self._record(
+                lease, AttemptOutcome.RETRIED, partial(lease.fail, error, retry_in=delay), error
+            )
+        elif lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
+            outcome = lease.outcome or AttemptOutcome.COMPLETED
+            self.stats.add(outcome)
+            logger.info(
+                "%s job_id=%s attempt=%s by the handler in=%.3fs",
+                outcome,
+                job.pk,
+                lease.attempt,
+                time.monotonic() - started,
+            )
+        elif lease.lost:
+            self._fenced_out(lease, "the lease was lost while the handler ran; result discarded")
+        else:
+            self._record(lease, AttemptOutcome.COMPLETED, lease.complete)
+
+    def _restore_connections(self) -> str:
+        """Undo a transaction the handler left open on this thread's connections.
+
+        Returns what was wrong, or "". Left as it was, the worker's own write of the outcome
+        would run inside the handler's transaction, and commit or vanish with it.
+        """
+        problems = []
+        for conn in connections.all(initialized_only=True):
+            try:
+                if conn.in_atomic_block:
+                    # An atomic block entered and never exited: the wrapper cannot leave it
+                    # cleanly, so close the connection and forget it; the next use reconnects.
+                    conn.close()
+                    del connections[conn.alias]
+                elif conn.connection is not None and not conn.get_autocommit():
+                    conn.rollback()
+                    conn.set_autocommit(True)
+                else:
+                    continue
+            except DatabaseError:
+                conn.close()
+            problems.append(conn.alias)
+        if not problems:
+            return ""
+        return (
+            f"the handler returned with a transaction open on database(s) "
+            f"{', '.join(problems)}; its uncommitted writes were rolled back"
+        )
+
+    def _record(
+        self,
+        lease: Lease,
+        outcome: str,
+        write: Callable[[], object],
+        error: BaseException | None = None,
+    ) -> None:
+        """Write a job's outcome, retrying while the database is down and the lease may be live."""
+        had_outage = False
+        while True:
+            try:
+                result = write()
+                break
+            except LeaseLost as exc:
+                if had_outage and self._jobs().finished_by(lease.pk, lease.owner, lease.token):
+                    # Our earlier attempt committed; only its acknowledgement was lost.
+                    result = "unknown"
+                    break
+                self._fenced_out(lease, str(exc))
+                return
+            except TRANSIENT as exc:
+                if connections[self.using].is_usable():
+                    # The database answered, and refused this statement: not an outage.
+                    self._unrecordable(lease, outcome, exc)
+                    return
+                had_outage = True
+                if lease.lost:
+                    self._fenced_out(lease, "database unreachable for longer than the TTL")
+                    return
+                self._outage(f"{outcome} of job {lease.pk}", exc)
+                if self._stopped.is_set():
+                    return
+            except Exception as exc:  # noqa: BLE001 - e.g. a value the database cannot store
+                self._unrecordable(lease, outcome, exc)
+                return
+        self._count(lease, outcome, result, error)
+
+    def _count(
+        self, lease: Lease, outcome: str, result: object, error: BaseException | None
+    ) -> None:
+        error_name = type(error).__name__ if error else ""
+        if outcome == AttemptOutcome.COMPLETED:
+            self.stats.add(AttemptOutcome.COMPLETED)
+            logger.info(
+                "completed job_id=%s attempt=%s owner=%s", lease.pk, lease.attempt, lease.owner
+            )
+        elif outcome == TIMED_OUT:
+            self.stats.add(TIMED_OUT)
+            logger.warning(
+                "timed out job_id=%s attempt=%s: cancelled at its timeout; now %s",
+                lease.pk,
+                lease.attempt,
+                result,
+            )
+        elif result == FAILED or outcome == AttemptOutcome.FAILED:
+            self.stats.add(AttemptOutcome.FAILED)
+            logger.warning(
+                "failed job_id=%s attempt=%s error_class=%s (no retry left or permanent)",
+                lease.pk,
+                lease.attempt,
+                error_name,
+            )
+        else:
+            self.stats.add(AttemptOutcome.RETRIED)
+            logger.info(
+                "retry job_id=%s attempt=%s error_class=%s", lease.pk, lease.attempt, error_name
+            )
+
+    def _unrecordable(self, lease: Lease, outcome: str, exc: Exception) -> None:
+        """The database refused the outcome write itself: fail the attempt without its details,
+        or, if even that is refused, stop renewing so that the lease expires for the watcher."""
+        logger.error(
+            "could not record the outcome %s of job_id=%s: %s",
+            outcome,
+            lease.pk,
+            type(exc).__name__,
+        )
+        if outcome != "failed-unrecordable":
+            reason = (
+                f"the worker could not record the outcome '{outcome}': the database refused it "
+                f"({type(exc).__name__})"
+            )
+            delay = retry_delay(lease.attempt)
+            self._record(
+                lease,
+                "failed-unrecordable",
+                partial(lease.fail, HandlerError(reason), retry_in=delay),
+                exc,
+            )
+            return
+        self._abandon(lease, "the database refused every outcome write")
+
+    def _fenced_out(self, lease: Lease, reason: str) -> None:
+        lease.mark_lost(reason)
+        self.stats.add("lost")
+        logger.warning(
+            "fenced out job_id=%s token=%s owner=%s: %s; nothing written",
+            lease.pk,
+            lease.token,
+            lease.owner,
+            reason,
+        )
+        try:
+            self._jobs().record_fenced(lease.pk, lease.token)
+        except DatabaseError:
+            close_old_connections()

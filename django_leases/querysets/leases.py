@@ -1,0 +1,487 @@
+"""Every lease write of django-leases. No other module writes lease fields.
+
+Each transition is ONE conditional UPDATE whose WHERE restates the full precondition; the row
+count it returns is the decision. Holder writes (heartbeat, checkpoint, complete, fail, release)
+always filter on id + processing + owner + fencing token, so a worker that paused past its lease
+cannot touch a job that someone else now owns. Every lease time comes from the database clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from datetime import timedelta
+from functools import reduce
+from operator import or_
+from typing import TYPE_CHECKING, Any, Literal
+
+from django.db import connections, transaction
+from django.db.models import Case, F, Q, Value, When
+from django.db.models.functions import Now
+
+from django_leases import sql
+from django_leases.conf import to_seconds
+from django_leases.exceptions import LeaseError, LeaseLost
+from django_leases.limits import (
+    CHECKPOINT_LENGTH,
+    CLAIM_LIMIT,
+    JOB_ID,
+    KIND_LENGTH,
+    OWNER_LENGTH,
+    check_int,
+    check_text,
+)
+from django_leases.querysets.base import after, retry_deadlocks
+from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
+from django_leases.querysets.operators import OperatorActions
+from django_leases.querysets.reads import takeover_guard
+from django_leases.sql import postgresql, sqlite
+from django_leases.sql.postgresql import LedgerNames
+from django_leases.status import (
+    COMPLETED,
+    FAILED,
+    PENDING,
+    PROCESSING,
+    REVIEW,
+    TIMED_OUT,
+    AttemptOutcome,
+    StuckPolicy,
+    Verdict,
+)
+
+if TYPE_CHECKING:
+    from django_leases.models import AbstractLeasedJob
+
+
+ClaimPath = Literal["postgresql+ledger", "postgresql", "sqlite", "orm"]
+"""How a claim runs: PostgreSQL's one statement (with the ledger's CTEs, or the ledger written
+after it), SQLite's UPDATE ... RETURNING passes, or the ORM's SELECT ... FOR UPDATE SKIP LOCKED
+then conditional UPDATE (MariaDB/MySQL, and the specification the others are tested against)."""
+
+
+class LeaseQuerySet(OperatorActions[J]):
+    """Reads and lease transitions of any `AbstractLeasedJob` table.
+
+    Built up in layers, one module each: reads (`reads`), ledger writes (`ledger`), pruning
+    (`prune`), operator actions (`operators`); the claim, the holder's writes and the
+    watcher's rescue are here.
+    """
+
+    # ---- acquisition -------------------------------------------------------------------------
+
+    @retry_deadlocks
+    def claim(
+        self,
+        owner: str,
+        *,
+        ttl: float | timedelta,
+        limit: int = 1,
+        kinds: Collection[str] | None = None,
+    ) -> list[J]:
+        """Claim up to `limit` claimable jobs for `owner`, oldest expired lease first, then by
+        priority (highest first), `run_at` and id.
+
+        Each claimed row gets `attempts + 1`, a new fencing token and a lease of `ttl` seconds
+        from the database clock, in the statement that decides ownership, and an open row in the
+        attempt ledger in the same transaction.
+        """
+        seconds = to_seconds(ttl, "ttl")
+        _check_owner(owner)
+        check_int(limit, "limit", CLAIM_LIMIT)
+        if kinds is not None:
+            kinds = [check_text(kind, "kinds", KIND_LENGTH) for kind in kinds]
+            if not kinds:
+                return []
+        return self._claim(owner, seconds, limit, kinds, self._claim_path())
+
+    def _claim_path(self) -> ClaimPath:
+        """Pick the claim's path: the ONE vendor switch. Every path claims the same jobs in the
+        same order with the same ledger rows (tests/test_claim_paths.py holds them to the ORM
+        path, which is the readable specification)."""
+        vendor = connections[self.db].vendor
+        if vendor == "postgresql":
+            return "postgresql+ledger" if self._ledger_names() is not None else "postgresql"
+        return "sqlite" if vendor == "sqlite" else "orm"
+
+    def _claim(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, path: ClaimPath
+    ) -> list[J]:
+        ledger = self._ledger_names() if path == "postgresql+ledger" else None
+        if ledger is not None:
+            # One statement claims and writes the ledger: atomic without a transaction block.
+            jobs = self._claim_postgresql(owner, seconds, limit, kinds, ledger=ledger)
+        else:
+            with transaction.atomic(using=self.db):
+                if path.startswith("postgresql"):
+                    jobs = self._claim_postgresql(owner, seconds, limit, kinds)
+                else:
+                    jobs = self._claim_passes(owner, seconds, limit, kinds, sqlite=path == "sqlite")
+                self._open_attempts(jobs, owner)
+        # RETURNING gives no order: hand jobs out in claim order.
+        jobs.sort(key=lambda job: (not job.taken_over, -job.priority, job.run_at, job.pk))  # type: ignore[attr-defined]
+        return jobs
+
+    def _claim_postgresql(
+        self,
+        owner: str,
+        seconds: float,
+        limit: int,
+        kinds: list[str] | None,
+        *,
+        ledger: LedgerNames | None = None,
+    ) -> list[J]:
+        statement = postgresql.claim(
+            self._table(),
+            owner=owner,
+            seconds=seconds,
+            limit=limit,
+            kinds=sql.kinds_filter(kinds),
+            guard=takeover_guard()[1],
+            ledger=ledger,
+            pending=PENDING,
+            processing=PROCESSING,
+            running=AttemptOutcome.RUNNING,
+            lease_lost=AttemptOutcome.LEASE_LOST,
+        )
+        return list(self.raw(*statement))
+
+    def _claim_passes(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, *, sqlite: bool
+    ) -> list[J]:
+        # Two passes, expired leases first (rare; the pass is one cheap index probe), then due
+        # jobs. Each pass's UPDATE restates the full claimable predicate.
+        jobs: list[J] = []
+        for takeover in (True, False):
+            remaining = limit - len(jobs)
+            if remaining <= 0:
+                break
+            if sqlite:
+                batch = self._claim_pass_sqlite(owner, seconds, remaining, kinds, takeover)
+            else:
+                batch = self._claim_pass_locking(owner, seconds, remaining, kinds, takeover)
+            for job in batch:
+                job.taken_over = takeover  # type: ignore[attr-defined]
+            jobs.extend(batch)
+        return jobs
+
+    def _claim_pass_sqlite(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
+    ) -> list[J]:
+        statement = sqlite.claim_pass(
+            self._table(),
+            owner=owner,
+            seconds=seconds,
+            limit=limit,
+            takeover=takeover,
+            kinds=sql.kinds_filter(kinds),
+            guard=takeover_guard()[1] if takeover else ("", {}),
+            pending=PENDING,
+            processing=PROCESSING,
+        )
+        return list(self.raw(*statement))
+
+    def _claim_pass_locking(
+        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
+    ) -> list[J]:
+        # MariaDB/MySQL have no UPDATE ... RETURNING and refuse a LIMIT in an IN subquery on
+        # the table being updated. So: lock candidates with FOR UPDATE SKIP LOCKED (MariaDB
+        # 10.6+, MySQL 8+), then the conditional UPDATE restating the predicate decides, then
+        # read back the rows we now own. The row locks, held to commit, make the read exact.
+        # Tested on MariaDB 10.11.
+        base = self._claimable_pass(kinds, takeover)
+        order = ("lease_until",) if takeover else ("-priority", "run_at", "id")
+        ids = list(
+            base.select_for_update(skip_locked=True)
+            .order_by(*order)
+            .values_list("pk", flat=True)[:limit]
+        )
+        if not ids:
+            return []
+        won = base.filter(pk__in=ids).update(**self._claim_values(owner, seconds))
+        if won == 0:
+            return []
+        return list(self.filter(pk__in=ids, status=PROCESSING, lease_owner=owner).order_by(*order))
+
+    @staticmethod
+    def _claim_values(owner: str, seconds: float) -> dict[str, Any]:
+        return {
+            "status": PROCESSING,
+            "lease_owner": owner,
+            "lease_until": after(seconds),
+            "heartbeat_at": Now(),
+            "lease_token": F("lease_token") + 1,
+            "attempts": F("attempts") + 1,
+        }
+
+    def _table(self) -> str:
+        return connections[self.db].ops.quote_name(self.model._meta.db_table)
+
+    @retry_deadlocks
+    def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
+        """Claim the job `pk` for `owner` if it is claimable; return it, or None if not."""
+        check_int(pk, "pk", JOB_ID)
+        seconds = to_seconds(ttl, "ttl")
+        _check_owner(owner)
+        with transaction.atomic(using=self.db):
+            # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or
+            # processing with an expired lease). Its row count is the decision.
+            won = self.claimable().filter(pk=pk).update(**self._claim_values(owner, seconds))
+            if not won:
+                return None
+            # We hold the row lock until commit (and SQLite's write lock), so this read is ours.
+            job = self.get(pk=pk)
+            # attempts > 1: a ledger row of an earlier holder may still be open; close it.
+            job.taken_over = job.attempts > 1  # type: ignore[attr-defined]
+            self._open_attempts([job], owner)
+        return job
+
+    # ---- holder writes ----------------------------------------------------------------------
+
+    @retry_deadlocks
+    def heartbeat(
+        self, owner: str, leases: Mapping[int, int], *, ttl: float | timedelta
+    ) -> set[int]:
+        """Renew every live lease in `leases` ({pk: token}) held by `owner`, in one statement.
+
+        Returns the pks renewed. A lease that already expired is not renewed: its holder must
+        assume somebody else owns the job now.
+        """
+        seconds = to_seconds(ttl, "ttl")
+        if not leases:
+            return set()
+        pairs = reduce(or_, (Q(pk=pk, lease_token=token) for pk, token in leases.items()))
+        live = self.filter(pairs, status=PROCESSING, lease_owner=owner, lease_until__gte=Now())
+        with transaction.atomic(using=self.db):
+            won = live.update(lease_until=after(seconds), heartbeat_at=Now())
+            if won == len(leases):
+                renewed = set(leases)
+            else:
+                # Rare: some leases were lost. The rows we renewed are locked by us and still
+                # match; the lost ones cannot match again (tokens only grow).
+                renewed = set(live.values_list("pk", flat=True))
+            if renewed:
+                self._ledger_update(
+                    {pk: leases[pk] for pk in renewed},
+                    last_heartbeat_at=self._job_column("heartbeat_at"),
+                    lease_until=self._job_column("lease_until"),
+                )
+        return renewed
+
+    def checkpoint(self, pk: int, owner: str, token: int, step: str) -> None:
+        """Record that the holder reached `step`; the watcher's review policy reads it."""
+        check_text(step, "checkpoint step", CHECKPOINT_LENGTH)
+        self._holder_write(pk, owner, token, None, None, checkpoint=step)
+
+    def complete(self, pk: int, owner: str, token: int, *, result: Any = None) -> None:
+        """Mark the job completed, storing `result` (JSON) if given.
+
+        Raises `LeaseLost` if `owner` no longer holds the job.
+        """
+        ledger = self._ledger_names() if connections[self.db].vendor == "postgresql" else None
+        if ledger is not None and result is None:
+            self._complete_postgresql(pk, owner, token, ledger)
+            return
+        values: dict[str, Any] = {"status": COMPLETED, "completed_at": Now(), "last_error": ""}
+        if result is not None:
+            values["result"] = result
+        self._holder_write(pk, owner, token, AttemptOutcome.COMPLETED, None, **values)
+
+    @retry_deadlocks
+    def _complete_postgresql(self, pk: int, owner: str, token: int, ledger: LedgerNames) -> None:
+        statement = postgresql.complete(
+            self._table(),
+            ledger,
+            pk=pk,
+            owner=owner,
+            token=token,
+            processing=PROCESSING,
+            completed=COMPLETED,
+        )
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(*statement)
+            (won,) = cursor.fetchone()
+        if not won:
+            self.record_fenced(pk, token)
+            raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
+
+    @retry_deadlocks
+    def fail(
+        self,
+        pk: int,
+        owner: str,
+        token: int,
+        error: BaseException | str,
+        *,
+        retry_in: float | timedelta | None = None,
+        permanent: bool = False,
+    ) -> str:
+        """Record a failed attempt and return the job's new status.
+
+        The job goes back to pending, due in `retry_in` (database clock), while it has attempts
+        left; it fails for good when `permanent` or when it used its last attempt.
+        """
+        error_class, message = describe_error(error)
+        last_error = f"{error_class}: {message}" if error_class else message
+        final = Q(attempts__gte=F("max_attempts"))
+        if permanent:
+            status: Any = Value(FAILED)
+            completed_at: Any = Now()
+            run_at: Any = F("run_at")
+        else:
+            delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
+            status = Case(When(final, then=Value(FAILED)), default=Value(PENDING))
+            completed_at = Case(When(final, then=Now()), default=None)
+            run_at = Case(When(final, then=F("run_at")), default=after(delay) if delay else Now())
+        with transaction.atomic(using=self.db):
+            won = self.held(pk, owner, token).update(
+                status=status, completed_at=completed_at, run_at=run_at, last_error=last_error
+            )
+            if not won:
+                raise LeaseLost(f"job {pk}: lease lost before its failure could be recorded")
+            # The row is ours until commit; read back which branch the UPDATE took.
+            new_status = self.filter(pk=pk).values_list("status", flat=True).get()
+            outcome = AttemptOutcome.FAILED if new_status == FAILED else AttemptOutcome.RETRIED
+            self._close_attempt(pk, token, outcome, by=owner, error=(error_class, message))
+        return new_status
+
+    @retry_deadlocks
+    def time_out(
+        self, pk: int, owner: str, token: int, *, retry_in: float | None, reason: str
+    ) -> str:
+        """End the holder's attempt at its run-time limit; return the job's new status.
+
+        The job follows its kind's stuck policy, as an expired lease would: held for review
+        after a risky checkpoint, failed without attempts left, else pending after `retry_in`.
+        """
+        guard = takeover_guard()[0]
+        review = ~guard if guard else Q(pk__in=[])
+        final = Q(attempts__gte=F("max_attempts"))
+        delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
+        with transaction.atomic(using=self.db):
+            won = self.held(pk, owner, token).update(
+                status=Case(
+                    When(review, then=Value(REVIEW)),
+                    When(final, then=Value(FAILED)),
+                    default=Value(PENDING),
+                ),
+                completed_at=Case(When(~review & final, then=Now()), default=None),
+                run_at=Case(
+                    When(review | final, then=F("run_at")),
+                    default=after(delay) if delay else Now(),
+                ),
+                last_error=reason[:MAX_ERROR_LENGTH],
+            )
+            if won:
+                new_status = self.filter(pk=pk).values_list("status", flat=True).get()
+                self._close_attempt(pk, token, TIMED_OUT, by=owner, error=("", reason))
+        if not won:
+            self.record_fenced(pk, token)
+            raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
+        return new_status
+
+    def release(self, pk: int, owner: str, token: int) -> None:
+        """Give a job back unstarted (graceful shutdown): pending, due now.
+
+        The acquisition still counts in `attempts` (never reset), so `max_attempts` grows by one:
+        a release does not spend the job's retry budget.
+        """
+        self._holder_write(
+            pk,
+            owner,
+            token,
+            AttemptOutcome.RELEASED,
+            None,
+            status=PENDING,
+            run_at=Now(),
+            max_attempts=F("max_attempts") + 1,
+        )
+
+    def lock_held(self, pk: int, owner: str, token: int) -> None:
+        """Re-check the lease and lock the job row until the current transaction ends.
+
+        Used by `Lease.atomic()`: the row lock keeps a claim from taking the job over while the
+        handler's writes commit. Raises `LeaseLost` if `owner` no longer holds the job.
+        """
+        if not connections[self.db].in_atomic_block:
+            raise LeaseError("lock_held() must run inside transaction.atomic()")
+        # An UPDATE, not SELECT ... FOR UPDATE: it is the conditional write that takes the row
+        # lock on every backend, SQLite's database write lock included.
+        if not self.held(pk, owner, token).update(heartbeat_at=Now()):
+            raise LeaseLost(f"job {pk}: lease lost; the transaction is rolled back")
+
+    @retry_deadlocks
+    def _holder_write(
+        self,
+        pk: int,
+        owner: str,
+        token: int,
+        outcome: str | None,
+        error: tuple[str, str] | None,
+        **values: Any,
+    ) -> None:
+        try:
+            # One transaction: the job's transition and its ledger row commit together.
+            with transaction.atomic(using=self.db):
+                if not self.held(pk, owner, token).update(**values):
+                    raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
+                if outcome is not None:
+                    self._close_attempt(pk, token, outcome, by=owner, error=error)
+                elif "checkpoint" in values:
+                    self._ledger_update({pk: token}, checkpoint=values["checkpoint"])
+        except LeaseLost:
+            self.record_fenced(pk, token)
+            raise
+
+    # ---- the watcher ----------------------------------------------------------
+
+    @retry_deadlocks
+    def rescue(
+        self,
+        job: AbstractLeasedJob,
+        action: str,
+        *,
+        by: str,
+        retry_in: float | timedelta | None = None,
+        reason: str = "",
+        orphaned: bool = False,
+    ) -> bool:
+        """Resolve the expired lease of `job` (as read by the watcher) with `action`.
+
+        `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
+        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates the whole
+        expiry predicate and the token that was read, so a job completed, renewed, claimed or
+        rescued a moment ago is left alone. With `orphaned`, the lease may still be live but its
+        owner is known gone (see `orphaned()`): the UPDATE then restates that owner instead of
+        the expiry. Returns whether this call won.
+        """
+        values: dict[str, Any]
+        outcome: str
+        if action == Verdict.RETRY:
+            delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
+            values = {"status": PENDING, "run_at": after(delay) if delay else Now()}
+            outcome = AttemptOutcome.RESCUED
+        elif action == StuckPolicy.REVIEW:
+            values = {"status": REVIEW}
+            outcome = AttemptOutcome.REVIEW
+        elif action in (FAILED, COMPLETED):
+            values = {"status": action, "completed_at": Now()}
+            outcome = action
+        else:
+            raise ValueError(f"unknown rescue action {action!r}")
+        if reason:
+            values["last_error"] = reason[:MAX_ERROR_LENGTH]
+        with transaction.atomic(using=self.db):
+            stale = (
+                self.processing().filter(lease_owner=job.lease_owner)
+                if orphaned
+                else self.expired()
+            )
+            won = stale.filter(pk=job.pk, lease_token=job.lease_token).update(**values)
+            if won:
+                self._close_attempt(
+                    job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
+                )
+        return bool(won)
+
+
+def _check_owner(owner: str) -> None:
+    check_text(owner, "owner", OWNER_LENGTH)

@@ -1,0 +1,168 @@
+"""The attempt ledger: one row per lease acquisition, opened by the claim, closed once.
+
+Its writes are made by `LeaseQuerySet`'s transitions, in the transaction of the job's own
+UPDATE, through the methods of `LedgerWrites`; nothing else writes the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from functools import cache, reduce
+from operator import or_
+from typing import TYPE_CHECKING, Any
+
+from django.apps import apps
+from django.db import connections, models
+from django.db.models import OuterRef, Q, Subquery
+from django.db.models.functions import Now
+
+from django_leases.querysets.reads import J, LeaseReads
+from django_leases.redaction import error_text
+from django_leases.sql.postgresql import LedgerNames
+from django_leases.status import AttemptOutcome
+
+if TYPE_CHECKING:
+    from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
+
+
+MAX_ERROR_LENGTH = 2000
+MAX_ERROR_CLASS_LENGTH = 255
+
+# The ledger columns the PostgreSQL fast paths write: a ledger model with other fields (a
+# project's own AbstractJobAttempt subclass that adds some) takes the ORM path instead.
+LEDGER_FIELDS = {
+    "id", "job", "job_ref", "attempt", "token", "owner", "claimed_at", "last_heartbeat_at",
+    "lease_until", "checkpoint", "ended_at", "outcome", "ended_by", "fenced_at", "error_class",
+    "error_message", "resolution", "resolved_by", "resolved_at",
+}  # fmt: skip
+
+
+def describe_error(error: BaseException | str) -> tuple[str, str]:
+    """Return (error class, message) for the ledger: never the payload, never a traceback.
+
+    An exception's message goes through the `REDACT_ERRORS` hook (see `redaction`); a string
+    (an operator's reason) is kept as given.
+    """
+    if isinstance(error, BaseException):
+        cls = type(error)
+        name = (
+            cls.__qualname__
+            if cls.__module__ == "builtins"
+            else f"{cls.__module__}.{cls.__qualname__}"
+        )
+        # Cut to the ledger's column: an error that cannot be stored must still end the attempt.
+        if len(name) > MAX_ERROR_CLASS_LENGTH:
+            name = name[: MAX_ERROR_CLASS_LENGTH - 1] + "…"
+        return storable(name), storable(error_text(error))[:MAX_ERROR_LENGTH]
+    return "", storable(str(error))[:MAX_ERROR_LENGTH]
+
+
+def storable(text: str) -> str:
+    """Return `text` with what no database column stores escaped: NUL characters (PostgreSQL
+    refuses them) and lone surrogates (not UTF-8), as backslash escapes."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@cache
+def ledger_names(model: type[AbstractLeasedJob], alias: str) -> LedgerNames | None:
+    """Build the quoted ledger names of `model` once per process (claim and complete are hot).
+
+    None where the raw-SQL paths do not apply: no ledger, or a ledger with fields of its own.
+    """
+    label = model.attempt_model
+    if not label:
+        return None
+    ledger = apps.get_model(label)
+    fields = {field.name: field for field in ledger._meta.concrete_fields}
+    if set(fields) != LEDGER_FIELDS:
+        return None
+    quote = connections[alias].ops.quote_name
+    return LedgerNames(
+        table=quote(ledger._meta.db_table),
+        columns={name: quote(str(field.column)) for name, field in fields.items()},
+    )
+
+
+class AttemptQuerySet(models.QuerySet[Any]):
+    """Reads of the attempt ledger (its writes live in `LedgerWrites`)."""
+
+    def open(self) -> AttemptQuerySet:
+        return self.filter(ended_at__isnull=True)
+
+
+class LedgerWrites(LeaseReads[J]):
+    """The ledger writes of a job table's transitions; called inside their transactions."""
+
+    def _ledger(self) -> type[AbstractJobAttempt] | None:
+        label = self.model.attempt_model
+        return apps.get_model(label) if label else None
+
+    def _ledger_names(self) -> LedgerNames | None:
+        """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
+        return ledger_names(self.model, self.db)
+
+    def _job_column(self, name: str) -> Subquery:
+        return Subquery(self.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])
+
+    def _open_attempts(self, jobs: Iterable[J], owner: str) -> None:
+        ledger = self._ledger()
+        jobs = list(jobs)
+        if ledger is None or not jobs:
+            return
+        taken = [job.pk for job in jobs if getattr(job, "taken_over", False)]
+        if taken:
+            # The previous holders of expired leases lost them to this claim.
+            ledger.objects.using(self.db).filter(job_ref__in=taken, ended_at__isnull=True).update(
+                outcome=AttemptOutcome.LEASE_LOST, ended_at=Now(), ended_by=owner
+            )
+        ledger.objects.using(self.db).bulk_create(
+            ledger(
+                # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
+                **{"job_id": job.pk},
+                job_ref=job.pk,
+                attempt=job.attempts,
+                token=job.lease_token,
+                owner=owner,
+                last_heartbeat_at=job.heartbeat_at,
+                lease_until=job.lease_until,
+                checkpoint=job.checkpoint,
+            )
+            for job in jobs
+        )
+
+    def _ledger_update(self, leases: Mapping[int, int], **values: Any) -> int:
+        ledger = self._ledger()
+        if ledger is None:
+            return 0
+        pairs = reduce(or_, (Q(job_ref=pk, token=token) for pk, token in leases.items()))
+        return ledger.objects.using(self.db).filter(pairs).update(**values)
+
+    def _close_attempt(
+        self,
+        pk: int,
+        token: int,
+        outcome: str,
+        *,
+        by: str,
+        error: tuple[str, str] | None,
+    ) -> None:
+        error_class, message = error or ("", "")
+        self._ledger_update(
+            {pk: token},
+            outcome=outcome,
+            ended_at=Now(),
+            ended_by=by,
+            checkpoint=self._job_column("checkpoint"),
+            error_class=error_class,
+            error_message=message,
+        )
+
+    def record_fenced(self, pk: int, token: int) -> None:
+        """Note in the ledger that the holder of `token` came back and was refused."""
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.objects.using(self.db).filter(
+                job_ref=pk, token=token, fenced_at__isnull=True
+            ).update(fenced_at=Now())

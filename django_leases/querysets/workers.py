@@ -1,0 +1,82 @@
+"""The worker registry: each worker process keeps its own row fresh; the watcher reads it."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.db import IntegrityError, models, transaction
+from django.db.models import Q
+from django.db.models.functions import Now
+
+from django_leases.conf import leases_settings, to_seconds
+
+
+class WorkerQuerySet(models.QuerySet[Any]):
+    """The worker registry: each worker process keeps its own row fresh."""
+
+    def register(
+        self,
+        worker_id: str,
+        *,
+        instance: str,
+        hostname: str,
+        pid: int,
+        kinds: list[str],
+        concurrency: int,
+    ) -> bool:
+        """Take the registry row of `worker_id` for the process `instance`; return whether it did.
+
+        A row that is stopped, or was not refreshed within WORKER_GONE_AFTER, is taken over; a
+        live one is not: two processes never share one worker id (one's exit would mark the
+        other stopped, and the watcher would rescue a live worker's jobs).
+        """
+        fields = {
+            "instance": instance,
+            "hostname": hostname,
+            "pid": pid,
+            "kinds": kinds,
+            "concurrency": concurrency,
+            "started_at": Now(),
+            "last_seen_at": Now(),
+            "stopped_at": None,
+        }
+        takeable = self.filter(worker_id=worker_id).exclude(pk__in=self.alive().values("pk"))
+        if takeable.update(**fields):
+            return True
+        try:
+            with transaction.atomic(using=self.db):
+                self.create(worker_id=worker_id, **fields)
+        except IntegrityError:
+            # A row exists: live (refused), or it went stale between our two statements.
+            return bool(takeable.update(**fields))
+        return True
+
+    def beat(self, worker_id: str, instance: str) -> bool:
+        """Refresh `last_seen_at` of the row `instance` holds (database clock); False if lost."""
+        return bool(
+            self.filter(worker_id=worker_id, instance=instance).update(
+                last_seen_at=Now(), stopped_at=None
+            )
+        )
+
+    def stopped(self, worker_id: str, instance: str) -> None:
+        self.filter(worker_id=worker_id, instance=instance).update(stopped_at=Now())
+
+    def alive(self, within: float | timedelta | None = None) -> WorkerQuerySet:
+        """Workers seen within `within` seconds (default WORKER_GONE_AFTER) and not stopped."""
+        seconds = to_seconds(
+            within if within is not None else leases_settings.WORKER_GONE_AFTER, "within"
+        )
+        return self.filter(
+            stopped_at__isnull=True, last_seen_at__gte=Now() - timedelta(seconds=seconds)
+        )
+
+    def gone(self, within: float | timedelta | None = None) -> WorkerQuerySet:
+        """Workers that stopped, or were not seen within `within` seconds."""
+        seconds = to_seconds(
+            within if within is not None else leases_settings.WORKER_GONE_AFTER, "within"
+        )
+        return self.filter(
+            Q(stopped_at__isnull=False) | Q(last_seen_at__lt=Now() - timedelta(seconds=seconds))
+        )

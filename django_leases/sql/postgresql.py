@@ -1,0 +1,189 @@
+"""PostgreSQL statements: the one-statement claim and completion, and NOTIFY. Tested on 15."""
+
+from dataclasses import dataclass
+from typing import Any
+
+Params = dict[str, Any]
+
+DEADLOCK_SQLSTATES = ("40001", "40P01")
+"""serialization_failure, deadlock_detected: the transaction was rolled back."""
+
+
+@dataclass(frozen=True)
+class LedgerNames:
+    """Quoted names of the attempt ledger's table and columns, for statements that write it."""
+
+    table: str
+    columns: dict[str, str]
+
+    def __getattr__(self, name: str) -> str:
+        try:
+            return self.columns[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+LEDGER_INSERT = ("job", "job_ref", "attempt", "token", "owner", "claimed_at", "last_heartbeat_at",
+                 "lease_until", "checkpoint", "outcome", "ended_by", "error_class",
+                 "error_message", "resolution", "resolved_by")  # fmt: skip
+"""The ledger columns an opening row sets; every other column keeps its default."""
+
+
+def claim(
+    table: str,
+    *,
+    owner: str,
+    seconds: float,
+    limit: int,
+    kinds: tuple[str, Params],
+    guard: tuple[str, Params],
+    ledger: LedgerNames | None,
+    pending: str,
+    processing: str,
+    running: str,
+    lease_lost: str,
+) -> tuple[str, Params]:
+    """Return the statement that claims up to `limit` jobs for `owner`, with their ledger rows.
+
+    One statement decides ownership. Each candidate set is a MATERIALIZED CTE with FOR UPDATE
+    SKIP LOCKED: it is evaluated once, so it cannot re-run per row and lock more than LIMIT rows
+    (the trap of `UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`, which
+    PostgreSQL may re-execute and then over-claim). Rows locked by a concurrent claim are
+    skipped, not waited for; a row changed by a commit before we lock it is rechecked against
+    the CTE's WHERE (READ COMMITTED EvalPlanQual). Expired leases are taken first; `due` is only
+    read as far as the outer LIMIT needs. Each CTE walks its own partial index, so the cost does
+    not grow with finished rows.
+
+    With `ledger`, the ledger writes ride in the same statement as data-modifying CTEs: the open
+    row of each new attempt, and the closing of the rows of holders whose expired lease this
+    claim took over. All parts run on one snapshot, so the UPDATE cannot see (and close) the
+    rows the INSERT adds. Without it the caller writes the ledger in the same transaction.
+    The rows come back with a `taken_over` column, in no particular order.
+    """
+    kind_sql, kind_params = kinds
+    guard_sql, guard_params = guard
+    update = f"""
+        UPDATE {table} AS job
+        SET status = %(processing)s,
+            lease_owner = %(owner)s,
+            lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %(seconds)s),
+            heartbeat_at = STATEMENT_TIMESTAMP(),
+            lease_token = job.lease_token + 1,
+            attempts = job.attempts + 1
+        FROM picked
+        WHERE job.id = picked.id
+        RETURNING job.*, picked.taken_over
+    """  # noqa: S608 - names quoted by the caller, values are parameters
+    if ledger is None:
+        main = update
+    else:
+        columns = ", ".join(ledger.columns[name] for name in LEDGER_INSERT)
+        main = f"""
+        , claimed AS ({update}
+        ), lost AS (
+            UPDATE {ledger.table} AS a
+            SET {ledger.outcome} = %(lease_lost)s,
+                {ledger.ended_at} = STATEMENT_TIMESTAMP(),
+                {ledger.ended_by} = %(owner)s
+            FROM claimed
+            WHERE claimed.taken_over AND a.{ledger.job_ref} = claimed.id
+              AND a.{ledger.ended_at} IS NULL
+        ), opened AS (
+            INSERT INTO {ledger.table} ({columns})
+            SELECT claimed.id, claimed.id, claimed.attempts, claimed.lease_token, %(owner)s,
+                   STATEMENT_TIMESTAMP(), claimed.heartbeat_at, claimed.lease_until,
+                   claimed.checkpoint, %(running)s, '', '', '', '', ''
+            FROM claimed
+        )
+        SELECT * FROM claimed
+        """  # noqa: S608 - names quoted by the caller, values are parameters
+    sql = f"""
+        WITH expired AS MATERIALIZED (
+            SELECT id FROM {table}
+            WHERE status = %(processing)s AND lease_until < STATEMENT_TIMESTAMP()
+              AND attempts < max_attempts {kind_sql} {guard_sql}
+            ORDER BY lease_until
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ), due AS MATERIALIZED (
+            SELECT id FROM {table}
+            WHERE status = %(pending)s AND run_at <= STATEMENT_TIMESTAMP()
+              AND attempts < max_attempts {kind_sql}
+            ORDER BY priority DESC, run_at, id
+            LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ), picked AS MATERIALIZED (
+            SELECT id, TRUE AS taken_over FROM expired
+            UNION ALL
+            SELECT id, FALSE AS taken_over FROM due
+            LIMIT %(limit)s
+        ){main}
+    """  # noqa: S608 - names quoted by the caller, values are parameters
+    params = {
+        **kind_params,
+        **guard_params,
+        "owner": owner,
+        "seconds": seconds,
+        "limit": limit,
+        "pending": pending,
+        "processing": processing,
+        "running": running,
+        "lease_lost": lease_lost,
+    }
+    return sql, params
+
+
+def complete(
+    table: str,
+    ledger: LedgerNames,
+    *,
+    pk: int,
+    owner: str,
+    token: int,
+    processing: str,
+    completed: str,
+) -> tuple[str, Params]:
+    """Return the holder's completion: the job's conditional UPDATE and the closing of its ledger
+    row in one statement (a data-modifying CTE), so one round trip and no transaction block. The
+    ledger row is closed only if the job's UPDATE won; the statement returns how many did."""
+    sql = f"""
+        WITH done AS (
+            UPDATE {table}
+            SET status = %(completed)s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
+            WHERE id = %(pk)s AND status = %(processing)s AND lease_owner = %(owner)s
+              AND lease_token = %(token)s
+            RETURNING id, lease_token, checkpoint
+        ), closed AS (
+            UPDATE {ledger.table} AS a
+            SET {ledger.outcome} = %(completed)s,
+                {ledger.ended_at} = STATEMENT_TIMESTAMP(),
+                {ledger.ended_by} = %(owner)s,
+                {ledger.checkpoint} = done.checkpoint,
+                {ledger.error_class} = '',
+                {ledger.error_message} = ''
+            FROM done
+            WHERE a.{ledger.job_ref} = done.id AND a.{ledger.token} = done.lease_token
+        )
+        SELECT count(*) FROM done
+    """  # noqa: S608 - names quoted by the caller, values are parameters
+    params = {
+        "pk": pk,
+        "owner": owner,
+        "token": token,
+        "processing": processing,
+        "completed": completed,
+    }
+    return sql, params
+
+
+def notify(channel: str, message: str) -> tuple[str, Params]:
+    """Return the NOTIFY of an enqueue. NOTIFY is transactional: listeners hear it at commit."""
+    return "SELECT pg_notify(%(channel)s, %(message)s)", {"channel": channel, "message": message}
+
+
+def listen(channel: str) -> Any:
+    """Return the LISTEN statement of `channel`, composed by psycopg with the name quoted."""
+    # Imported here: psycopg is an optional dependency, needed only by PostgreSQL users.
+    from psycopg import sql
+
+    return sql.SQL("LISTEN {}").format(sql.Identifier(channel))

@@ -1,0 +1,64 @@
+"""The words of the lease state machine: the only place they are spelled out.
+
+Job statuses, ledger outcomes, the watcher's policies and the verdicts a reconcile hook or an
+operator gives. Everything else imports these names; migrations keep their own frozen copies.
+"""
+
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+
+class JobStatus(models.TextChoices):
+    PENDING = "pending", _("Pending")
+    """Enqueued, retried, released or requeued: claimable once `run_at` has passed."""
+    PROCESSING = "processing", _("Processing")
+    """Claimed: a worker holds the lease until `lease_until`."""
+    COMPLETED = "completed", _("Completed")
+    """The handler returned and its holder recorded the success."""
+    FAILED = "failed", _("Failed")
+    """A permanent error, or no attempts left."""
+    REVIEW = "review", _("Under review")
+    """The lease expired after a risky checkpoint: an operator or a reconcile hook decides."""
+    CANCELLED = "cancelled", _("Cancelled")
+    """Cancelled by an operator while pending; never ran to completion."""
+
+
+class AttemptOutcome(models.TextChoices):
+    RUNNING = "running", _("Running")
+    COMPLETED = "completed", _("Completed")
+    FAILED = "failed", _("Failed")
+    RETRIED = "retried", _("Failed, retry scheduled")
+    LEASE_LOST = "lease_lost", _("Lease lost (taken over after expiry)")
+    RESCUED = "rescued", _("Returned to pending after its lease expired")
+    REVIEW = "review", _("Held for review by the watcher")
+    RELEASED = "released", _("Released by its holder")
+    REQUEUED = "requeued", _("Requeued by an operator")
+
+
+class Verdict(models.TextChoices):
+    """What becomes of an expired or reviewed job: a reconcile hook's or an operator's answer."""
+
+    COMPLETED = "completed", _("Completed")
+    RETRY = "retry", _("Retry")
+    FAILED = "failed", _("Failed")
+
+
+class StuckPolicy(models.TextChoices):
+    """What the watcher does with an expired lease of a job that passed a checkpoint."""
+
+    RETRY = "retry", _("Retry")
+    REVIEW = "review", _("Review")
+
+
+PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
+    JobStatus.PENDING.value,
+    JobStatus.PROCESSING.value,
+    JobStatus.COMPLETED.value,
+    JobStatus.FAILED.value,
+    JobStatus.REVIEW.value,
+    JobStatus.CANCELLED.value,
+)
+FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
+"""Statuses no transition leaves except an operator's requeue; the ones `prune_jobs` deletes."""
+TIMED_OUT = "timed_out"
+"""The outcome of an attempt still running past its kind's `timeout`."""

@@ -1,0 +1,105 @@
+"""The rules of the package's layout (docs/architecture.md), checked on its source.
+
+- `sql/` imports nothing from the app: its builders take names and values, nothing else.
+- SQL text is written only in `sql/` (and in migrations).
+- Status, outcome and verdict words are spelled out only in `status.py` (and in migrations).
+- Lease fields are written only by `querysets/`.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from django_leases.status import AttemptOutcome, JobStatus, StuckPolicy, Verdict
+
+PACKAGE = Path(__file__).resolve().parent.parent / "django_leases"
+SQL_TEXT = ("SKIP LOCKED", "RETURNING", "STATEMENT_TIMESTAMP", "make_interval", "STRFTIME",
+            "pg_notify")  # fmt: skip
+WORDS = {*JobStatus.values, *AttemptOutcome.values, *StuckPolicy.values, *Verdict.values}
+LEASE_FIELDS = {"lease_owner", "lease_until", "lease_token", "heartbeat_at", "attempts"}
+
+
+def modules(*, outside: tuple[str, ...] = ()) -> list[Path]:
+    skip = ("migrations", *outside)
+    return [
+        path
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not any(part in skip for part in path.relative_to(PACKAGE).with_suffix("").parts)
+    ]
+
+
+def where(path: Path, node: ast.AST) -> str:
+    return f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', '?')}"
+
+
+def test_architecture__sql_imports_nothing_from_the_app() -> None:
+    found = []
+    for path in sorted((PACKAGE / "sql").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            found += [
+                where(path, node)
+                for name in names
+                if name.startswith("django_leases") and not name.startswith("django_leases.sql")
+            ]
+    assert found == []
+
+
+def strings(path: Path) -> list[ast.Constant]:
+    """The string constants of a module, docstrings (which may describe SQL) left out."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+    ]
+
+
+def test_architecture__sql_text_only_in_sql() -> None:
+    found = [
+        f"{where(path, node)} {text}"
+        for path in modules(outside=("sql",))
+        for node in strings(path)
+        for text in SQL_TEXT
+        if text in node.value
+    ]
+    assert found == []
+
+
+def test_architecture__status_words_only_in_status() -> None:
+    # The sql/ builders name their parameters after statuses (%(pending)s); the values are
+    # given by the querysets from status.py.
+    found = [
+        f"{where(path, node)} {node.value!r}"
+        for path in modules(outside=("status", "sql"))
+        for node in strings(path)
+        if node.value in WORDS
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    "path", modules(outside=("querysets", "sql", "models")), ids=lambda p: p.name
+)
+def test_architecture__lease_fields_written_only_by_querysets(path: Path) -> None:
+    # An update(...) or create(...) call naming a lease field outside querysets/.
+    found = [
+        f"{where(path, node)} {keyword.arg}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in {"update", "create", "bulk_update"}
+        for keyword in node.keywords
+        if keyword.arg in LEASE_FIELDS
+    ]
+    assert found == []

@@ -1,0 +1,92 @@
+"""Every claim path against the ORM path, its readable specification, on generated job sets.
+
+The ORM path (`SELECT ... FOR UPDATE SKIP LOCKED`, then the conditional `filter(...).update(...)`)
+is what MariaDB/MySQL run; PostgreSQL and SQLite run raw statements from `sql/`. On the same rows
+each path must claim the same jobs, in the same order, with the same ledger rows: the attempts
+it opens and the expired holders' rows it closes.
+"""
+
+import random
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.db.models.functions import Now
+
+from django_leases.models import JobAttempt, PaymentJob
+from django_leases.querysets.leases import ClaimPath
+
+pytestmark = pytest.mark.django_db
+
+KINDS = ("capture", "refund", "webhook")
+SEEDS = range(12)
+
+
+def paths() -> list[ClaimPath]:
+    """The fast paths this database runs besides the ORM path."""
+    if connection.vendor == "postgresql":
+        return ["postgresql+ledger", "postgresql"]
+    if connection.vendor == "sqlite":
+        return ["sqlite"]
+    return []
+
+
+def generate(seed: int) -> None:
+    """Enqueue a mix of due, future, expired, live and exhausted jobs, some past a checkpoint."""
+    rng = random.Random(seed)
+    PaymentJob.objects.enqueue("refund")  # at least one job is due
+    for _ in range(rng.randint(5, 25)):
+        job = PaymentJob.objects.enqueue(
+            rng.choice(KINDS),
+            priority=rng.choice([0, 0, 1, 5, -1]),
+            max_attempts=rng.choice([1, 3, 5]),
+        )
+        if rng.random() < 0.35:
+            held = PaymentJob.objects.claim_job(job.pk, f"old-{job.pk}", ttl=60)
+            assert held is not None
+            lease_until = Now() - timedelta(seconds=rng.choice([5, 30, 90]))
+            if rng.random() < 0.3:
+                lease_until = Now() + timedelta(seconds=600)  # a live lease
+            checkpoint = rng.choice(["", "", "psp_called"])
+            PaymentJob.objects.filter(pk=job.pk).update(
+                lease_until=lease_until, checkpoint=checkpoint
+            )
+        else:
+            # Whole seconds apart and never near "now": the paths' clocks differ by
+            # milliseconds. Equal run_at values (the -60s pair) leave the order to priority, id.
+            offset = timedelta(seconds=rng.choice([-300, -120, -60, -60, 3600]))
+            PaymentJob.objects.filter(pk=job.pk).update(run_at=Now() + offset)
+
+
+def outcome_of(path: ClaimPath, owner: str, limit: int, kinds: list[str] | None) -> Any:
+    """Claim with `path`, return what it did, and roll every write back."""
+    with transaction.atomic():
+        jobs = PaymentJob.objects.all()._claim(owner, 60.0, limit, kinds, path)
+        claimed = [(job.pk, job.attempts, job.lease_token, job.lease_owner) for job in jobs]
+        rows = sorted(
+            JobAttempt.objects.values_list(
+                "job_ref", "attempt", "token", "owner", "outcome", "ended_by"
+            )
+        )
+        states = sorted(PaymentJob.objects.values_list("pk", "status", "attempts", "lease_token"))
+        transaction.set_rollback(True)
+    return claimed, rows, states
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_claim_paths__claim_what_the_orm_path_claims(seed: int, settings: Any) -> None:
+    if not paths():
+        pytest.skip(f"{connection.vendor} claims through the ORM path only")
+    rng = random.Random(seed)
+    policy = rng.choice(["retry", "review"])
+    settings.DJANGO_LEASES = {
+        "STUCK_POLICY": policy,
+        "STUCK_POLICY_BY_KIND": {"capture": "review" if policy == "retry" else "retry"},
+    }
+    generate(seed)
+    for limit, kinds in [(1, None), (3, None), (50, None), (4, ["capture", "webhook"])]:
+        expected = outcome_of("orm", "w", limit, kinds)
+        assert kinds or expected[0], "a due job is always claimable"
+        for path in paths():
+            assert outcome_of(path, "w", limit, kinds) == expected, (path, limit, kinds)
