@@ -327,6 +327,18 @@ def check_schedules(**kwargs: Any) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
     for name, entry in schedules.items():
         messages.extend(_check_schedule(name, entry, {**DEFAULTS, **user}["RETENTION"]))
+    names = sorted((name for name in schedules if isinstance(name, str)), key=str.casefold)
+    for name, other in zip(names, names[1:], strict=False):
+        if name.casefold() == other.casefold():
+            # MariaDB/MySQL compare the keys without case: both would enqueue one job per tick.
+            messages.append(
+                Error(
+                    f"DJANGO_LEASES['SCHEDULES'] has {name!r} and {other!r}, names that differ "
+                    "only in case: their jobs' idempotency keys collide on MariaDB/MySQL.",
+                    hint="Give each schedule a name of its own.",
+                    id="django_leases.E019",
+                )
+            )
     return messages
 
 

@@ -265,6 +265,11 @@ def test_check_schedules__bad_name(name: object) -> None:
         assert [m.id for m in check_schedules()] == ["django_leases.E019"]
 
 
+def test_check_schedules__names_differing_only_in_case() -> None:
+    entry = {"kind": "noop", "every": 60}
+    assert schedule_ids(Sweep=entry, sweep=entry, other=entry) == ["django_leases.E019"]
+
+
 def test_check_schedules__unknown_key_warns() -> None:
     with override_settings(
         DJANGO_LEASES={"SCHEDULES": {"beat": {"kind": "noop", "every": 60, "evry": 5}}}
