@@ -4,6 +4,9 @@ import random
 
 from django_leases.conf import leases_settings
 
+# The largest exponent 2.0 ** n takes without OverflowError.
+MAX_DOUBLINGS = 1023
+
 
 def retry_delay(attempt: int) -> float:
     """Return the seconds to wait before retrying a job whose `attempt`-th run failed.
@@ -13,6 +16,10 @@ def retry_delay(attempt: int) -> float:
     """
     base: float = leases_settings.BACKOFF_BASE
     cap: float = leases_settings.BACKOFF_MAX
-    ceiling = min(cap, base * 2 ** max(attempt - 1, 0))
+    # A float power, its exponent capped: `2 ** 1024` as an int overflows the float conversion
+    # (OverflowError from attempt 1025 on); a float product past the float range is inf, and
+    # min() then picks the cap.
+    doublings = min(max(attempt - 1, 0), MAX_DOUBLINGS)
+    ceiling = min(cap, base * 2.0**doublings)
     # Never below one base interval, so a failing job cannot spin.
     return max(base, random.uniform(0, ceiling))  # noqa: S311 - jitter, not cryptography

@@ -311,6 +311,27 @@ def check_tasks_framework(**kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+def check_worker_retention(**kwargs: Any) -> list[CheckMessage]:
+    """Check WORKER_RETENTION: a duration not shorter than WORKER_GONE_AFTER, or prune_jobs
+    would delete the registry row of a worker that is merely late with its heartbeat."""
+    user = getattr(settings, "DJANGO_LEASES", {})
+    values = {**DEFAULTS, **(user if isinstance(user, dict) else {})}
+    retention, gone_after = values["WORKER_RETENTION"], values["WORKER_GONE_AFTER"]
+    if _is_positive_number(retention) and (
+        not _is_positive_number(gone_after) or retention >= gone_after
+    ):
+        return []
+    return [
+        Error(
+            "DJANGO_LEASES['WORKER_RETENTION'] must be a number of seconds from "
+            f"WORKER_GONE_AFTER ({gone_after!r}) to {MAX_DURATION} (100 years), "
+            f"got {retention!r}.",
+            hint=f"The default is {DEFAULTS['WORKER_RETENTION']!r} (7 days).",
+            id="django_leases.E024",
+        )
+    ]
+
+
 def check_schedules(**kwargs: Any) -> list[CheckMessage]:
     """Validate `DJANGO_LEASES["SCHEDULES"]`, entry by entry."""
     user = getattr(settings, "DJANGO_LEASES", {})

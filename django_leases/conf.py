@@ -52,6 +52,9 @@ DEFAULTS: dict[str, Any] = {
     # Dotted path of a callable (exception, text) -> text: what is kept of an error's text in
     # the ledger, `last_error` and the logs. The default strips values from database errors.
     "REDACT_ERRORS": "django_leases.redaction.redact_database_values",
+    # Seconds a worker's registry row is kept after it stopped or was last seen; prune_jobs
+    # deletes older ones. Not shorter than WORKER_GONE_AFTER.
+    "WORKER_RETENTION": 7 * DAY,
     # Periodic jobs: {"name": {"kind": "k", "every": seconds}}, optionally with "payload" and
     # "catch_up" (default True: a missed tick is enqueued once, late). One job per tick.
     "SCHEDULES": {},

@@ -1,4 +1,5 @@
-"""Leased jobs: the abstract base, `PaymentJob`, the attempt ledger and the worker registry."""
+"""Leased jobs: the abstract base, `PaymentJob`, the attempt ledger, the operator events and
+the worker registry."""
 
 from typing import ClassVar
 
@@ -11,13 +12,16 @@ from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet
 from django_leases.querysets.payments import PaymentJobQuerySet
 from django_leases.querysets.workers import WorkerQuerySet
-from django_leases.status import AttemptOutcome, JobStatus
+from django_leases.status import AttemptOutcome, EventAction, JobStatus
 
 __all__ = [
     "AbstractJobAttempt",
     "AbstractLeasedJob",
+    "AbstractJobEvent",
     "AttemptOutcome",
+    "EventAction",
     "JobAttempt",
+    "JobEvent",
     "JobStatus",
     "lease_constraints",
     "lease_indexes",
@@ -66,6 +70,8 @@ class AbstractLeasedJob(models.Model):
     # The concrete ledger model (an `AbstractJobAttempt` subclass) as "app_label.ModelName", or
     # None for a job table without a ledger.
     attempt_model: ClassVar[str | None] = None
+    # The concrete operator event log (an `AbstractJobEvent` subclass), or None for none.
+    event_model: ClassVar[str | None] = None
 
     class Meta:
         abstract = True
@@ -125,6 +131,7 @@ class PaymentJob(AbstractLeasedJob):
     objects = PaymentJobQuerySet.as_manager()  # type: ignore[misc]
 
     attempt_model: ClassVar[str | None] = "django_leases.JobAttempt"
+    event_model: ClassVar[str | None] = "django_leases.JobEvent"
 
     class Meta:
         verbose_name = _("payment job")
@@ -225,6 +232,52 @@ class JobAttempt(AbstractJobAttempt):
 
     def __str__(self) -> str:
         return f"job {self.job_ref} attempt {self.attempt}: {self.outcome}"
+
+
+class AbstractJobEvent(models.Model):
+    """One row per job an operator action (or a reconcile hook's verdict) changed: append-only,
+    beside the attempt ledger, never over it.
+
+    A concrete event log adds a nullable foreign key named `job` to its job table.
+    """
+
+    Action = EventAction
+
+    # The job's id, kept when the job itself is pruned and `job` becomes NULL.
+    job_ref = models.BigIntegerField(_("job id"))
+    action = models.CharField(_("action"), max_length=20, choices=EventAction.choices)
+    by = models.CharField(_("by"), max_length=255)
+    at = models.DateTimeField(_("at"), db_default=Now())
+    reason = models.TextField(_("reason"), blank=True, default="")
+    attempts = models.PositiveIntegerField(
+        _("after attempts"), help_text=_("The job's attempts when the action applied.")
+    )
+    token = models.PositiveBigIntegerField(
+        _("fencing token"), help_text=_("The job's fencing token when the action applied.")
+    )
+
+    class Meta:
+        abstract = True
+
+    def __str__(self) -> str:
+        return f"job {self.job_ref}: {self.action} by {self.by}"
+
+
+class JobEvent(AbstractJobEvent):
+    # SET_NULL, like the ledger: prune_jobs with PRUNE_LEDGER = False keeps the events.
+    job = models.ForeignKey(
+        PaymentJob,
+        verbose_name=_("job"),
+        null=True,
+        on_delete=models.SET_NULL,
+        related_name="event_log",
+    )
+
+    class Meta:
+        verbose_name = _("job event")
+        verbose_name_plural = _("job events")
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["job_ref", "at"], name="dl_event_job_idx")]
 
 
 class Worker(models.Model):

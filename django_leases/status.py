@@ -33,6 +33,19 @@ class AttemptOutcome(models.TextChoices):
     REVIEW = "review", _("Held for review by the watcher")
     RELEASED = "released", _("Released by its holder")
     REQUEUED = "requeued", _("Requeued by an operator")
+    TIMED_OUT = "timed_out", _("Timed out (ran past its kind's timeout)")
+
+
+class EventAction(models.TextChoices):
+    """What an operator action (or a review verdict) did to a job: the operator events."""
+
+    REQUEUED = "requeued", _("Requeued")
+    RELEASED = "released", _("Stuck lease released")
+    FAILED = "failed", _("Marked failed")
+    CANCELLED = "cancelled", _("Cancelled")
+    REVIEW_COMPLETED = "review_completed", _("Review resolved: completed")
+    REVIEW_RETRY = "review_retry", _("Review resolved: retry")
+    REVIEW_FAILED = "review_failed", _("Review resolved: failed")
 
 
 class Verdict(models.TextChoices):
@@ -60,5 +73,13 @@ PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED = (
 )
 FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
 """Statuses no transition leaves except an operator's requeue; the ones `prune_jobs` deletes."""
-TIMED_OUT = "timed_out"
+TIMED_OUT = AttemptOutcome.TIMED_OUT.value
 """The outcome of an attempt still running past its kind's `timeout`."""
+HOLDER_OUTCOMES = (
+    AttemptOutcome.COMPLETED.value,
+    AttemptOutcome.FAILED.value,
+    AttemptOutcome.RETRIED.value,
+    AttemptOutcome.RELEASED.value,
+    AttemptOutcome.TIMED_OUT.value,
+)
+"""Ledger outcomes only a holder's own write gives its attempt."""

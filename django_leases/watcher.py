@@ -21,7 +21,6 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 from django.db.models import F
 from django.db.models.functions import Now
 
-from django_leases.backoff import retry_delay
 from django_leases.checks import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
@@ -127,20 +126,17 @@ class StuckWatcher:
     def _rescue(self, *, orphaned: bool) -> list[Action]:
         jobs = self._jobs()
         if orphaned:
-            gone = list(registered_workers(self.using).gone().values_list("worker_id", flat=True))
-            if not gone:
-                return []
-            candidates = jobs.orphaned(gone)
+            # A subquery of the registry, not a list of ids: gone workers pile up.
+            candidates = jobs.orphaned(registered_workers(self.using).gone().values("worker_id"))
         else:
             candidates = jobs.expired()
         candidates = candidates.annotate(past=Now() - F("lease_until")).order_by("lease_until")
         actions = []
         for job in candidates[: self.batch_size]:
             action, reason = self._decide(job, orphaned)
-            delay = retry_delay(job.attempts) if action == Verdict.RETRY else None
-            if not jobs.rescue(
-                job, action, by=self.watcher_id, retry_in=delay, reason=reason, orphaned=orphaned
-            ):
+            # A rescued job is due again at once: its attempt did not fail, and the TTL already
+            # spaced it. Retry backoff is for handler failures.
+            if not jobs.rescue(job, action, by=self.watcher_id, reason=reason, orphaned=orphaned):
                 logger.info("skipped job_id=%s: completed, renewed or rescued meanwhile", job.pk)
                 continue
             past = job.past.total_seconds() if job.past is not None and not orphaned else None

@@ -470,15 +470,54 @@ def test_change_form__inline_ledger_newest_first(admin_client: Client) -> None:
     assert not inline.has_add_permission and not inline.has_change_permission
 
 
+def test_change_form__operator_events_beside_the_unchanged_ledger(admin_client: Client) -> None:
+    job = PaymentJob.objects.enqueue("capture", max_attempts=1)
+    claim(job.pk, "w1")
+    PaymentJob.objects.fail(job.pk, "w1", 1, ValueError("card declined"))
+    assert act(admin_client, "requeue", job) == ["1 job requeued"]
+    assert act(admin_client, "mark_failed", job) == ["1 job marked failed"]
+
+    response = admin_client.get(change_url(job))
+
+    ledger, events = response.context["inline_admin_formsets"]
+    assert [(a.token, a.owner, a.outcome, a.ended_by) for a in (f.original for f in ledger)] == [
+        (1, "w1", "failed", "w1")
+    ]
+    assert [(e.action, e.by, e.attempts) for e in (f.original for f in events)] == [
+        ("failed", OPERATOR, 1),
+        ("requeued", OPERATOR, 1),
+    ]
+    html = response.content.decode()
+    assert "Operator events (newest first)" in html and "Marked failed" in html
+    assert "marked failed by admin:admin" in html
+    assert not events.has_add_permission and not events.has_change_permission
+    assert not events.has_delete_permission
+
+
+def test_change_form__timed_out_attempt_reads_readably(admin_client: Client) -> None:
+    job = PaymentJob.objects.enqueue("capture")
+    claim(job.pk, "w1")
+    PaymentJob.objects.time_out(job.pk, "w1", 1, retry_in=None, reason="ran past 1.5 s")
+
+    html = admin_client.get(change_url(job)).content.decode()
+
+    assert "Timed out (ran past its kind&#x27;s timeout)" in html
+    ledger = admin_client.get(
+        reverse("admin:django_leases_jobattempt_changelist"), {"outcome__exact": "timed_out"}
+    )
+    assert "Timed out (ran past" in ledger.content.decode()
+    assert [a.pk for a in ledger.context["cl"].result_list] == [
+        JobAttempt.objects.get(job_ref=job.pk).pk
+    ]
+
+
 def form_data(**fields: str) -> dict[str, str]:
-    return {
-        **fields,
-        "attempt_log-TOTAL_FORMS": "0",
-        "attempt_log-INITIAL_FORMS": "0",
-        "attempt_log-MIN_NUM_FORMS": "0",
-        "attempt_log-MAX_NUM_FORMS": "0",
-        "_save": "Save",
+    management = {
+        f"{inline}-{name}": "0"
+        for inline in ("attempt_log", "event_log")
+        for name in ("TOTAL_FORMS", "INITIAL_FORMS", "MIN_NUM_FORMS", "MAX_NUM_FORMS")
     }
+    return {**fields, **management, "_save": "Save"}
 
 
 def warnings_of(response: Any) -> list[str]:
@@ -799,8 +838,8 @@ CHANGELIST_QUERIES = 5
 # Session, user, then stats.overview(): per-status GROUP BY, expired count, near-expiry
 # count, oldest due wait, last hour's throughput, live workers, stuck sample.
 OVERVIEW_QUERIES = 9
-# Session, user, the job, its ledger (the inline).
-CHANGE_FORM_QUERIES = 4
+# Session, user, the job, its ledger and its operator events (the inlines).
+CHANGE_FORM_QUERIES = 5
 
 
 @pytest.mark.parametrize("rows", [16, 2000])
@@ -837,9 +876,11 @@ def test_change_form__query_count_does_not_grow_with_attempts(
     for n in range(attempts):
         claim(job.pk, f"w{n}")
         expire(job.pk)
+        assert PaymentJob.objects.filter(pk=job.pk).release_stuck(by=OPERATOR) == 1
     with django_assert_num_queries(CHANGE_FORM_QUERIES):
         response = admin_client.get(change_url(job))
-    assert len(list(response.context["inline_admin_formsets"][0])) == attempts
+    ledger, events = response.context["inline_admin_formsets"]
+    assert len(list(ledger)) == len(list(events)) == attempts
 
 
 # ---- an action racing a worker process -----------------------------------------------------

@@ -13,7 +13,8 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_leases.models import JobAttempt, PaymentJob
+from django_leases.checks import check_worker_retention
+from django_leases.models import JobAttempt, JobEvent, PaymentJob, Worker
 
 from .conftest import Processes
 
@@ -206,3 +207,83 @@ def test_prune_jobs__bad_flags_fail_cleanly(
     assert proc.returncode == 1
     assert out == f"CommandError: prune_jobs: {message}\n"
     assert PaymentJob.objects.count() == 1
+
+
+# ---- operator events and the worker registry ------------------------------------------------
+
+
+@pytest.mark.parametrize("prune_ledger", [True, False])
+def test_prune_jobs__events_follow_the_ledger(prune_ledger: bool) -> None:
+    make_jobs({"failed-old": (Status.FAILED, 3, 31)})
+    ids = list(PaymentJob.objects.values_list("pk", flat=True))
+    assert PaymentJob.objects.all().requeue(by="ops") == 3
+    assert PaymentJob.objects.all().mark_failed(reason="no", by="ops") == 3
+    PaymentJob.objects.update(completed_at=Now() - timedelta(days=31))
+
+    with override_settings(DJANGO_LEASES={"PRUNE_LEDGER": prune_ledger}):
+        call_command("prune_jobs", stdout=StringIO())
+
+    assert not PaymentJob.objects.exists()
+    kept = JobEvent.objects.filter(job_ref__in=ids)
+    assert kept.count() == (0 if prune_ledger else 6)
+    assert not kept.filter(job__isnull=False).exists()
+
+
+def make_workers(**ages: tuple[float | None, float]) -> None:
+    """Registry rows: worker id -> (days since stopped or None, days since last seen)."""
+    for worker_id, (stopped, seen) in ages.items():
+        Worker.objects.create(worker_id=worker_id, hostname="h", pid=1)
+        Worker.objects.filter(worker_id=worker_id).update(
+            last_seen_at=Now() - timedelta(days=seen),
+            stopped_at=None if stopped is None else Now() - timedelta(days=stopped),
+        )
+
+
+def test_prune_jobs__prunes_registry_rows_of_long_gone_workers() -> None:
+    make_workers(
+        running=(None, 0),
+        stopped_yesterday=(1, 1),
+        stopped_long_ago=(8, 8),
+        killed_long_ago=(None, 9),  # SIGKILLed: never marked stopped
+    )
+    out = StringIO()
+    call_command("prune_jobs", "--dry-run", stdout=out)
+    assert "2 worker registry row(s) would be pruned" in out.getvalue()
+    assert Worker.objects.count() == 4
+
+    out = StringIO()
+    call_command("prune_jobs", stdout=out)
+
+    assert "2 worker registry row(s) pruned" in out.getvalue()
+    assert set(Worker.objects.values_list("worker_id", flat=True)) == {
+        "running",
+        "stopped_yesterday",
+    }
+
+
+@override_settings(DJANGO_LEASES={"WORKER_RETENTION": DAY / 2})
+def test_prune_jobs__worker_retention_setting_decides() -> None:
+    make_workers(running=(None, 0), stopped_yesterday=(1, 1))
+    call_command("prune_jobs", stdout=StringIO())
+    assert list(Worker.objects.values_list("worker_id", flat=True)) == ["running"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "bad"),
+    [
+        ({}, False),
+        ({"WORKER_RETENTION": 3600}, False),
+        ({"WORKER_RETENTION": 120, "WORKER_GONE_AFTER": 120}, False),
+        ({"WORKER_RETENTION": 0}, True),
+        ({"WORKER_RETENTION": "7d"}, True),
+        ({"WORKER_RETENTION": float("nan")}, True),
+        ({"WORKER_RETENTION": 60}, True),  # shorter than WORKER_GONE_AFTER (120)
+        ({"WORKER_RETENTION": 600, "WORKER_GONE_AFTER": 900}, True),
+    ],
+)
+def test_check_worker_retention__reports_e024(settings: dict, bad: bool) -> None:
+    with override_settings(DJANGO_LEASES=settings):
+        messages = check_worker_retention()
+    assert [m.id for m in messages] == (["django_leases.E024"] if bad else [])
+    if bad:
+        assert "WORKER_RETENTION" in messages[0].msg and messages[0].hint

@@ -7,6 +7,7 @@ import pytest
 from django.db import connection
 from django.db.models import F
 from django.db.models.functions import Now
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from django_leases.exceptions import InvalidDuration, InvalidPayload, LeaseLost
@@ -569,3 +570,103 @@ def test_finished_by__tells_a_lost_acknowledgement_from_a_takeover() -> None:
     claim_one("w2")
     assert not PaymentJob.objects.finished_by(taken.pk, "w1", taken.lease_token)
     assert list(PaymentJob.objects.held_by("w2").values_list("pk", flat=True)) == [taken.pk]
+
+
+def test_finished_by__no_when_the_watcher_rescued_the_job_meanwhile() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    # The holder's completion never committed; the watcher rescued the job, token unchanged.
+    assert PaymentJob.objects.rescue(PaymentJob.objects.expired().get(), "retry", by="watcher")
+    assert PaymentJob.objects.get(pk=job.pk).lease_token == job.lease_token
+    assert not PaymentJob.objects.finished_by(job.pk, "w1", job.lease_token)
+
+
+@pytest.mark.parametrize("outcome", ["failed", "retried", "released", "timed_out"])
+def test_finished_by__yes_for_each_write_of_the_holder_itself(outcome: str) -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=1 if outcome == "failed" else 5)
+    job = claim_one("w1")
+    jobs, pk, token = PaymentJob.objects, job.pk, job.lease_token
+    if outcome == "released":
+        jobs.release(pk, "w1", token)
+    elif outcome == "timed_out":
+        jobs.time_out(pk, "w1", token, retry_in=None, reason="ran too long")
+    else:
+        jobs.fail(pk, "w1", token, "x")
+    assert ledger(job) == [(1, 1, "w1", outcome)]
+    assert jobs.finished_by(pk, "w1", token)
+    assert not jobs.finished_by(pk, "w2", token)
+
+
+def test_record_fenced__never_stamps_a_row_its_holder_closed() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    # The acknowledgement was lost and the holder sends its completion again: refused.
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    PaymentJob.objects.record_fenced(job.pk, job.lease_token)
+    row = JobAttempt.objects.get(job_ref=job.pk)
+    assert (row.outcome, row.ended_by, row.fenced_at) == ("completed", "w1", None)
+
+
+def test_record_fenced__stamps_the_row_of_a_holder_that_was_taken_over() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    claim_one("w2")
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    row = JobAttempt.objects.get(job_ref=job.pk, token=job.lease_token)
+    assert (row.outcome, row.ended_by) == ("lease_lost", "w2") and row.fenced_at is not None
+
+
+# ---- a rescue restates the checkpoint it decided on -----------------------------------------
+
+REVIEW_CAPTURE = {"STUCK_POLICY_BY_KIND": {"capture": "review"}}
+
+
+@override_settings(DJANGO_LEASES=REVIEW_CAPTURE)
+def test_checkpoint__refused_once_the_lease_expired_even_untaken() -> None:
+    PaymentJob.objects.enqueue("capture")
+    job = claim_one("w1")
+    expire(job)
+    # The watcher reads an empty checkpoint and decides "retry"...
+    stale = PaymentJob.objects.expired().get()
+    assert stale.checkpoint == ""
+    # ...so the paused holder, waking up, must not record that it is about to call the PSP.
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.checkpoint(job.pk, "w1", job.lease_token, "psp_called")
+    assert PaymentJob.objects.get(pk=job.pk).checkpoint == ""
+    assert PaymentJob.objects.rescue(stale, "retry", by="watcher")
+    row = JobAttempt.objects.get(job_ref=job.pk)
+    assert (row.outcome, row.checkpoint) == ("rescued", "")
+    assert row.fenced_at is not None
+
+
+@override_settings(DJANGO_LEASES=REVIEW_CAPTURE)
+@pytest.mark.parametrize("orphaned", [False, True])
+def test_rescue__refused_when_the_checkpoint_changed_since_the_read(orphaned: bool) -> None:
+    PaymentJob.objects.enqueue("capture")
+    job = claim_one("w1")
+    read = PaymentJob.objects.get(pk=job.pk)  # what the watcher decided "retry" on
+    PaymentJob.objects.checkpoint(job.pk, "w1", job.lease_token, "psp_called")
+    if not orphaned:
+        expire(job)
+    assert not PaymentJob.objects.rescue(read, "retry", by="watcher", orphaned=orphaned)
+    current = PaymentJob.objects.get(pk=job.pk)
+    assert (current.status, current.checkpoint) == (Status.PROCESSING, "psp_called")
+    assert JobAttempt.objects.get(job_ref=job.pk).outcome == "running"
+    # Read again, the checkpoint decides "review", and that rescue wins.
+    assert PaymentJob.objects.rescue(current, "review", by="watcher", orphaned=orphaned)
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.REVIEW
+
+
+def test_rescue__refused_when_max_attempts_changed_since_the_read() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=1)
+    job = claim_one("w1")
+    expire(job)
+    read = PaymentJob.objects.expired().get()  # no attempts left: the watcher decides "failed"
+    PaymentJob.objects.filter(pk=job.pk).update(max_attempts=3)
+    assert not PaymentJob.objects.rescue(read, "failed", by="watcher")
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING

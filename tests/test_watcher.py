@@ -8,8 +8,10 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.db.models.functions import Now
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 
 from django_leases.models import JobAttempt, PaymentJob, Worker
 from django_leases.watcher import StuckWatcher
@@ -239,3 +241,48 @@ def test_watch_stuck_jobs__bad_flags_fail_cleanly(
     out = proc.communicate(timeout=30)[0]
     assert proc.returncode == 1
     assert message in out and "Traceback" not in out
+
+
+def test_watcher__sigkilled_workers_job_runs_on_a_burst_worker_right_after_the_rescue(
+    processes: Processes,
+) -> None:
+    job = PaymentJob.objects.enqueue("sleep", {"durations": [60, 0]})
+    victim = worker(processes, "victim", "--ttl", "1", "--heartbeat", "0.3", "--kind", "sleep")
+    wait_for(lambda: fresh(job).lease_owner == "victim")
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+    wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
+
+    rescue = watcher(processes, "--once", "--watcher-id", "cron")
+    out = rescue.communicate(timeout=60)[0]
+    assert rescue.returncode == 0, out
+    assert f"job_id={job.pk} kind=sleep previous_owner=victim" in out
+    # Due again at once: a burst worker started now finds it claimable.
+    assert PaymentJob.objects.claimable().filter(pk=job.pk).exists()
+    burst = worker(processes, "burst", "--burst", "--ttl", "5", "--heartbeat", "1")
+    out = burst.communicate(timeout=120)[0]
+
+    assert burst.returncode == 0, out
+    job = fresh(job)
+    assert (job.status, job.attempts, job.lease_owner) == (Status.COMPLETED, 2, "burst")
+    assert ledger(job) == [(1, "victim", "rescued"), (2, "burst", "completed")]
+
+
+def test_watcher__asks_for_orphans_with_a_registry_subquery_not_a_list_of_ids() -> None:
+    Worker.objects.bulk_create(
+        Worker(worker_id=f"gone-{n}", hostname="h", pid=n + 1, stopped_at=Now()) for n in range(300)
+    )
+    PaymentJob.objects.enqueue("noop")
+    PaymentJob.objects.enqueue("noop")
+    orphan, live = PaymentJob.objects.claim("gone-7", ttl=600, limit=2)
+    PaymentJob.objects.filter(pk=live.pk).update(lease_owner="alive-1")
+
+    with CaptureQueriesContext(connection) as ctx:
+        actions = StuckWatcher(watcher_id="w-1").run_once()
+
+    assert [(a.pk, a.previous_owner, a.action) for a in actions] == [(orphan.pk, "gone-7", "retry")]
+    assert fresh(orphan).status == Status.PENDING
+    assert fresh(live).status == Status.PROCESSING
+    sql = "\n".join(q["sql"] for q in ctx.captured_queries)
+    assert "gone-123" not in sql and "gone-299" not in sql
+    assert Worker._meta.db_table in sql

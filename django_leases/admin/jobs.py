@@ -19,7 +19,7 @@ from django_leases import stats
 from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
 from django_leases.admin.display import EMPTY, human_duration, short_text
 from django_leases.admin.filters import KindFilter, LeaseStateFilter, StatusFilter
-from django_leases.admin.ledger import AttemptInline
+from django_leases.admin.ledger import AttemptInline, EventInline
 from django_leases.admin.mixins import IndexedSearchMixin
 from django_leases.admin.overview import OverviewMixin
 from django_leases.conf import leases_settings
@@ -99,7 +99,7 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     ordering = ("-id",)
     # One COUNT of the filtered rows per page, not a second one of the whole table.
     show_full_result_count = False
-    inlines = (AttemptInline,)
+    inlines = (AttemptInline, EventInline)
     form = PaymentJobForm
     readonly_fields = ("kind", "payment_id", "idempotency_key", *LEASE_FIELDS, "lease", "heartbeat")
     fieldsets = (

@@ -1,4 +1,5 @@
-"""The attempt ledger: read-only, inline on each job and as its own list."""
+"""The attempt ledger and the operator events: read-only, inline on each job; the ledger also as
+its own list."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from django.utils.translation import gettext_lazy as _
 from django_leases.admin.display import attempt_error
 from django_leases.admin.filters import OpenAttemptFilter
 from django_leases.admin.mixins import IndexedSearchMixin, ReadOnlyMixin, job_id
-from django_leases.models import JobAttempt
+from django_leases.models import JobAttempt, JobEvent
 
 
 class AttemptInline(ReadOnlyMixin, admin.TabularInline):
@@ -43,6 +44,18 @@ class AttemptInline(ReadOnlyMixin, admin.TabularInline):
     @admin.display(description=_("error"))
     def error(self, attempt: JobAttempt) -> str:
         return attempt_error(attempt)
+
+
+class EventInline(ReadOnlyMixin, admin.TabularInline):
+    """The operator actions on the job, beside (never over) its attempt ledger."""
+
+    model = JobEvent
+    fk_name = "job"
+    verbose_name = _("operator event")
+    verbose_name_plural = _("operator events (newest first)")
+    fields = readonly_fields = ("at", "action", "by", "attempts", "token", "reason")
+    ordering = ("-id",)
+    extra = 0
 
 
 @admin.register(JobAttempt)

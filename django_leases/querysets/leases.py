@@ -267,9 +267,13 @@ class LeaseQuerySet(OperatorActions[J]):
         return renewed
 
     def checkpoint(self, pk: int, owner: str, token: int, step: str) -> None:
-        """Record that the holder reached `step`; the watcher's review policy reads it."""
+        """Record that the holder reached `step`; the watcher's review policy reads it.
+
+        Refused (`LeaseLost`) once the lease has expired, even if nobody took the job over: the
+        watcher may already have decided the job's fate from the checkpoint it read.
+        """
         check_text(step, "checkpoint step", CHECKPOINT_LENGTH)
-        self._holder_write(pk, owner, token, None, None, checkpoint=step)
+        self._holder_write(pk, owner, token, None, None, live=True, checkpoint=step)
 
     def complete(self, pk: int, owner: str, token: int, *, result: Any = None) -> None:
         """Mark the job completed, storing `result` (JSON) if given.
@@ -416,12 +420,17 @@ class LeaseQuerySet(OperatorActions[J]):
         token: int,
         outcome: str | None,
         error: tuple[str, str] | None,
+        *,
+        live: bool = False,
         **values: Any,
     ) -> None:
+        held = self.held(pk, owner, token)
+        if live:
+            held = held.filter(lease_until__gte=Now())
         try:
             # One transaction: the job's transition and its ledger row commit together.
             with transaction.atomic(using=self.db):
-                if not self.held(pk, owner, token).update(**values):
+                if not held.update(**values):
                     raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
                 if outcome is not None:
                     self._close_attempt(pk, token, outcome, by=owner, error=error)
@@ -447,11 +456,11 @@ class LeaseQuerySet(OperatorActions[J]):
         """Resolve the expired lease of `job` (as read by the watcher) with `action`.
 
         `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
-        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates the whole
-        expiry predicate and the token that was read, so a job completed, renewed, claimed or
-        rescued a moment ago is left alone. With `orphaned`, the lease may still be live but its
-        owner is known gone (see `orphaned()`): the UPDATE then restates that owner instead of
-        the expiry. Returns whether this call won.
+        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates everything the
+        decision read: the expiry, the token, the checkpoint and `max_attempts`, so a job
+        completed, renewed, claimed, checkpointed or rescued a moment ago is left alone. With
+        `orphaned`, the lease may still be live but its owner is known gone (see `orphaned()`):
+        the UPDATE then restates that owner instead of the expiry. Returns whether this call won.
         """
         values: dict[str, Any]
         outcome: str
@@ -475,7 +484,12 @@ class LeaseQuerySet(OperatorActions[J]):
                 if orphaned
                 else self.expired()
             )
-            won = stale.filter(pk=job.pk, lease_token=job.lease_token).update(**values)
+            won = stale.filter(
+                pk=job.pk,
+                lease_token=job.lease_token,
+                checkpoint=job.checkpoint,
+                max_attempts=job.max_attempts,
+            ).update(**values)
             if won:
                 self._close_attempt(
                     job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.db import connections, models
-from django.db.models import OuterRef, Q, Subquery
+from django.db.models import F, OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
 from django_leases.querysets.reads import J, LeaseReads
 from django_leases.redaction import error_text
 from django_leases.sql.postgresql import LedgerNames
-from django_leases.status import AttemptOutcome
+from django_leases.status import HOLDER_OUTCOMES, AttemptOutcome
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
@@ -132,12 +132,33 @@ class LedgerWrites(LeaseReads[J]):
             for job in jobs
         )
 
-    def _ledger_update(self, leases: Mapping[int, int], **values: Any) -> int:
+    def finished_by(self, pk: int, owner: str, token: int) -> bool:
+        """Whether `owner`'s own write under `token` ended that attempt (completed, failed,
+        retried, released or timed out).
+
+        A holder whose connection died after sending its completion asks this before it calls
+        itself fenced out: its write may have committed with only the acknowledgement lost. The
+        attempt's ledger row answers, not the job row: a watcher's rescue also moves the job out
+        of processing under the same token, but closes the row as someone else. A job table
+        without a ledger cannot tell the two apart, so the answer there is always False.
+        """
+        ledger = self._ledger()
+        if ledger is None:
+            return False
+        return (
+            ledger.objects.using(self.db)
+            .filter(job_ref=pk, token=token, ended_by=owner, outcome__in=HOLDER_OUTCOMES)
+            .exists()
+        )
+
+    def _ledger_update(
+        self, leases: Mapping[int, int], where: Q | None = None, **values: Any
+    ) -> int:
         ledger = self._ledger()
         if ledger is None:
             return 0
         pairs = reduce(or_, (Q(job_ref=pk, token=token) for pk, token in leases.items()))
-        return ledger.objects.using(self.db).filter(pairs).update(**values)
+        return ledger.objects.using(self.db).filter(pairs, where or Q()).update(**values)
 
     def _close_attempt(
         self,
@@ -149,8 +170,10 @@ class LedgerWrites(LeaseReads[J]):
         error: tuple[str, str] | None,
     ) -> None:
         error_class, message = error or ("", "")
+        # Only an open row: a closed attempt is never rewritten.
         self._ledger_update(
             {pk: token},
+            Q(ended_at__isnull=True),
             outcome=outcome,
             ended_at=Now(),
             ended_by=by,
@@ -160,9 +183,14 @@ class LedgerWrites(LeaseReads[J]):
         )
 
     def record_fenced(self, pk: int, token: int) -> None:
-        """Note in the ledger that the holder of `token` came back and was refused."""
+        """Note in the ledger that the holder of `token` came back and was refused.
+
+        Never on a row the holder closed itself (a repeated completion is refused too, but
+        nobody fenced that holder out).
+        """
         ledger = self._ledger()
         if ledger is not None:
+            closed_by_holder = Q(outcome__in=HOLDER_OUTCOMES, ended_by=F("owner"))
             ledger.objects.using(self.db).filter(
                 job_ref=pk, token=token, fenced_at__isnull=True
-            ).update(fenced_at=Now())
+            ).exclude(closed_by_holder).update(fenced_at=Now())

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.apps import apps
 from django.db import transaction
 from django.db.models import F, Q
 from django.db.models.functions import Greatest, Now
 
+from django_leases.exceptions import LeaseError
 from django_leases.querysets.base import retry_deadlocks
-from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J
+from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, storable
 from django_leases.querysets.prune import Pruning
 from django_leases.status import (
     CANCELLED,
@@ -24,8 +26,17 @@ from django_leases.status import (
     PROCESSING,
     REVIEW,
     AttemptOutcome,
+    EventAction,
     Verdict,
 )
+
+OPERATOR_BATCH_SIZE = 500
+"""Jobs one operator action changes per transaction (one locking read and one UPDATE)."""
+REVIEW_EVENTS: dict[str, str] = {
+    Verdict.COMPLETED: EventAction.REVIEW_COMPLETED,
+    Verdict.RETRY: EventAction.REVIEW_RETRY,
+    Verdict.FAILED: EventAction.REVIEW_FAILED,
+}
 
 
 class OperatorActions(Pruning[J]):
@@ -37,7 +48,8 @@ class OperatorActions(Pruning[J]):
 
         Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
         live lease only with `force`, which also bumps its fencing token so that the current
-        holder is fenced out of every further write. Completed jobs are never requeued.
+        holder is fenced out of every further write. Completed jobs are never requeued. A job
+        without attempts left gets one more.
         """
         eligible = Q(status__in=[FAILED, CANCELLED, REVIEW, PENDING]) | Q(
             status=PROCESSING, lease_until__lt=Now()
@@ -52,7 +64,9 @@ class OperatorActions(Pruning[J]):
             "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
             "lease_token": F("lease_token") + 1,
         }
-        return self._operator_write(eligible, values, AttemptOutcome.REQUEUED, by)
+        return self._operator_write(
+            eligible, values, by, event=EventAction.REQUEUED, ends=AttemptOutcome.REQUEUED
+        )
 
     def release_stuck(self, *, by: str = "operator") -> int:
         """Return the selected jobs whose lease expired to pending (the watcher's retry).
@@ -66,8 +80,9 @@ class OperatorActions(Pruning[J]):
                 "run_at": Now(),
                 "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
             },
-            AttemptOutcome.RESCUED,
             by,
+            event=EventAction.RELEASED,
+            ends=AttemptOutcome.RESCUED,
         )
 
     def mark_failed(self, *, reason: str, force: bool = False, by: str = "operator") -> int:
@@ -82,17 +97,25 @@ class OperatorActions(Pruning[J]):
             "last_error": reason[:MAX_ERROR_LENGTH],
             "lease_token": F("lease_token") + 1,
         }
-        return self._operator_write(eligible, values, AttemptOutcome.FAILED, by, reason)
+        return self._operator_write(
+            eligible,
+            values,
+            by,
+            event=EventAction.FAILED,
+            ends=AttemptOutcome.FAILED,
+            reason=reason,
+        )
 
     def cancel(self, *, by: str = "operator") -> int:
         """Cancel the selected pending jobs; return how many changed."""
         values = {"status": CANCELLED, "completed_at": Now(), "last_error": f"cancelled by {by}"}
-        return self._operator_write(Q(status=PENDING), values, None, by)
+        return self._operator_write(Q(status=PENDING), values, by, event=EventAction.CANCELLED)
 
     def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
         """Resolve the selected jobs under review: "completed", "retry" or "failed".
 
-        The verdict and who gave it are recorded on the ledger row that put the job under review.
+        The verdict is an event of the job; it is also noted on the ledger row that put the job
+        under review, if no verdict is there yet.
         """
         values: dict[str, Any]
         if verdict == Verdict.RETRY:
@@ -105,34 +128,108 @@ class OperatorActions(Pruning[J]):
             values = {"status": verdict, "completed_at": Now()}
         else:
             raise ValueError(f"unknown review verdict {verdict!r}")
-        return self._operator_write(Q(status=REVIEW), values, None, by, resolution=verdict)
+        return self._operator_write(
+            Q(status=REVIEW), values, by, event=REVIEW_EVENTS[verdict], resolution=verdict
+        )
 
-    @retry_deadlocks
     def _operator_write(
         self,
         eligible: Q,
         values: dict[str, Any],
-        outcome: str | None,
         by: str,
-        reason: str = "",
         *,
+        event: str,
+        ends: str | None = None,
+        reason: str = "",
         resolution: str = "",
     ) -> int:
-        # One transaction per action: the jobs' transition and the closing of their open
-        # ledger rows commit together. Each row is updated by its own conditional UPDATE so the
-        # ledger is closed exactly for the rows whose UPDATE won.
+        """Apply an operator action to the selected jobs that are `eligible`, in batches of
+        OPERATOR_BATCH_SIZE; return how many changed.
+
+        Each changed job gets an event (`event`, `by`, `reason`); an open attempt the action
+        ends is closed as `ends` by `by`. A closed attempt row is never changed.
+        """
         changed = 0
-        with transaction.atomic(using=self.db):
-            candidates = list(self.filter(eligible).values_list("pk", "lease_token"))
-            for pk, token in candidates:
-                if self.filter(eligible, pk=pk, lease_token=token).update(**values):
-                    changed += 1
-                    if outcome is not None:
-                        self._close_attempt(
-                            pk, token, outcome, by=by, error=("", reason) if reason else None
-                        )
-                    if resolution:
-                        self._ledger_update(
-                            {pk: token}, resolution=resolution, resolved_by=by, resolved_at=Now()
-                        )
+        after_pk: int | None = 0
+        while after_pk is not None:
+            won, after_pk = self._operator_batch(
+                eligible, after_pk, values, by, event, ends, reason, resolution
+            )
+            changed += won
         return changed
+
+    @retry_deadlocks
+    def _operator_batch(
+        self,
+        eligible: Q,
+        after_pk: int,
+        values: dict[str, Any],
+        by: str,
+        event: str,
+        ends: str | None,
+        reason: str,
+        resolution: str,
+    ) -> tuple[int, int | None]:
+        # One transaction per batch: the jobs' UPDATE, the closing of the attempts it ended and
+        # the events that record it commit together, or not at all.
+        with transaction.atomic(using=self.db):
+            # Lock the batch, then ONE UPDATE restating the whole precondition: the rows locked
+            # are exactly the rows it changes, so events and ledger rows are written for those
+            # only. PostgreSQL and MariaDB/MySQL lock the rows; on SQLite the IMMEDIATE
+            # transaction holds the database write lock (see check W003). Tested on all three.
+            rows = list(
+                self.filter(eligible, pk__gt=after_pk)
+                .order_by("pk")
+                .select_for_update()
+                .values_list("pk", "lease_token", "attempts")[:OPERATOR_BATCH_SIZE]
+            )
+            if not rows:
+                return 0, None
+            pks = [pk for pk, _, _ in rows]
+            won = self.filter(eligible, pk__in=pks).update(**values)
+            if won != len(rows):
+                raise LeaseError(f"{won} of {len(rows)} locked jobs changed; rolled back")
+            ledger = self._ledger()
+            if ledger is not None:
+                attempts = ledger.objects.using(self.db).filter(job_ref__in=pks)
+                if ends is not None:
+                    # A processing job's open attempt ends here, by the operator.
+                    attempts.filter(ended_at__isnull=True).update(
+                        outcome=ends,
+                        ended_at=Now(),
+                        ended_by=by,
+                        checkpoint=self._job_column("checkpoint"),
+                        error_class="",
+                        error_message=storable(reason)[:MAX_ERROR_LENGTH],
+                    )
+                if resolution:
+                    self._ledger_update(
+                        {pk: token for pk, token, _ in rows},
+                        Q(resolution=""),
+                        resolution=resolution,
+                        resolved_by=by,
+                        resolved_at=Now(),
+                    )
+            self._record_events(rows, event, by, reason)
+        return won, pks[-1]
+
+    def _record_events(
+        self, rows: list[tuple[int, int, int]], action: str, by: str, reason: str
+    ) -> None:
+        label = self.model.event_model
+        if not label:
+            return
+        events = apps.get_model(label)
+        events.objects.using(self.db).bulk_create(
+            events(
+                # `job` is the concrete event log's foreign key (see AbstractJobEvent).
+                **{"job_id": pk},
+                job_ref=pk,
+                token=token,
+                attempts=attempts,
+                action=action,
+                by=by,
+                reason=storable(reason)[:MAX_ERROR_LENGTH],
+            )
+            for pk, token, attempts in rows
+        )

@@ -8,6 +8,7 @@ from datetime import timedelta
 from functools import reduce
 from operator import or_
 
+from django.apps import apps
 from django.db import connections, transaction
 from django.db.models import Q
 
@@ -107,6 +108,14 @@ class Pruning(LedgerWrites[J]):
                 # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
                 detach = {"job_id": None}
                 attempts = rows.update(**detach) if keep_ledger else rows._raw_delete(self.db)
+            if self.model.event_model:
+                # The operator events follow the ledger: deleted, or kept detached.
+                events = apps.get_model(self.model.event_model).objects.using(self.db)
+                events = events.filter(job_ref__in=batch.values("pk"))
+                if keep_ledger:
+                    events.update(job_id=None)
+                else:
+                    events._raw_delete(self.db)
             # _raw_delete: ONE statement for the whole batch. QuerySet.delete() would collect
             # the ledger's SET_NULL relation and delete in chunks of 100 ids.
             jobs = batch._raw_delete(self.db)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from datetime import timedelta
-from typing import TYPE_CHECKING, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from django.db import models
 from django.db.models import F, Q
@@ -92,21 +92,15 @@ class LeaseReads(models.QuerySet[J]):
         """Processing jobs whose lease `owner` holds (live or expired)."""
         return self.filter(status=PROCESSING, lease_owner=owner)
 
-    def finished_by(self, pk: int, owner: str, token: int) -> bool:
-        """Whether `owner`'s write under `token` already moved the job out of processing.
+    def orphaned(self, owners: Collection[str] | models.QuerySet[Any]) -> Self:
+        """Processing jobs with a live lease whose owner is one of `owners` (workers known gone).
 
-        A holder whose connection died after sending its completion asks this before it calls
-        itself fenced out: its write may have committed with only the acknowledgement lost.
+        `owners` is a collection of worker ids, or a one-column queryset of them (e.g. the
+        registry's `gone().values("worker_id")`), which stays a subquery in the database.
         """
-        return (
-            self.filter(pk=pk, lease_owner=owner, lease_token=token)
-            .exclude(status=PROCESSING)
-            .exists()
-        )
-
-    def orphaned(self, owners: Collection[str]) -> Self:
-        """Processing jobs with a live lease whose owner is one of `owners` (workers known gone)."""
-        return self.filter(status=PROCESSING, lease_until__gte=Now(), lease_owner__in=list(owners))
+        if not isinstance(owners, models.QuerySet):
+            owners = list(owners)
+        return self.filter(status=PROCESSING, lease_until__gte=Now(), lease_owner__in=owners)
 
     def held(self, pk: int, owner: str, token: int) -> Self:
         """The one row `owner` holds under `token`, or nothing: the filter of every holder write."""

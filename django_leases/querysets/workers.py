@@ -10,6 +10,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from django_leases.conf import leases_settings, to_seconds
+from django_leases.querysets.base import ago
 
 
 class WorkerQuerySet(models.QuerySet[Any]):
@@ -80,3 +81,16 @@ class WorkerQuerySet(models.QuerySet[Any]):
         return self.filter(
             Q(stopped_at__isnull=False) | Q(last_seen_at__lt=Now() - timedelta(seconds=seconds))
         )
+
+    def long_gone(self, retention: float | timedelta | None = None) -> WorkerQuerySet:
+        """Workers stopped, or last seen, more than `retention` ago (default WORKER_RETENTION)."""
+        seconds = to_seconds(
+            retention if retention is not None else leases_settings.WORKER_RETENTION, "retention"
+        )
+        return self.filter(Q(stopped_at__lt=ago(seconds)) | Q(last_seen_at__lt=ago(seconds)))
+
+    def prune(self, retention: float | timedelta | None = None) -> int:
+        """Delete the registry rows of `long_gone(retention)` workers; return how many went."""
+        # One DELETE: no relation points at the registry, and it holds a row per worker process
+        # name, not per job.
+        return self.long_gone(retention)._raw_delete(self.db)

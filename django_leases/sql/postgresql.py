@@ -163,6 +163,7 @@ def complete(
                 {ledger.error_message} = ''
             FROM done
             WHERE a.{ledger.job_ref} = done.id AND a.{ledger.token} = done.lease_token
+              AND a.{ledger.ended_at} IS NULL
         )
         SELECT count(*) FROM done
     """  # noqa: S608 - names quoted by the caller, values are parameters

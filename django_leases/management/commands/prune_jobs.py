@@ -15,7 +15,7 @@ from django_leases.management.commands._options import (
     positive_seconds,
     whole_number,
 )
-from django_leases.querysets import PrunedBatch, leased_jobs
+from django_leases.querysets import PrunedBatch, leased_jobs, registered_workers
 
 logger = logging.getLogger("django_leases.prune")
 
@@ -26,7 +26,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "database clock, is older than DJANGO_LEASES['RETENTION'] for their status, in batches "
         "of PRUNE_BATCH_SIZE, one transaction each. Their attempt ledger is deleted with them, "
         "or kept (detached) when PRUNE_LEDGER is False. Pending, processing and under-review "
-        "jobs are never touched. Safe while workers run; meant for cron. -v 2 logs each batch. "
+        "jobs are never touched. Registry rows of workers stopped or unseen for longer than "
+        "WORKER_RETENTION are deleted too. Safe while workers run; meant for cron. -v 2 logs "
+        "each batch. "
         "Exit status 1: bad options."
     )
 
@@ -64,6 +66,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         if older_than is not None:
             retention = dict.fromkeys(retention, older_than)
         jobs = leased_jobs()
+        workers = registered_workers()
         if dry_run:
             counts = dict(
                 jobs.prunable(retention).order_by().values_list("status").annotate(n=Count("pk"))
@@ -71,7 +74,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
             ledger = "kept" if not leases_settings.PRUNE_LEDGER else "deleted"
             self.stdout.write(
                 f"would prune {sum(counts.values())} job(s): {self._per_status(retention, counts)}"
-                f"; their attempt ledger would be {ledger}"
+                f"; their attempt ledger would be {ledger}; "
+                f"{workers.long_gone().count()} worker registry row(s) would be pruned"
             )
             return
         started = time.monotonic()
@@ -93,7 +97,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
             self.style.SUCCESS(
                 f"pruned {sum(deleted.values())} job(s) in {len(attempts)} batch(es) and "
                 f"{time.monotonic() - started:.1f}s: {self._per_status(retention, deleted)}; "
-                f"{sum(attempts)} attempt ledger row(s) {ledger}"
+                f"{sum(attempts)} attempt ledger row(s) {ledger}; "
+                f"{workers.prune()} worker registry row(s) pruned"
             )
         )
 

@@ -1,0 +1,205 @@
+"""Operator actions: conditional per row, set-based in bounded batches, recorded as events
+beside the attempt ledger, whose closed rows they never change."""
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.db.models.functions import Now
+from django.test.utils import CaptureQueriesContext
+
+from django_leases.models import JobAttempt, JobEvent, PaymentJob
+from django_leases.querysets.operators import OPERATOR_BATCH_SIZE
+
+from .conftest import Processes, wait_for
+
+pytestmark = pytest.mark.django_db
+
+Status = PaymentJob.Status
+ROW = ("attempt", "token", "owner", "outcome", "ended_by", "error_class", "error_message")
+
+
+def expire(job: PaymentJob) -> None:
+    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=5))
+
+
+def claim(owner: str) -> PaymentJob:
+    (job,) = PaymentJob.objects.claim(owner, ttl=60)
+    return job
+
+
+def rows(job: PaymentJob) -> list[tuple]:
+    """The job's ledger, with the time it closed: a rewritten row would show a new one."""
+    return list(
+        JobAttempt.objects.filter(job_ref=job.pk).order_by("token").values_list(*ROW, "ended_at")
+    )
+
+
+def events(job: PaymentJob) -> list[tuple]:
+    return list(
+        JobEvent.objects.filter(job_ref=job.pk)
+        .order_by("id")
+        .values_list("action", "by", "attempts", "token", "reason")
+    )
+
+
+def test_requeue__leaves_the_failed_attempt_as_it_was_and_records_an_event() -> None:
+    job = PaymentJob.objects.enqueue("a", max_attempts=1)
+    held = claim("w1")
+    PaymentJob.objects.fail(job.pk, "w1", held.lease_token, ValueError("card declined"))
+    before = rows(job)
+    assert [r[3:7] for r in before] == [("failed", "w1", "ValueError", "card declined")]
+
+    assert PaymentJob.objects.filter(pk=job.pk).requeue(by="admin:ops") == 1
+
+    assert rows(job) == before
+    assert events(job) == [("requeued", "admin:ops", 1, 1, "")]
+    # No attempts were left: the requeued job still runs again.
+    again = claim("w2")
+    assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
+    assert JobEvent.objects.get(job_ref=job.pk).at is not None
+
+
+def test_mark_failed__of_a_rescued_pending_job_keeps_the_watchers_row() -> None:
+    job = PaymentJob.objects.enqueue("a")
+    claim("w1")
+    expire(job)
+    assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "retry", by="watcher")
+    before = rows(job)
+
+    assert PaymentJob.objects.filter(pk=job.pk).mark_failed(reason="fraud", by="admin:ops") == 1
+
+    assert rows(job) == before and before[0][3:5] == ("rescued", "watcher")
+    assert events(job) == [("failed", "admin:ops", 1, 1, "fraud")]
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.FAILED
+
+
+def test_mark_failed__of_a_job_under_review_keeps_the_review_row() -> None:
+    job = PaymentJob.objects.enqueue("a")
+    claim("w1")
+    expire(job)
+    assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "review", by="watcher")
+    before = rows(job)
+
+    assert PaymentJob.objects.filter(pk=job.pk).mark_failed(reason="no", by="admin:ops") == 1
+
+    assert rows(job) == before and before[0][3:5] == ("review", "watcher")
+    assert [e[0] for e in events(job)] == ["failed"]
+
+
+def test_forced_actions__close_the_open_attempt_once_then_never_again() -> None:
+    job = PaymentJob.objects.enqueue("a")
+    held = claim("w1")
+    expire(job)
+    # An expired processing job: its open attempt is ended by the operator, once.
+    assert PaymentJob.objects.filter(pk=job.pk).mark_failed(reason="stuck", by="admin:a") == 1
+    closed = rows(job)
+    assert [r[3:7] for r in closed] == [("failed", "admin:a", "", "stuck")]
+    assert PaymentJob.objects.filter(pk=job.pk).requeue(by="admin:b") == 1
+    assert PaymentJob.objects.filter(pk=job.pk).mark_failed(reason="again", by="admin:c") == 1
+    assert rows(job) == closed
+    assert events(job) == [
+        ("failed", "admin:a", 1, held.lease_token, "stuck"),
+        ("requeued", "admin:b", 1, held.lease_token + 1, ""),
+        ("failed", "admin:c", 1, held.lease_token + 2, "again"),
+    ]
+
+
+def test_force_requeue__of_a_live_lease_ends_its_attempt_as_requeued_by_the_operator() -> None:
+    job = PaymentJob.objects.enqueue("a")
+    claim("w1")
+    assert PaymentJob.objects.filter(pk=job.pk).requeue(by="admin:ops") == 0
+    assert PaymentJob.objects.filter(pk=job.pk).requeue(force=True, by="admin:ops") == 1
+    assert [r[3:5] for r in rows(job)] == [("requeued", "admin:ops")]
+    assert [e[:2] for e in events(job)] == [("requeued", "admin:ops")]
+
+
+def test_release_stuck_cancel_and_review_verdicts__each_record_one_event() -> None:
+    stuck = PaymentJob.objects.enqueue("a")
+    claim("w1")
+    expire(stuck)
+    pending = PaymentJob.objects.enqueue("a")
+    review = PaymentJob.objects.enqueue("a")
+    PaymentJob.objects.filter(pk=review.pk).update(status=Status.REVIEW)
+
+    assert PaymentJob.objects.all().release_stuck(by="admin:ops") == 1
+    assert PaymentJob.objects.filter(pk=pending.pk).cancel(by="admin:ops") == 1
+    assert PaymentJob.objects.all().resolve_review("retry", by="admin:ops") == 1
+
+    assert [e[:2] for e in events(stuck)] == [("released", "admin:ops")]
+    assert [r[3:5] for r in rows(stuck)] == [("rescued", "admin:ops")]
+    assert [e[:2] for e in events(pending)] == [("cancelled", "admin:ops")]
+    assert [e[:2] for e in events(review)] == [("review_retry", "admin:ops")]
+    # Nothing changed, nothing recorded.
+    assert PaymentJob.objects.filter(pk=pending.pk).cancel(by="admin:ops") == 0
+    assert PaymentJob.objects.filter(pk=stuck.pk).release_stuck(by="admin:ops") == 0
+    assert JobEvent.objects.count() == 3
+
+
+def test_requeue__is_one_update_per_bounded_batch() -> None:
+    total = 2 * OPERATOR_BATCH_SIZE + 7
+    PaymentJob.objects.bulk_create(
+        PaymentJob(kind="a", status=Status.FAILED, attempts=5, lease_token=5) for _ in range(total)
+    )
+    PaymentJob.objects.bulk_create(PaymentJob(kind="a", status=Status.COMPLETED) for _ in range(3))
+    table = PaymentJob._meta.db_table
+
+    with CaptureQueriesContext(connection) as ctx:
+        assert PaymentJob.objects.all().requeue(by="admin:ops") == total
+
+    updates = [q["sql"] for q in ctx.captured_queries if q["sql"].startswith("UPDATE")]
+    job_updates = [sql for sql in updates if table in sql.split("SET")[0]]
+    assert len(job_updates) == 3
+    assert PaymentJob.objects.filter(status=Status.PENDING, max_attempts=6).count() == total
+    assert PaymentJob.objects.filter(status=Status.COMPLETED).count() == 3
+    assert JobEvent.objects.filter(action="requeued", attempts=5, token=5).count() == total
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_mark_failed__racing_workers_records_exactly_the_jobs_it_failed(
+    processes: Processes,
+) -> None:
+    total = 1000
+    PaymentJob.objects.bulk_create(PaymentJob(kind="noop") for _ in range(total))
+    assert len(PaymentJob.objects.claim("dead", ttl=60, limit=total)) == total
+    PaymentJob.objects.update(lease_until=Now() - timedelta(seconds=5))
+    workers = [
+        processes.manage(
+            "run_lease_worker",
+            "--burst",
+            "--kind",
+            "noop",
+            "--worker-id",
+            f"w{n}",
+            "--concurrency",
+            "4",
+            "--ttl",
+            "30",
+            "--heartbeat",
+            "5",
+        )  # fmt: skip
+        for n in range(2)
+    ]
+    wait_for(lambda: PaymentJob.objects.filter(status=Status.COMPLETED).exists())
+
+    changed = 0
+    while any(proc.poll() is None for proc in workers):
+        changed += PaymentJob.objects.all().mark_failed(reason="ops", by="ops")
+    changed += PaymentJob.objects.all().mark_failed(reason="ops", by="ops")
+
+    assert [proc.wait(timeout=60) for proc in workers] == [0, 0]
+    failed = set(PaymentJob.objects.filter(status=Status.FAILED).values_list("pk", flat=True))
+    completed = PaymentJob.objects.filter(status=Status.COMPLETED)
+    assert failed and len(failed) + completed.count() == total
+    assert changed == len(failed) == JobEvent.objects.count()
+    assert set(JobEvent.objects.values_list("job_ref", flat=True)) == failed
+    assert not JobAttempt.objects.filter(ended_at__isnull=True).exists()
+    # A failed job's only attempt was closed once, by the operator; a completed job's first
+    # attempt by the worker that took it over.
+    first = JobAttempt.objects.filter(owner="dead")
+    assert set(
+        first.filter(outcome="failed", ended_by="ops").values_list("job_ref", flat=True)
+    ) == (failed)
+    taken = first.filter(outcome="lease_lost", ended_by__in=["w0", "w1"])
+    assert taken.count() == completed.count() == JobAttempt.objects.filter(attempt=2).count()
