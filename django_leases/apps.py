@@ -20,6 +20,8 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_database_clock, checks.Tags.database)
         checks.register(lease_checks.check_tasks_framework)
         checks.register(lease_checks.check_worker_retention)
+        checks.register(lease_checks.check_job_model)
+        checks.register(lease_checks.check_ledgers)
         checks.register(lease_checks.check_schedules)
         conf.connect_signals()
         handlers.autodiscover()

@@ -1,8 +1,9 @@
 """`LeaseBackend`: Django's Tasks framework on top of the lease table.
 
 On Django 6.x it uses `django.tasks`; on Django 5.2 the `django-tasks` backport. Tasks are
-`PaymentJob` rows of kind `tasks.<queue_name>` and run on `run_lease_worker` with every
-guarantee of a job: one owner at a time, heartbeats, fencing, the attempt ledger.
+rows of the job table (`DJANGO_LEASES["JOB_MODEL"]`, `PaymentJob` by default) of kind
+`tasks.<queue_name>` and run on `run_lease_worker` with every guarantee of a job: one owner at
+a time, heartbeats, fencing, the attempt ledger.
 
 It follows Django's Tasks semantics: a task that raises ends FAILED at once, unless OPTIONS
 ask for retries; a worker that dies or loses its lease is not the task failing, and the task
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import django
 from django.apps import apps
@@ -27,7 +28,7 @@ from django.utils.module_loading import import_string
 from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidPayload, InvalidTaskJob, LeaseLost
 from django_leases.limits import MAX_ATTEMPTS, check_json
-from django_leases.querysets import PaymentJobQuerySet, leased_jobs
+from django_leases.querysets import LeaseQuerySet, leased_jobs
 from django_leases.status import AttemptOutcome, JobStatus
 
 if TYPE_CHECKING or django.VERSION >= (6, 0):
@@ -132,8 +133,8 @@ class LeaseBackend(BaseTaskBackend):
         return messages
 
     @staticmethod
-    def _jobs() -> PaymentJobQuerySet:
-        return cast(PaymentJobQuerySet, leased_jobs())
+    def _jobs() -> LeaseQuerySet[Any]:
+        return leased_jobs()
 
     def enqueue(self, task: Any, args: Any, kwargs: Any) -> TaskResult:
         self.validate_task(task)
@@ -164,7 +165,7 @@ class LeaseBackend(BaseTaskBackend):
         return self._result(job, task)
 
     def _result(self, job: Any, task: Any) -> TaskResult:
-        attempts = list(job.attempt_log.order_by("token")) if job.pk else []
+        attempts = attempt_rows(job) if job.pk else []
         result: TaskResult = TaskResult(
             task=task,
             id=str(job.pk),
@@ -193,7 +194,12 @@ class LeaseBackend(BaseTaskBackend):
 
     def _raised_before(self, job: Any) -> int:
         """Count the earlier attempts of `job` in which the task raised (the ledger is exact)."""
-        return int(job.attempt_log.filter(outcome=AttemptOutcome.RETRIED).count())
+        return sum(row.outcome == AttemptOutcome.RETRIED for row in attempt_rows(job))
+
+
+def attempt_rows(job: Any) -> list[Any]:
+    """Return the ledger rows of `job`, read where the job was, oldest first."""
+    return leased_jobs(type(job), job._state.db).attempt_rows(job.pk)
 
 
 def in_installed_app(module: str) -> bool:

@@ -8,6 +8,7 @@ from typing import Any
 import django
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.utils.module_loading import import_string
 
@@ -26,6 +27,7 @@ from django_leases.limits import (
     check_text,
     shown,
 )
+from django_leases.querysets import job_model, leased_job_models, ledger_model
 from django_leases.schedules import MIN_EVERY, SCHEDULE_KEYS, SCHEDULE_NAME_LENGTH
 from django_leases.status import COMPLETED, FINAL_STATUSES, StuckPolicy
 
@@ -330,6 +332,48 @@ def check_worker_retention(**kwargs: Any) -> list[CheckMessage]:
             id="django_leases.E024",
         )
     ]
+
+
+def check_job_model(**kwargs: Any) -> list[CheckMessage]:
+    """Report a `JOB_MODEL` that names no installed concrete `AbstractLeasedJob` model."""
+    user = getattr(settings, "DJANGO_LEASES", {})
+    if not isinstance(user, dict):
+        return []  # E001 says so
+    label = user.get("JOB_MODEL", DEFAULTS["JOB_MODEL"])
+    try:
+        job_model(label)
+    except ImproperlyConfigured as exc:
+        return [
+            Error(
+                f"DJANGO_LEASES['JOB_MODEL'] {exc}.",
+                hint="Name your job model as 'app_label.ModelName': a concrete subclass of "
+                "django_leases.models.AbstractLeasedJob in an installed app. The default is "
+                f"{DEFAULTS['JOB_MODEL']!r}.",
+                id="django_leases.E030",
+            )
+        ]
+    return []
+
+
+def check_ledgers(**kwargs: Any) -> list[CheckMessage]:
+    """Report a job model whose `attempt_model` names no ledger of that job model."""
+    messages: list[CheckMessage] = []
+    for model in leased_job_models():
+        try:
+            ledger_model(model)
+        except ImproperlyConfigured as exc:
+            messages.append(
+                Error(
+                    f"{model._meta.label}.attempt_model {exc}.",
+                    hint="Set attempt_model to the 'app_label.ModelName' of a subclass of "
+                    "django_leases.models.AbstractJobAttempt with `job = models.ForeignKey("
+                    f"{model.__name__}, null=True, on_delete=models.SET_NULL, ...)`, or to "
+                    "None for a job table without a ledger.",
+                    obj=model,
+                    id="django_leases.E031",
+                )
+            )
+    return messages
 
 
 def check_schedules(**kwargs: Any) -> list[CheckMessage]:

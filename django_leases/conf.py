@@ -55,6 +55,9 @@ DEFAULTS: dict[str, Any] = {
     # Seconds a worker's registry row is kept after it stopped or was last seen; prune_jobs
     # deletes older ones. Not shorter than WORKER_GONE_AFTER.
     "WORKER_RETENTION": 7 * DAY,
+    # The job table that run_lease_worker, watch_stuck_jobs, prune_jobs and the Tasks backend
+    # work on, as "app_label.ModelName": a concrete subclass of AbstractLeasedJob.
+    "JOB_MODEL": "django_leases.PaymentJob",
     # Periodic jobs: {"name": {"kind": "k", "every": seconds}}, optionally with "payload" and
     # "catch_up" (default True: a missed tick is enqueued once, late). One job per tick.
     "SCHEDULES": {},

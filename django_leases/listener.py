@@ -13,7 +13,7 @@ from typing import Any
 from django.db import connections
 
 from django_leases.conf import leases_settings
-from django_leases.querysets.payments import notify_channel
+from django_leases.querysets.enqueue import notify_channel
 from django_leases.redaction import error_text
 from django_leases.sql import postgresql as statements
 

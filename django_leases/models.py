@@ -20,6 +20,8 @@ __all__ = [
     "AbstractJobEvent",
     "AttemptOutcome",
     "EventAction",
+    "attempt_constraints",
+    "attempt_indexes",
     "JobAttempt",
     "JobEvent",
     "JobStatus",
@@ -67,8 +69,9 @@ class AbstractLeasedJob(models.Model):
 
     objects = LeaseQuerySet.as_manager()
 
-    # The concrete ledger model (an `AbstractJobAttempt` subclass) as "app_label.ModelName", or
-    # None for a job table without a ledger.
+    # The concrete ledger model (an `AbstractJobAttempt` subclass with a nullable foreign key
+    # `job` to this model) as "app_label.ModelName", or None for a job table without a ledger.
+    # Checked by django_leases.E031.
     attempt_model: ClassVar[str | None] = None
     # The concrete operator event log (an `AbstractJobEvent` subclass), or None for none.
     event_model: ClassVar[str | None] = None
@@ -105,6 +108,7 @@ def lease_indexes(prefix: str) -> list[models.Index]:
 
 
 def lease_constraints(prefix: str) -> list[models.BaseConstraint]:
+    """Return the constraints of the lease fields, named after `prefix`."""
     return [
         # A processing job always has an owner and a lease end.
         models.CheckConstraint(
@@ -205,6 +209,17 @@ class AbstractJobAttempt(models.Model):
         return f"attempt {self.attempt} (token {self.token}) by {self.owner}: {self.outcome}"
 
 
+def attempt_indexes(prefix: str) -> list[models.Index]:
+    """Return the index the ledger's writes and the admin's job search need."""
+    # The claim, the holder's writes and prune_jobs find a job's (open) rows by it.
+    return [models.Index(fields=["job_ref", "ended_at"], name=f"{prefix}_open_idx")]
+
+
+def attempt_constraints(prefix: str) -> list[models.BaseConstraint]:
+    # One row per acquisition: a fencing token is never handed out twice for a job.
+    return [models.UniqueConstraint(fields=["job_ref", "token"], name=f"{prefix}_job_token_uniq")]
+
+
 class JobAttempt(AbstractJobAttempt):
     # SET_NULL keeps the audit trail when prune_jobs deletes jobs with PRUNE_LEDGER = False;
     # `job_ref` still names the job then.
@@ -220,15 +235,8 @@ class JobAttempt(AbstractJobAttempt):
         verbose_name = _("job attempt")
         verbose_name_plural = _("job attempts")
         ordering = ["-claimed_at", "-id"]
-        constraints = [
-            models.UniqueConstraint(fields=["job_ref", "token"], name="dl_attempt_job_token_uniq"),
-        ]
-        indexes = [
-            models.Index(
-                fields=["job_ref", "ended_at"],
-                name="dl_attempt_open_idx",
-            ),
-        ]
+        constraints = attempt_constraints("dl_attempt")
+        indexes = attempt_indexes("dl_attempt")
 
     def __str__(self) -> str:
         return f"job {self.job_ref} attempt {self.attempt}: {self.outcome}"

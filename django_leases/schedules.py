@@ -20,14 +20,14 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 from django.db import InterfaceError, OperationalError
 from django.db.models.functions import Now
 from django.db.models.sql import Query
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.querysets import PaymentJobQuerySet, leased_jobs
+from django_leases.querysets import leased_jobs
 
 logger = logging.getLogger("django_leases.schedules")
 
@@ -132,7 +132,7 @@ def _enqueue_due(model: type[Any] | None, using: str | None) -> tuple[list[Any],
     schedules = configured()
     if not schedules:
         return [], math.inf
-    jobs = cast(PaymentJobQuerySet, leased_jobs(model, using))
+    jobs = leased_jobs(model, using)
     epoch = database_now(jobs.db).timestamp()
     current = {schedule.name: schedule.tick(epoch) for schedule in schedules}
     wanted = [s.key(current[s.name] - back) for s in schedules for back in (0, 1)]

@@ -13,6 +13,8 @@ from django.test import override_settings
 
 from django_leases.checks import (
     check_database_clock,
+    check_job_model,
+    check_ledgers,
     check_schedules,
     check_settings,
     check_sqlite_transaction_mode,
@@ -21,6 +23,9 @@ from django_leases.checks import (
     sqlite_without_immediate,
 )
 from django_leases.limits import BATCH_SIZE, MAX_ATTEMPTS, MAX_DURATION
+from django_leases.models import PaymentJob
+from django_leases.querysets import leased_jobs
+from tests.testapp.models import PayoutJob
 
 from .conftest import Processes, subprocess_env
 
@@ -227,6 +232,67 @@ def test_check_tasks_framework__backport_missing(
 def test_check_tasks_framework__backport_or_django_6_present() -> None:
     with override_settings(TASKS=LEASE_TASKS):
         assert check_tasks_framework() == []
+
+
+# ---- JOB_MODEL and the job models' ledgers ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "label", ["django_leases.PaymentJob", "testapp.PayoutJob", "testapp.BareJob"]
+)
+def test_check_job_model__a_concrete_leased_job_model_is_clean(label: str) -> None:
+    with override_settings(DJANGO_LEASES={"JOB_MODEL": label}):
+        assert check_job_model() == []
+        assert check_settings() == []
+
+
+@pytest.mark.parametrize(
+    ("label", "problem"),
+    [
+        ("PayoutJob", "is not of the form 'app_label.ModelName'"),
+        ("testapp.payout.Job", "is not of the form 'app_label.ModelName'"),
+        (42, "is not of the form 'app_label.ModelName'"),
+        ("shop.PayoutJob", "is not an installed model"),
+        ("testapp.Charge", "is not a concrete subclass of"),
+        ("django_leases.JobAttempt", "is not a concrete subclass of"),
+    ],
+)
+def test_check_job_model__reports_what_is_no_job_table(label: object, problem: str) -> None:
+    with override_settings(DJANGO_LEASES={"JOB_MODEL": label}):
+        (message,) = check_job_model()
+    assert message.id == "django_leases.E030"
+    assert message.msg.startswith(f"DJANGO_LEASES['JOB_MODEL'] {label!r} {problem}")
+
+
+def test_check_ledgers__every_installed_job_model_is_clean() -> None:
+    assert check_ledgers() == []
+
+
+@pytest.mark.parametrize(
+    ("attempt_model", "problem"),
+    [
+        ("PayoutAttempt", "must be None or 'app_label.ModelName'"),
+        ("testapp.Nope", "'testapp.Nope' is not an installed model"),
+        ("testapp.Charge", "'testapp.Charge' is not a concrete subclass of"),
+        (
+            "django_leases.JobAttempt",
+            "'django_leases.JobAttempt' has no nullable foreign key `job` to testapp.PayoutJob",
+        ),
+    ],
+)
+def test_check_ledgers__reports_a_ledger_of_another_kind(
+    monkeypatch: pytest.MonkeyPatch, attempt_model: str, problem: str
+) -> None:
+    monkeypatch.setattr(PayoutJob, "attempt_model", attempt_model)
+    (message,) = check_ledgers()
+    assert (message.id, message.obj) == ("django_leases.E031", PayoutJob)
+    assert message.msg.startswith(f"testapp.PayoutJob.attempt_model {problem}")
+
+
+def test_leased_jobs__default_follows_job_model() -> None:
+    assert leased_jobs().model is PaymentJob
+    with override_settings(DJANGO_LEASES={"JOB_MODEL": "testapp.PayoutJob"}):
+        assert leased_jobs().model is PayoutJob
 
 
 def schedule_ids(**schedules: object) -> list[str]:

@@ -10,8 +10,9 @@ from django.db.models.functions import Now
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_leases.exceptions import InvalidDuration, InvalidPayload, LeaseLost
+from django_leases.exceptions import InvalidArgument, InvalidDuration, InvalidPayload, LeaseLost
 from django_leases.models import JobAttempt, PaymentJob
+from tests.testapp.models import BareJob, PayoutAttempt, PayoutJob
 
 pytestmark = pytest.mark.django_db
 
@@ -96,6 +97,82 @@ def test_enqueue__run_at_delay_uses_database_clock() -> None:
     job = PaymentJob.objects.enqueue("capture", run_at=timedelta(hours=1))
     assert not PaymentJob.objects.due().filter(pk=job.pk).exists()
     assert PaymentJob.objects.claim("w1", ttl=60) == []
+
+
+def test_enqueue__a_projects_own_table_takes_its_columns_and_idempotency_key() -> None:
+    job = PayoutJob.objects.enqueue(
+        "payout.send", {"amount": 500}, recipient="acct-1", idempotency_key="po-1", priority=3
+    )
+    again = PayoutJob.objects.enqueue("payout.send", recipient="acct-2", idempotency_key="po-1")
+    job.refresh_from_db()
+    assert again.pk == job.pk
+    assert (job.status, job.kind, job.payload, job.recipient, job.priority) == (
+        Status.PENDING,
+        "payout.send",
+        {"amount": 500},
+        "acct-1",
+        3,
+    )
+    assert list(PayoutJob.objects.due().values_list("pk", flat=True)) == [job.pk]
+    assert PaymentJob.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"payment_id": "pay_1"}, "payment_id is not a column of testapp.PayoutJob"),
+        ({"status": "completed"}, "status is not a column of testapp.PayoutJob"),
+        ({"attempts": 3}, "attempts is not a column of testapp.PayoutJob"),
+        ({"id": 7}, "id is not a column of testapp.PayoutJob"),
+        ({"attempt_log": []}, "attempt_log is not a column of testapp.PayoutJob"),
+        ({"recipient": "x" * 65}, "recipient: Ensure this value has at most 64 characters"),
+        ({"recipient": None}, "recipient: This field cannot be null"),
+        ({"recipient": "acct\x00"}, "recipient contains a NUL character"),
+    ],
+)
+def test_enqueue__own_columns_are_checked_before_anything_is_written(
+    fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        PayoutJob.objects.enqueue("payout.send", **fields)
+    assert PayoutJob.objects.count() == 0
+
+
+def test_enqueue__idempotency_key_needs_a_unique_field_on_the_table() -> None:
+    with pytest.raises(InvalidArgument, match="idempotency_key needs a unique idempotency_key"):
+        BareJob.objects.enqueue("bare", idempotency_key="k-1")
+    assert BareJob.objects.count() == 0
+
+
+def test_enqueue__payment_job_keeps_payment_id_and_refuses_a_long_one() -> None:
+    job = PaymentJob.objects.enqueue("capture", payment_id=None)
+    assert PaymentJob.objects.get(pk=job.pk).payment_id == ""
+    with pytest.raises(InvalidArgument, match="payment_id must be a string of at most 64"):
+        PaymentJob.objects.enqueue("capture", payment_id="p" * 65)
+    assert PaymentJob.objects.count() == 1
+
+
+def test_leases__a_table_without_a_ledger_claims_and_completes() -> None:
+    job = BareJob.objects.enqueue("bare")
+    (claimed,) = BareJob.objects.claim("w1", ttl=60)
+    assert (claimed.pk, claimed.attempts, claimed.lease_token) == (job.pk, 1, 1)
+    BareJob.objects.complete(job.pk, "w1", 1)
+    assert BareJob.objects.get(pk=job.pk).status == Status.COMPLETED
+    assert BareJob.objects.attempt_rows(job.pk) == []
+
+
+def test_attempt_rows__reads_the_tables_own_ledger_oldest_first() -> None:
+    job = PayoutJob.objects.enqueue("payout.send")
+    PayoutJob.objects.claim("w1", ttl=60)
+    PayoutJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=5))
+    PayoutJob.objects.claim("w2", ttl=60)
+    rows = PayoutJob.objects.attempt_rows(job.pk)
+    assert [(r.token, r.owner, r.outcome) for r in rows] == [
+        (1, "w1", "lease_lost"),
+        (2, "w2", "running"),
+    ]
+    assert all(isinstance(row, PayoutAttempt) for row in rows)
+    assert JobAttempt.objects.count() == 0
 
 
 # ---- claim ----------------------------------------------------------------------------------

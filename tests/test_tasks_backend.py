@@ -16,7 +16,7 @@ from django.utils import timezone
 from django_leases.backends import LeaseBackend
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
-from tests.testapp.models import Charge
+from tests.testapp.models import Charge, PayoutAttempt, PayoutJob
 from tests.testapp.tasks import (
     UNSTORABLE,
     add,
@@ -59,6 +59,22 @@ def test_lease_backend__task_runs_on_the_worker_and_returns_its_value() -> None:
     assert result.worker_ids == ["task-worker"]
     assert result.started_at is not None and result.finished_at is not None
     assert list(JobAttempt.objects.values_list("outcome", flat=True)) == ["completed"]
+
+
+@override_settings(DJANGO_LEASES={"JOB_MODEL": "testapp.PayoutJob"})
+def test_lease_backend__tasks_are_rows_of_the_job_model_setting() -> None:
+    result = explode.enqueue()
+    assert PayoutJob.objects.get(pk=int(result.id)).kind == "tasks.default"
+    assert PaymentJob.objects.count() == 0
+
+    drain()
+    result.refresh()
+
+    assert result.status == TaskResultStatus.FAILED
+    assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"]
+    assert result.worker_ids == ["task-worker"]
+    assert list(PayoutAttempt.objects.values_list("outcome", flat=True)) == ["failed"]
+    assert JobAttempt.objects.count() == 0
 
 
 def test_lease_backend__queue_and_priority_map_to_kind_and_priority() -> None:

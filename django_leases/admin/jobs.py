@@ -1,12 +1,19 @@
-"""The job admin: lease-aware list, safe edits of pending jobs, operator actions."""
+"""The job admin: lease-aware list, safe edits of pending jobs, operator actions.
+
+`LeasedJobAdmin` serves any `AbstractLeasedJob` table; `PaymentJobAdmin` adds the payment
+fields.
+"""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import cache
 from typing import Any, cast
 from weakref import WeakKeyDictionary
 
+from django.apps import apps
 from django.contrib import admin, messages
+from django.contrib.admin.options import InlineModelAdmin
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.forms import ModelForm
@@ -20,13 +27,13 @@ from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, ski
 from django_leases.admin.display import EMPTY, human_duration, short_text
 from django_leases.admin.filters import KindFilter, LeaseStateFilter, StatusFilter
 from django_leases.admin.ledger import AttemptInline, EventInline
-from django_leases.admin.mixins import IndexedSearchMixin
+from django_leases.admin.mixins import IndexedSearchMixin, job_id
 from django_leases.admin.overview import OverviewMixin
 from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidArgument, InvalidPayload
 from django_leases.limits import PRIORITY, check_int, check_json
-from django_leases.models import PaymentJob
-from django_leases.querysets import LeaseQuerySet
+from django_leases.models import AbstractJobAttempt, AbstractJobEvent, PaymentJob
+from django_leases.querysets import LeaseQuerySet, ledger_model
 from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW, JobStatus, Verdict
 
 LEASE_FIELDS = (
@@ -54,7 +61,7 @@ TASK_KINDS = "tasks."
 NOT_SAVED: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
 
 
-class PaymentJobForm(ModelForm):
+class LeasedJobForm(ModelForm):
     """The change form: the bounds of `enqueue()`, the same on every database (SQLite would
     store a priority PostgreSQL refuses)."""
 
@@ -75,35 +82,39 @@ class PaymentJobForm(ModelForm):
         return priority
 
 
-@admin.register(PaymentJob)
-class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
+class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
+    """The admin of a job table: register it for your own `AbstractLeasedJob` model.
+
+    Lease filters and columns, the operator actions, the attempt ledger inline (the model's
+    `attempt_model`) and the queue overview (`overview/`). Add your own columns to
+    `list_display` and `readonly_fields`, and extend `search()`.
+    """
+
     # Status and lease state first: they are what an operator scans for.
-    list_display = (
+    list_display = [
         "id",
         "status_badge",
         "lease",
         "kind",
-        "payment_id",
         "owner",
         "attempts_of_max",
         "heartbeat",
         "last_error_short",
-    )
+    ]
     list_display_links = ("id", "kind")
     list_filter = (LeaseStateFilter, StatusFilter, KindFilter)
-    search_help_text = _(
-        "An exact payment id or idempotency key, or the start of the owner of a processing job."
-    )
-    search_fields = ("payment_id",)  # shows the search box; search() does the search
+    search_help_text = _("A job id, or the start of the owner of a processing job.")
+    search_fields = ("kind",)  # shows the search box; search() does the search
     # The primary key index serves the default order, however large the table.
     ordering = ("-id",)
     # One COUNT of the filtered rows per page, not a second one of the whole table.
     show_full_result_count = False
-    inlines = (AttemptInline, EventInline)
-    form = PaymentJobForm
-    readonly_fields = ("kind", "payment_id", "idempotency_key", *LEASE_FIELDS, "lease", "heartbeat")
+    form = LeasedJobForm
+    change_list_template = "admin/django_leases/leasedjob/change_list.html"
+    change_form_template = "admin/django_leases/change_form.html"
+    readonly_fields = ["kind", *LEASE_FIELDS, "lease", "heartbeat"]
     fieldsets = (
-        (None, {"fields": ("kind", "payment_id", "idempotency_key", "priority", "payload")}),
+        (None, {"fields": ("kind", "priority", "payload")}),
         (
             _("Lease"),
             {
@@ -139,7 +150,18 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         return stats.with_lease_clock(jobs)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
-        return False  # jobs are added with PaymentJob.objects.enqueue()
+        return False  # jobs are added with enqueue()
+
+    def get_inlines(self, request: HttpRequest, obj: Any) -> list[type[InlineModelAdmin[Any, Any]]]:
+        """The model's attempt ledger and operator events, where it has them."""
+        ledger = ledger_model(self.model)
+        inlines: list[type[InlineModelAdmin[Any, Any]]] = []
+        if ledger is not None:
+            inlines.append(attempt_inline(ledger))
+        if self.model.event_model:
+            events = cast(type[AbstractJobEvent], apps.get_model(self.model.event_model))
+            inlines.append(event_inline(events))
+        return inlines
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # Deleting a job would pull it from under a live worker and orphan its ledger;
@@ -201,13 +223,13 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     # ---- columns ------------------------------------------------------------------------------
 
     @admin.display(description=_("status"), ordering="status")
-    def status_badge(self, job: PaymentJob) -> str:
+    def status_badge(self, job: Any) -> str:
         return format_html(
             '<span class="dl-badge dl-{}">{}</span>', job.status, job.get_status_display()
         )
 
     @admin.display(description=_("owner"), ordering="lease_owner")
-    def owner(self, job: PaymentJob) -> str:
+    def owner(self, job: Any) -> str:
         if not job.lease_owner:
             return EMPTY
         if job.status == JobStatus.PROCESSING:
@@ -218,14 +240,14 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         )
 
     @admin.display(description=_("attempts"), ordering="attempts")
-    def attempts_of_max(self, job: PaymentJob) -> str:
+    def attempts_of_max(self, job: Any) -> str:
         exhausted = " dl-exhausted" if job.attempts >= job.max_attempts else ""
         return format_html(
             '<span class="dl-attempts{}">{} / {}</span>', exhausted, job.attempts, job.max_attempts
         )
 
     @admin.display(description=_("lease"), ordering="lease_left")
-    def lease(self, job: PaymentJob) -> str:
+    def lease(self, job: Any) -> str:
         left: timedelta | None = getattr(job, "lease_left", None)
         state = stats.lease_state(left, leases_settings.NEAR_EXPIRY)
         if state is None or left is None:
@@ -242,23 +264,23 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         )
 
     @admin.display(description=_("last heartbeat"), ordering="-heartbeat_at")
-    def heartbeat(self, job: PaymentJob) -> str:
+    def heartbeat(self, job: Any) -> str:
         age: timedelta | None = getattr(job, "heartbeat_age", None)
         if age is None:
             return EMPTY
         return gettext("%(age)s ago") % {"age": human_duration(age)}
 
     @admin.display(description=_("last error"))
-    def last_error_short(self, job: PaymentJob) -> str:
+    def last_error_short(self, job: Any) -> str:
         return short_text(job.last_error)
 
     def search(self, queryset: QuerySet[Any], term: str) -> QuerySet[Any]:
         jobs = cast(LeaseQuerySet[Any], queryset)
-        # Three index probes ORed together: the payment id and idempotency key indexes, and the
-        # processing-only lease index for the owner. A job that no longer holds a lease is found
-        # by its owner in the attempt ledger.
-        found = jobs.filter(payment_id=term) | jobs.filter(idempotency_key=term)
-        return found | jobs.processing().filter(lease_owner__startswith=term)
+        # Index probes only: the primary key, and the processing-only lease index for the
+        # owner. A job that no longer holds a lease is found by its owner in the attempt ledger.
+        pk = job_id(term)
+        by_owner = jobs.processing().filter(lease_owner__startswith=term)
+        return by_owner if pk is None else jobs.filter(pk=pk) | by_owner
 
     # ---- actions ------------------------------------------------------------------------------
 
@@ -325,3 +347,47 @@ class PaymentJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         lambda n: ngettext("%d job under review failed", "%d jobs under review failed", n) % n,
         skip_all_but([REVIEW], Skip.NOT_IN_REVIEW),
     )
+
+
+@cache
+def attempt_inline(ledger: type[AbstractJobAttempt]) -> type[AttemptInline]:
+    """Return the attempt inline of `ledger` (one class per ledger model)."""
+    return type(f"{ledger.__name__}Inline", (AttemptInline,), {"model": ledger})
+
+
+@cache
+def event_inline(events: type[AbstractJobEvent]) -> type[EventInline]:
+    """Return the operator events inline of `events` (one class per event model)."""
+    return type(f"{events.__name__}Inline", (EventInline,), {"model": events})
+
+
+@admin.register(PaymentJob)
+class PaymentJobAdmin(LeasedJobAdmin):
+    list_display = [
+        "id",
+        "status_badge",
+        "lease",
+        "kind",
+        "payment_id",
+        "owner",
+        "attempts_of_max",
+        "heartbeat",
+        "last_error_short",
+    ]
+    search_help_text = _(
+        "An exact payment id or idempotency key, or the start of the owner of a processing job."
+    )
+    search_fields = ("payment_id",)  # shows the search box; search() does the search
+    readonly_fields = ["kind", "payment_id", "idempotency_key", *LEASE_FIELDS, "lease", "heartbeat"]
+    fieldsets = (
+        (None, {"fields": ("kind", "payment_id", "idempotency_key", "priority", "payload")}),
+        *LeasedJobAdmin.fieldsets[1:],
+    )
+
+    def search(self, queryset: QuerySet[Any], term: str) -> QuerySet[Any]:
+        jobs = cast(LeaseQuerySet[Any], queryset)
+        # Three index probes ORed together: the payment id and idempotency key indexes, and the
+        # processing-only lease index for the owner. A job that no longer holds a lease is found
+        # by its owner in the attempt ledger.
+        found = jobs.filter(payment_id=term) | jobs.filter(idempotency_key=term)
+        return found | jobs.processing().filter(lease_owner__startswith=term)

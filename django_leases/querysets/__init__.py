@@ -1,13 +1,19 @@
 """Querysets of the job table, the attempt ledger and the worker registry.
 
 `leases` holds every lease transition; `ledger` the attempt rows they open and close; `prune`
-retention; `payments` enqueueing; `workers` the worker registry. Their raw SQL is in `sql/`.
+retention; `enqueue` enqueueing; `payments` `PaymentJob`'s enqueue with a payment id; `workers`
+the worker registry. Their raw SQL is in `sql/`.
 """
 
-from typing import Any, cast
+from __future__ import annotations
 
-from django.db import router
+from typing import TYPE_CHECKING, Any, cast
 
+from django.apps import apps
+from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
+from django.db import models, router
+
+from django_leases.conf import leases_settings
 from django_leases.querysets.base import deadlocked, retry_deadlocks
 from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet, describe_error
@@ -15,18 +21,85 @@ from django_leases.querysets.payments import PaymentJobQuerySet
 from django_leases.querysets.prune import PrunedBatch
 from django_leases.querysets.workers import WorkerQuerySet
 
+if TYPE_CHECKING:
+    from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
+
+
+def job_model(label: str | None = None) -> type[AbstractLeasedJob]:
+    """Return the job model named `label`, "app_label.ModelName" (default:
+    `DJANGO_LEASES["JOB_MODEL"]`).
+
+    Raises:
+        ImproperlyConfigured: saying why `label` names no installed `AbstractLeasedJob` model.
+    """
+    # Imported here: models.py imports this package, and models need the app registry.
+    from django_leases.models import AbstractLeasedJob
+
+    label = leases_settings.JOB_MODEL if label is None else label
+    if not isinstance(label, str) or label.count(".") != 1 or not all(label.split(".")):
+        raise ImproperlyConfigured(f"{label!r} is not of the form 'app_label.ModelName'")
+    try:
+        model = apps.get_model(label, require_ready=False)
+    except LookupError:
+        raise ImproperlyConfigured(f"{label!r} is not an installed model") from None
+    if not issubclass(model, AbstractLeasedJob) or model._meta.abstract:
+        raise ImproperlyConfigured(
+            f"{label!r} is not a concrete subclass of django_leases.models.AbstractLeasedJob"
+        )
+    return model
+
+
+def leased_job_models() -> list[type[AbstractLeasedJob]]:
+    """Return every installed concrete job model: `PaymentJob` and the project's own."""
+    # Imported here: as in `job_model()`.
+    from django_leases.models import AbstractLeasedJob
+
+    return [model for model in apps.get_models() if issubclass(model, AbstractLeasedJob)]
+
+
+def ledger_model(model: type[AbstractLeasedJob]) -> type[AbstractJobAttempt] | None:
+    """Return the attempt ledger that `model.attempt_model` names, or None for none.
+
+    Raises:
+        ImproperlyConfigured: saying why it names no `AbstractJobAttempt` model with a nullable
+            foreign key `job` to `model`.
+    """
+    # Imported here: as in `job_model()`.
+    from django_leases.models import AbstractJobAttempt
+
+    label = model.attempt_model
+    if label is None:
+        return None
+    if not isinstance(label, str) or label.count(".") != 1:
+        raise ImproperlyConfigured(f"must be None or 'app_label.ModelName', got {label!r}")
+    try:
+        ledger = apps.get_model(label, require_ready=False)
+    except LookupError:
+        raise ImproperlyConfigured(f"{label!r} is not an installed model") from None
+    if not issubclass(ledger, AbstractJobAttempt) or ledger._meta.abstract:
+        raise ImproperlyConfigured(
+            f"{label!r} is not a concrete subclass of django_leases.models.AbstractJobAttempt"
+        )
+    try:
+        job = ledger._meta.get_field("job")  # type: ignore[misc]
+    except FieldDoesNotExist:
+        job = None
+    if not isinstance(job, models.ForeignKey) or job.related_model is not model or not job.null:
+        raise ImproperlyConfigured(
+            f"{label!r} has no nullable foreign key `job` to {model._meta.label}"
+        )
+    return ledger
+
 
 def leased_jobs(model: type[Any] | None = None, using: str | None = None) -> LeaseQuerySet[Any]:
-    """Return the jobs of `model` (default `PaymentJob`) on `using` (default: its write database).
+    """Return the jobs of `model` (default: `job_model()`, the `JOB_MODEL` setting) on `using`
+    (default: its write database).
 
     The one way the worker, the watcher, `Lease`, the Tasks backend and the commands reach the
     job table, typed so that a reader (and mypy) can follow them into `LeaseQuerySet`.
     """
     if model is None:
-        # Imported here: models.py imports this package, and models need the app registry.
-        from django_leases.models import PaymentJob
-
-        model = PaymentJob
+        model = job_model()
     manager: Any = model._default_manager.db_manager(using or router.db_for_write(model))
     return cast(LeaseQuerySet[Any], manager.all())
 
@@ -49,7 +122,10 @@ __all__ = [
     "WorkerQuerySet",
     "deadlocked",
     "describe_error",
+    "job_model",
+    "leased_job_models",
     "leased_jobs",
+    "ledger_model",
     "registered_workers",
     "retry_deadlocks",
 ]

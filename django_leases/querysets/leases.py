@@ -31,8 +31,8 @@ from django_leases.limits import (
     check_text,
 )
 from django_leases.querysets.base import after, retry_deadlocks
+from django_leases.querysets.enqueue import Enqueueing
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
-from django_leases.querysets.operators import OperatorActions
 from django_leases.querysets.reads import takeover_guard
 from django_leases.sql import postgresql, sqlite
 from django_leases.sql.postgresql import LedgerNames
@@ -58,12 +58,12 @@ after it), SQLite's UPDATE ... RETURNING passes, or the ORM's SELECT ... FOR UPD
 then conditional UPDATE (MariaDB/MySQL, and the specification the others are tested against)."""
 
 
-class LeaseQuerySet(OperatorActions[J]):
+class LeaseQuerySet(Enqueueing[J]):
     """Reads and lease transitions of any `AbstractLeasedJob` table.
 
     Built up in layers, one module each: reads (`reads`), ledger writes (`ledger`), pruning
-    (`prune`), operator actions (`operators`); the claim, the holder's writes and the
-    watcher's rescue are here.
+    (`prune`), operator actions (`operators`), enqueueing (`enqueue`); the claim, the holder's
+    writes and the watcher's rescue are here.
     """
 
     # ---- acquisition -------------------------------------------------------------------------

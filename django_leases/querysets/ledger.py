@@ -99,6 +99,13 @@ class LedgerWrites(LeaseReads[J]):
         label = self.model.attempt_model
         return apps.get_model(label) if label else None
 
+    def attempt_rows(self, pk: int) -> list[AbstractJobAttempt]:
+        """Return the ledger rows of job `pk`, oldest acquisition first; [] without a ledger."""
+        ledger = self._ledger()
+        if ledger is None:
+            return []
+        return list(ledger.objects.using(self.db).filter(job_ref=pk).order_by("token"))
+
     def _ledger_names(self) -> LedgerNames | None:
         """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
         return ledger_names(self.model, self.db)

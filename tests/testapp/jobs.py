@@ -174,3 +174,14 @@ def returns_coroutine(job, lease):
 def leaky(job, lease):
     """Insert a job whose idempotency key already exists: the IntegrityError quotes the card."""
     PaymentJob.objects.create(kind="noop", idempotency_key=job.payload["card"])
+
+
+# ---- a project's own job table (testapp.PayoutJob): kinds prefixed with its name ---------------
+
+
+@job_handler("payout.send")
+def send_payout(job, lease):
+    """Sleep as the payload says, then record the payout and complete the job together."""
+    time.sleep(duration(job, lease))
+    with lease.atomic():
+        Charge.objects.create(job_ref=job.pk, token=lease.token, owner=f"payout:{lease.owner}")

@@ -12,9 +12,11 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, NoReturn
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
 
 from django_leases.limits import MAX_DURATION
+from django_leases.querysets import job_model
 
 WORKER_ID = re.compile(r"^[\w.:@/-]{1,255}$")
 
@@ -65,6 +67,24 @@ def worker_id(value: str) -> str:
             f"{value!r} is not a valid worker id (1-255 letters, digits or . _ : @ / -)"
         )
     return value
+
+
+def job_model_label(value: str) -> type[Any]:
+    """Parse `--model app_label.ModelName`: an installed concrete `AbstractLeasedJob` model."""
+    try:
+        return job_model(value)
+    except ImproperlyConfigured as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_model_argument(parser: CommandParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=job_model_label,
+        default=None,
+        metavar="APP_LABEL.MODEL",
+        help="the job table to work on (default: DJANGO_LEASES['JOB_MODEL'])",
+    )
 
 
 def configure_logging(logger_name: str, verbosity: int) -> None:

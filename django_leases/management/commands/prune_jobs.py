@@ -11,6 +11,7 @@ from django_leases.conf import leases_settings
 from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_model_argument,
     configure_logging,
     positive_seconds,
     whole_number,
@@ -22,7 +23,8 @@ logger = logging.getLogger("django_leases.prune")
 
 class Command(OneLineErrorsMixin, BaseCommand):
     help = (
-        "Delete finished payment jobs (completed, failed, cancelled) whose completed_at, by the "
+        "Delete finished jobs (completed, failed, cancelled) of the job table (--model) whose "
+        "completed_at, by the "
         "database clock, is older than DJANGO_LEASES['RETENTION'] for their status, in batches "
         "of PRUNE_BATCH_SIZE, one transaction each. Their attempt ledger is deleted with them, "
         "or kept (detached) when PRUNE_LEDGER is False. Pending, processing and under-review "
@@ -43,6 +45,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             help="jobs deleted per statement and transaction "
             f"(default: DJANGO_LEASES['PRUNE_BATCH_SIZE'], {leases_settings.PRUNE_BATCH_SIZE})",
         )
+        add_model_argument(parser)
         parser.add_argument(
             "--older-than",
             type=positive_seconds,
@@ -58,6 +61,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         dry_run: bool,
         batch_size: int | None,
         older_than: float | None,
+        model: type[Any] | None,
         verbosity: int,
         **options: Any,
     ) -> None:
@@ -65,7 +69,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         retention = dict(leases_settings.RETENTION)
         if older_than is not None:
             retention = dict.fromkeys(retention, older_than)
-        jobs = leased_jobs()
+        jobs = leased_jobs(model)
         workers = registered_workers()
         if dry_run:
             counts = dict(

@@ -10,6 +10,7 @@ from django_leases.exceptions import WorkerIdTaken
 from django_leases.limits import CONCURRENCY, MAX_JOBS
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_model_argument,
     configure_logging,
     non_negative_seconds,
     positive_seconds,
@@ -25,7 +26,8 @@ EXIT_RESTART = 3
 
 class Command(OneLineErrorsMixin, BaseCommand):
     help = (
-        "Claim payment jobs and run their handlers, heartbeating every lease it holds. "
+        "Claim jobs of the job table (DJANGO_LEASES['JOB_MODEL'], or --model) and run their "
+        "handlers, heartbeating every lease it holds. "
         "The first SIGTERM/SIGINT stops claiming, lets running jobs finish within the grace "
         "period, releases unstarted ones and exits 0; a second one exits at once with status "
         "128 + the signal number (130 for SIGINT, 143 for SIGTERM), leaving leases to expire. "
@@ -91,6 +93,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             help="seconds between polls when idle, jittered "
             f"(default: DJANGO_LEASES['POLL_INTERVAL'], {leases_settings.POLL_INTERVAL})",
         )
+        add_model_argument(parser)
         parser.add_argument(
             "--grace-period",
             type=non_negative_seconds,
@@ -111,12 +114,14 @@ class Command(OneLineErrorsMixin, BaseCommand):
         worker_id: str | None,
         poll_interval: float | None,
         grace_period: float | None,
+        model: type[Any] | None,
         verbosity: int,
         **options: Any,
     ) -> None:
         configure_logging("django_leases.worker", verbosity)
         try:
             worker = LeaseWorker(
+                model=model,
                 ttl=ttl,
                 heartbeat=heartbeat,
                 concurrency=concurrency,

@@ -10,6 +10,7 @@ from django_leases.conf import leases_settings
 from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_model_argument,
     configure_logging,
     positive_seconds,
     stop_signals,
@@ -45,6 +46,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             default=500,
             help="jobs handled per pass and kind of action (default: %(default)r)",
         )
+        add_model_argument(parser)
         parser.add_argument(
             "--watcher-id",
             type=worker_id,
@@ -59,6 +61,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         once: bool,
         batch_size: int,
         watcher_id: str | None,
+        model: type[Any] | None,
         verbosity: int,
         **options: Any,
     ) -> None:
@@ -66,7 +69,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
         # would repeat them, so they show from -v 2 on.
         configure_logging("django_leases.watcher", max(verbosity - 1, 0))
         watcher = StuckWatcher(
-            watcher_id=watcher_id or f"watcher:{default_worker_id()}", batch_size=batch_size
+            model=model,
+            watcher_id=watcher_id or f"watcher:{default_worker_id()}",
+            batch_size=batch_size,
         )
         stop = threading.Event()
 
