@@ -23,5 +23,6 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_job_model)
         checks.register(lease_checks.check_ledgers)
         checks.register(lease_checks.check_network_timeout)
+        checks.register(lease_checks.check_schedules)
         conf.connect_signals()
         handlers.autodiscover()

@@ -12,12 +12,25 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.utils.module_loading import import_string
 
-from django_leases.conf import DEFAULTS
+from django_leases.conf import DEFAULTS, to_seconds
 from django_leases.db import AUTO, TIMEOUT_RANGE
+from django_leases.exceptions import InvalidArgument, InvalidDuration, InvalidPayload
+from django_leases.handlers import registered_kinds
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
-from django_leases.limits import BATCH_SIZE, CONCURRENCY, DURATION_RANGE, MAX_ATTEMPTS, MAX_DURATION
+from django_leases.limits import (
+    BATCH_SIZE,
+    CONCURRENCY,
+    DURATION_RANGE,
+    KIND_LENGTH,
+    MAX_ATTEMPTS,
+    MAX_DURATION,
+    check_json,
+    check_text,
+    shown,
+)
 from django_leases.querysets import job_model, leased_job_models, ledger_model
-from django_leases.status import FINAL_STATUSES, StuckPolicy
+from django_leases.schedules import MIN_EVERY, SCHEDULE_KEYS, SCHEDULE_NAME_LENGTH
+from django_leases.status import COMPLETED, FINAL_STATUSES, StuckPolicy
 
 DURATIONS = (
     "TTL",
@@ -381,3 +394,132 @@ def check_network_timeout(**kwargs: Any) -> list[CheckMessage]:
             id="django_leases.E019",
         )
     ]
+
+
+def check_schedules(**kwargs: Any) -> list[CheckMessage]:
+    """Validate `DJANGO_LEASES["SCHEDULES"]`, entry by entry."""
+    user = getattr(settings, "DJANGO_LEASES", {})
+    schedules = user.get("SCHEDULES", {}) if isinstance(user, dict) else {}
+    if not isinstance(schedules, dict):
+        return [
+            Error(
+                f"DJANGO_LEASES['SCHEDULES'] must be a dict of schedules by name, got "
+                f"{shown(schedules)}.",
+                hint=SCHEDULE_HINT,
+                id="django_leases.E025",
+            )
+        ]
+    messages: list[CheckMessage] = []
+    for name, entry in schedules.items():
+        messages.extend(_check_schedule(name, entry, {**DEFAULTS, **user}["RETENTION"]))
+    names = sorted((name for name in schedules if isinstance(name, str)), key=str.casefold)
+    for name, other in zip(names, names[1:], strict=False):
+        if name.casefold() == other.casefold():
+            # MariaDB/MySQL compare the keys without case: both would enqueue one job per tick.
+            messages.append(
+                Error(
+                    f"DJANGO_LEASES['SCHEDULES'] has {name!r} and {other!r}, names that differ "
+                    "only in case: their jobs' idempotency keys collide on MariaDB/MySQL.",
+                    hint="Give each schedule a name of its own.",
+                    id="django_leases.E025",
+                )
+            )
+    return messages
+
+
+SCHEDULE_HINT = (
+    "For example {'nightly-sweep': {'kind': 'reconcile_sweep', 'every': 3600}}, optionally "
+    "with 'payload' (JSON) and 'catch_up' (True or False)."
+)
+
+
+def _check_schedule(name: Any, entry: Any, retention: Any) -> list[CheckMessage]:
+    where = f"DJANGO_LEASES['SCHEDULES'][{shown(name)}]"
+    problem = ""
+    try:
+        check_text(name, "its name", SCHEDULE_NAME_LENGTH)
+    except InvalidArgument as exc:
+        problem = str(exc)
+    else:
+        if ":" in name:
+            problem = "its name must not contain ':', which separates the parts of its jobs' keys"
+    if not problem and not isinstance(entry, dict):
+        problem = f"it must be a dict, got {shown(entry)}"
+    if problem:
+        return [Error(f"{where}: {problem}.", hint=SCHEDULE_HINT, id="django_leases.E025")]
+    messages: list[CheckMessage] = []
+    unknown = sorted(map(str, set(entry) - set(SCHEDULE_KEYS)))
+    if unknown:
+        messages.append(
+            Warning(
+                f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; they are ignored.",
+                hint=f"Known keys: {', '.join(SCHEDULE_KEYS)}.",
+                id="django_leases.W005",
+            )
+        )
+    kind = entry.get("kind")
+    try:
+        check_text(kind, f"{where}['kind']", KIND_LENGTH)
+    except InvalidArgument as exc:
+        messages.append(
+            Error(f"{exc}.", hint="Name the job kind each tick enqueues.", id="django_leases.E026")
+        )
+    else:
+        if kind not in registered_kinds():
+            messages.append(
+                Warning(
+                    f"{where}['kind'] is {kind!r}, for which no handler is registered: its "
+                    "jobs would pile up, pending, one per tick.",
+                    hint="Decorate a function with @job_handler(" + repr(kind) + ") in a jobs.py "
+                    "module of an installed app, or fix the kind.",
+                    id="django_leases.W006",
+                )
+            )
+    every = entry.get("every")
+    try:
+        seconds = to_seconds(every, f"{where}['every']")
+    except InvalidDuration as exc:
+        seconds, wrong = 0.0, str(exc)
+    else:
+        wrong = ""
+        if seconds < MIN_EVERY:
+            wrong = f"{where}['every'] must be at least {MIN_EVERY:g} second, got {every!r}"
+    if wrong:
+        messages.append(
+            Error(
+                f"{wrong}.",
+                hint="Seconds (int or float) or a timedelta, one tick each.",
+                id="django_leases.E027",
+            )
+        )
+    try:
+        check_json(entry.get("payload"), f"{where}['payload']")
+    except InvalidPayload as exc:
+        messages.append(
+            Error(
+                f"{exc}.",
+                hint="Each tick's job gets this payload, stored as JSON.",
+                id="django_leases.E028",
+            )
+        )
+    catch_up = entry.get("catch_up", True)
+    if not isinstance(catch_up, bool):
+        messages.append(
+            Error(
+                f"{where}['catch_up'] must be True or False, got {shown(catch_up)}.",
+                hint="True (the default) enqueues a missed tick once, late; False skips it.",
+                id="django_leases.E029",
+            )
+        )
+    kept: Any = retention.get(COMPLETED) if isinstance(retention, dict) else None
+    if catch_up is True and _is_positive_number(kept) and seconds > kept:
+        messages.append(
+            Warning(
+                f"{where} runs every {seconds:g}s, longer than DJANGO_LEASES['RETENTION']"
+                f"['completed'] ({kept!r}): its last tick's job may be pruned before the next "
+                "tick, which would then take that tick for missed and enqueue it again.",
+                hint="Keep completed jobs longer than the period, or set 'catch_up': False.",
+                id="django_leases.W007",
+            )
+        )
+    return messages

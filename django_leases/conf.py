@@ -68,6 +68,9 @@ DEFAULTS: dict[str, Any] = {
     # Seconds after which a running attempt shows as "running long" in the admin and metrics,
     # for kinds whose handler has no `timeout` (theirs is that timeout).
     "LONG_RUNNING": 600.0,
+    # Periodic jobs: {"name": {"kind": "k", "every": seconds}}, optionally with "payload" and
+    # "catch_up" (default True: a missed tick is enqueued once, late). One job per tick.
+    "SCHEDULES": {},
 }
 
 

@@ -27,6 +27,7 @@ from django_leases.db import harden
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
 from django_leases.querysets import LeaseQuerySet, leased_jobs, registered_workers
 from django_leases.redaction import error_text
+from django_leases.schedules import enqueue_due
 from django_leases.status import StuckPolicy, Verdict
 
 logger = logging.getLogger("django_leases.watcher")
@@ -110,6 +111,7 @@ class StuckWatcher:
     def run_once(self) -> list[Action]:
         """Run one pass and return what it did, job by job."""
         harden(connections[self.using])
+        enqueue_due(self.using, model=self.model)
         actions = self._rescue(orphaned=False)
         actions += self._rescue(orphaned=True)
         actions += self._reconcile_reviews()

@@ -45,6 +45,7 @@ from django_leases.lease import Lease
 from django_leases.listener import Listener
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet, leased_jobs, registered_workers
 from django_leases.redaction import error_text
+from django_leases.schedules import Ticker
 from django_leases.status import TIMED_OUT, AttemptOutcome
 
 logger = logging.getLogger("django_leases.worker")
@@ -154,6 +155,7 @@ class LeaseWorker(RunsAttempts):
         self._abandoned: list[threading.Thread] = []
         self._heartbeat: threading.Thread | None = None
         self._reported_lost: set[tuple[int, int]] = set()
+        self._ticker = Ticker(model=self.model, using=self.using)
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class LeaseWorker(RunsAttempts):
                 if self.failure is not None:
                     break
                 close_old_connections()
+                self._ticker.poll()
                 free = len(self._idle_slots())
                 claimed = self.run_once() if free > 0 and not self._quota_reached() else 0
                 if self._finished(claimed):
@@ -295,11 +298,11 @@ class LeaseWorker(RunsAttempts):
         return self.burst and claimed == 0 and self._in_flight() == 0
 
     def _next_wakeup(self, limit: float) -> float:
-        """Seconds until the earliest run-time limit of a running slot, at most `limit`."""
+        """Seconds until the earliest run-time limit of a running slot or the next schedule
+        tick, at most `limit`."""
         with self._lock:
             deadlines = [s.deadline for s in self._slots if s.running and s.deadline is not None]
-        if not deadlines:
-            return limit
+        deadlines.append(self._ticker.next_check)
         return max(0.01, min(limit, min(deadlines) - time.monotonic()))
 
     def _wait_for_slot(self) -> None:

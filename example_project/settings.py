@@ -71,6 +71,14 @@ DJANGO_LEASES = {
     # 20 s with the default TTL; the demo's short leases need a shorter one.
     "NEAR_EXPIRY": min(20.0, LEASE_TTL / 3),
     "STUCK_POLICY_BY_KIND": {"capture": "review"},
+    # Heal payments the PSP captured while the shop shows them pending (payments/jobs.py). Every
+    # 2 s for the demo; a shop would sweep every few minutes.
+    "SCHEDULES": {
+        "reconcile-sweep": {
+            "kind": "reconcile_sweep",
+            "every": env.float("RECONCILE_SWEEP_EVERY", default=2.0),
+        }
+    },
 }
 
 LOGGING = {

@@ -2,6 +2,7 @@
 
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 
 import django
 import pytest
@@ -14,6 +15,7 @@ from django_leases.checks import (
     check_database_clock,
     check_job_model,
     check_ledgers,
+    check_schedules,
     check_settings,
     check_sqlite_transaction_mode,
     check_tasks_framework,
@@ -294,3 +296,109 @@ def test_leased_jobs__default_follows_job_model() -> None:
     assert leased_jobs().model is PaymentJob
     with override_settings(DJANGO_LEASES={"JOB_MODEL": "testapp.PayoutJob"}):
         assert leased_jobs().model is PayoutJob
+
+
+def schedule_ids(**schedules: object) -> list[str]:
+    with override_settings(DJANGO_LEASES={"SCHEDULES": schedules}):
+        return [message.id for message in check_schedules()]
+
+
+def test_check_schedules__valid_schedules_are_clean() -> None:
+    assert schedule_ids() == []
+    assert (
+        schedule_ids(
+            beat={"kind": "noop", "every": 60},
+            sweep={"kind": "noop", "every": timedelta(hours=1), "payload": {"n": 1}},
+            once={"kind": "noop", "every": 1.5, "catch_up": False},
+        )
+        == []
+    )
+
+
+@pytest.mark.parametrize("schedules", [[("beat", {"kind": "noop", "every": 60})], "beat", None])
+def test_check_schedules__not_a_dict(schedules: object) -> None:
+    with override_settings(DJANGO_LEASES={"SCHEDULES": schedules}):
+        messages = check_schedules()
+    assert [m.id for m in messages] == ["django_leases.E025"]
+    assert "DJANGO_LEASES['SCHEDULES'] must be a dict" in messages[0].msg
+
+
+@pytest.mark.parametrize("entry", [None, 60, ["noop", 60]])
+def test_check_schedules__entry_not_a_dict(entry: object) -> None:
+    assert schedule_ids(beat=entry) == ["django_leases.E025"]
+
+
+@pytest.mark.parametrize("name", ["", "a:b", "x" * 101, 7])
+def test_check_schedules__bad_name(name: object) -> None:
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {name: {"kind": "noop", "every": 60}}}):
+        assert [m.id for m in check_schedules()] == ["django_leases.E025"]
+
+
+def test_check_schedules__names_differing_only_in_case() -> None:
+    entry = {"kind": "noop", "every": 60}
+    assert schedule_ids(Sweep=entry, sweep=entry, other=entry) == ["django_leases.E025"]
+
+
+def test_check_schedules__unknown_key_warns() -> None:
+    with override_settings(
+        DJANGO_LEASES={"SCHEDULES": {"beat": {"kind": "noop", "every": 60, "evry": 5}}}
+    ):
+        messages = check_schedules()
+    assert [m.id for m in messages] == ["django_leases.W005"]
+    assert "'evry'" in messages[0].msg and "beat" in messages[0].msg
+
+
+@pytest.mark.parametrize("kind", [None, 5, "", "k" * 101, "a\x00b"])
+def test_check_schedules__missing_or_bad_kind(kind: object) -> None:
+    entry = {"every": 60} if kind is None else {"kind": kind, "every": 60}
+    assert schedule_ids(beat=entry) == ["django_leases.E026"]
+
+
+@pytest.mark.parametrize(
+    "every", [None, 0, -1, "60", True, float("nan"), 0.5, timedelta(0), MAX_DURATION + 1]
+)
+def test_check_schedules__every_not_a_positive_duration(every: object) -> None:
+    entry = {"kind": "noop"} if every is None else {"kind": "noop", "every": every}
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": entry}}):
+        messages = check_schedules()
+    assert [m.id for m in messages] == ["django_leases.E027"]
+    assert "['every']" in messages[0].msg
+
+
+@pytest.mark.parametrize("payload", [{"at": object()}, {"n": float("inf")}, {"ids": {1, 2}}])
+def test_check_schedules__payload_not_json(payload: object) -> None:
+    assert schedule_ids(beat={"kind": "noop", "every": 60, "payload": payload}) == [
+        "django_leases.E028"
+    ]
+
+
+def test_check_schedules__kind_without_handler_warns() -> None:
+    with override_settings(
+        DJANGO_LEASES={"SCHEDULES": {"beat": {"kind": "no-such-kind", "every": 60}}}
+    ):
+        messages = check_schedules()
+    assert [m.id for m in messages] == ["django_leases.W006"]
+    assert "'no-such-kind'" in messages[0].msg and "pile up" in messages[0].msg
+
+
+@pytest.mark.parametrize("catch_up", ["yes", 1, None])
+def test_check_schedules__catch_up_not_a_bool(catch_up: object) -> None:
+    assert schedule_ids(beat={"kind": "noop", "every": 60, "catch_up": catch_up}) == [
+        "django_leases.E029"
+    ]
+
+
+def test_check_schedules__period_longer_than_retention_warns_when_catching_up() -> None:
+    entry = {"kind": "noop", "every": 8 * 86400}
+    assert schedule_ids(beat=entry) == ["django_leases.W007"]
+    assert schedule_ids(beat={**entry, "catch_up": False}) == []
+    with override_settings(
+        DJANGO_LEASES={"SCHEDULES": {"beat": entry}, "RETENTION": {"completed": 9 * 86400}}
+    ):
+        assert check_schedules() == []
+
+
+def test_check_schedules__reported_by_manage_py_check() -> None:
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": {"kind": "noop"}}}):
+        with pytest.raises(SystemCheckError, match="E027"):
+            call_command("check")

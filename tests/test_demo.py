@@ -18,9 +18,12 @@ from .conftest import Processes, finish, read_until, subprocess_env
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
 KINDS = ["capture", "refund", "reconcile"]
-# example_project.settings puts captures under the review policy; the test settings take theirs
-# from the environment.
-DEMO_SETTINGS = {"STUCK_POLICY_BY_KIND": {"capture": "review"}}
+# example_project.settings puts captures under the review policy and schedules the reconcile
+# sweep; the test settings take theirs from the environment.
+DEMO_SETTINGS = {
+    "STUCK_POLICY_BY_KIND": {"capture": "review"},
+    "SCHEDULES": {"reconcile-sweep": {"kind": "reconcile_sweep", "every": 2}},
+}
 
 
 def demo(processes: Processes, *args: str, marker: str = "") -> subprocess.Popen[str]:
@@ -71,6 +74,18 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
     )
     audit = psp.audit(Payment.objects.all())
     assert (audit.duplicate_charges, audit.unrecorded_charges, audit.phantom_payments) == (0, 0, 0)
+    # The pending payments (lost webhooks) were healed by the periodic sweep: one reconcile job
+    # each, whatever the number of sweeps, and each sweep tick ran once.
+    reconciles = jobs.filter(kind="reconcile")
+    assert reconciles.count() == 3
+    assert summary_count(out, "healed by the sweep") == 3
+    healed = Payment.objects.filter(
+        pk__in=[int(p) for p in reconciles.values_list("payment_id", flat=True)]
+    )
+    assert set(healed.values_list("status", flat=True)) == {"captured"}
+    sweeps = PaymentJob.objects.filter(kind="reconcile_sweep").values_list("idempotency_key")
+    ticks = sorted(int(key.rsplit(":", 1)[1]) for (key,) in sweeps)
+    assert ticks == list(range(ticks[0], ticks[0] + len(ticks))), ticks
     # Every payment is settled, or explained by its failed job (the PSP rejected the capture).
     failed = set(jobs.filter(status="failed").values_list("payment_id", flat=True))
     for payment in Payment.objects.all():

@@ -1,10 +1,11 @@
 """The payment demo: real worker and watcher processes, a crash, a frozen worker, an audit.
 
 `manage.py demo` runs `Demo.run()`. It migrates the database, adds a few hundred payments with
-their jobs, starts `run_lease_worker` processes and a `watch_stuck_jobs` process, then on purpose
-SIGKILLs one worker in the middle of a PSP call and freezes another (SIGSTOP) for longer than
-its leases, so that it wakes up as a zombie. It shows the jobs settle, then holds the fake PSP's
-books against the payments: no payment may be charged twice.
+their jobs (and some pending payments whose PSP webhook was lost, for the periodic reconcile
+sweep to heal), starts `run_lease_worker` processes and a `watch_stuck_jobs` process, then on
+purpose SIGKILLs one worker in the middle of a PSP call and freezes another (SIGSTOP) for longer
+than its leases, so that it wakes up as a zombie. It shows the jobs settle, then holds the fake
+PSP's books against the payments: no payment may be charged twice.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from rich.table import Table
 
 from django_leases.conf import leases_settings
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.schedules import configured
 from example_project.payments import psp
 from example_project.payments.models import Payment
 
@@ -42,6 +44,8 @@ MANAGE_PY = Path(__file__).resolve().parents[2] / "manage.py"
 KINDS = ("capture", "refund", "reconcile")
 # A payment whose capture and refund are both enqueued, the refund right behind the capture.
 CAPTURE_THEN_REFUND = "capture+refund"
+# The periodic job that enqueues the reconciles (DJANGO_LEASES["SCHEDULES"] in settings.py).
+SWEEP = "reconcile_sweep"
 OPEN = ("pending", "waiting", "processing", "review")
 CURRENCIES = ("EUR", "USD", "GBP", "CHF")
 ADMIN = "http://127.0.0.1:8000/admin/django_leases/paymentjob/"
@@ -94,6 +98,19 @@ class Scope:
     def jobs(self) -> QuerySet[PaymentJob]:
         return PaymentJob.objects.filter(pk__gt=self.job_floor, kind__in=KINDS)
 
+    def sweeps(self) -> QuerySet[PaymentJob]:
+        return PaymentJob.objects.filter(pk__gt=self.job_floor, kind=SWEEP)
+
+    def unhealed(self) -> QuerySet[Payment]:
+        """Payments still pending: the PSP captured them, the sweep has not healed them yet."""
+        return self.payments().filter(status=Payment.Status.PENDING)
+
+    def healed(self) -> int:
+        """Payments the sweep's reconcile jobs found captured at the PSP and recorded so."""
+        reconciled = self.jobs().filter(kind="reconcile", status=PaymentJob.Status.COMPLETED)
+        refs = [int(ref) for ref in reconciled.values_list("payment_id", flat=True)]
+        return self.payments().filter(pk__in=refs, status=Payment.Status.CAPTURED).count()
+
     def attempts(self) -> QuerySet[JobAttempt]:
         return JobAttempt.objects.filter(job_ref__gt=self.job_floor)
 
@@ -107,6 +124,8 @@ class Report:
     outcomes: Counter[str]
     fenced: int
     outlived_ttl: int
+    healed: int
+    sweeps: int
     audit: psp.Audit
     refunds_before_capture: int
     """Refunds that started before the capture of their payment was settled."""
@@ -250,8 +269,9 @@ class Demo:
     # -- setup
 
     def seed(self) -> Scope:
-        """Add `jobs` jobs, one payment each: mostly captures, some refunds and reconciles, and
-        some captures with their refund enqueued right behind them (one payment, two jobs)."""
+        """Add `jobs` payments: mostly captures, some refunds, some captures with their refund
+        enqueued right behind them (one payment, two jobs), with their jobs; and some pending
+        payments whose webhook was lost, for the sweep to find and reconcile."""
         scope = Scope.after_existing()
         total = self.options.jobs
         pairs, refunds = round(total * 0.06), round(total * 0.06)
@@ -277,6 +297,8 @@ class Demo:
             payments = list(scope.payments().order_by("pk"))
             for payment, kind in zip(payments, kinds, strict=True):
                 self._give_history(payment, kind)
+                if kind == "reconcile":
+                    continue  # the sweep enqueues it
                 # Jobs of one payment are locked by it (LOCK_BY_PAYMENT): the refund enqueued
                 # right behind its capture waits until the capture is settled.
                 for job_kind in kind.split("+"):
@@ -297,7 +319,7 @@ class Demo:
             key = f"capture-{payment.pk}"
             result = psp.act_now(psp.CAPTURE, ref, amount, currency, idempotency_key=key)
             Payment.objects.filter(pk=payment.pk).update(psp_reference=result.reference)
-        elif kind == "reconcile" and payment.pk % 2:
+        elif kind == "reconcile":
             # The customer paid at checkout, but the PSP's webhook never reached the shop.
             key = f"checkout-{payment.pk}"
             psp.act_now(psp.CAPTURE, ref, amount, currency, idempotency_key=key)
@@ -344,7 +366,7 @@ class Demo:
             *("--ttl", str(options.ttl), "--heartbeat", str(options.heartbeat)),
             *("--concurrency", str(options.concurrency), "--poll-interval", "0.2"),
             *("--grace-period", str(options.grace_period)),
-            *(arg for kind in KINDS for arg in ("--kind", kind)),
+            *(arg for kind in (*KINDS, SWEEP) for arg in ("--kind", kind)),
         )
 
     def start_watcher(self) -> Child:
@@ -397,11 +419,13 @@ class Demo:
 
     def intro(self) -> str:
         options = self.options
+        sweeps = [schedule.every for schedule in configured() if schedule.kind == SWEEP]
+        sweep = f"a reconcile sweep every {sweeps[0]:g}s" if sweeps else "no reconcile sweep"
         return (
             f"{options.jobs} payment jobs on the {connection.vendor} database "
             f"{connection.settings_dict['NAME']}: {options.workers} worker(s) x "
             f"{options.concurrency} slots, TTL {options.ttl:g}s, heartbeat {options.heartbeat:g}s;"
-            f" stuck captures are held for '{leases_settings.stuck_policy('capture')}'"
+            f" stuck captures are held for '{leases_settings.stuck_policy('capture')}'; {sweep}"
         )
 
     def say(self, text: str) -> None:
@@ -412,6 +436,8 @@ class Demo:
         jobs = scope.jobs()
         while time.monotonic() < deadline:
             counts = count_by(jobs, "status")
+            # A payment waiting for the sweep is open too; its reconcile job counts once.
+            counts["pending"] += scope.unhealed().count() - counts_of(jobs, "reconcile", OPEN)
             view.update(counts, jobs.expired().count())
             left = sum(counts[status] for status in OPEN)
             self._accidents(scope, view, workers, 1 - left / self.options.jobs, idle=left == 0)
@@ -529,6 +555,8 @@ class Demo:
                 outcome="completed",
                 ended_at__gt=F("claimed_at") + timedelta(seconds=self.options.ttl),
             ).count(),
+            healed=scope.healed(),
+            sweeps=scope.sweeps().filter(status=PaymentJob.Status.COMPLETED).count(),
             audit=psp.audit(scope.payments()),
             refunds_before_capture=refunds_before_capture(scope),
             seconds=seconds,
@@ -555,6 +583,10 @@ def refunds_before_capture(scope: Scope) -> int:
 
 def count_by(queryset: QuerySet[Any], column: str) -> Counter[str]:
     return Counter(dict(queryset.order_by().values_list(column).annotate(n=Count("pk"))))
+
+
+def counts_of(jobs: QuerySet[PaymentJob], kind: str, statuses: tuple[str, ...]) -> int:
+    return jobs.filter(kind=kind, status__in=statuses).count()
 
 
 def describe(jobs: list[PaymentJob]) -> str:
@@ -601,6 +633,12 @@ def render(report: Report, console: Console, database_url: str | None) -> None:
         "kept by heartbeats",
         str(report.outlived_ttl),
         "attempts that ran longer than the TTL and kept their lease",
+    )
+    table.add_row(
+        "healed by the sweep",
+        str(report.healed),
+        f"pending payments the PSP had captured (lost webhook), found by {report.sweeps} "
+        "periodic sweep(s) and reconciled",
     )
     table.add_row(
         "idempotent replays",

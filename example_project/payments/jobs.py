@@ -1,4 +1,4 @@
-"""The shop's payment jobs: capture, refund and reconcile, each run by `run_lease_worker`.
+"""The shop's payment jobs: capture, refund, reconcile and the periodic reconcile sweep.
 
 Every handler follows the same three steps:
 
@@ -9,6 +9,10 @@ Every handler follows the same three steps:
    after its lease was taken over, sends the same key and the PSP moves no money twice;
 3. `lease.atomic()` around the shop's own write: the payment's new status and the job's
    completion commit together, and not at all if the lease was lost meanwhile.
+
+`reconcile_sweep` runs once per tick of the "reconcile-sweep" schedule (settings.py): it finds
+the payments the PSP captured while the shop still shows them pending and enqueues one
+`reconcile` job for each.
 
 `refund` is an `async def` handler, as a shop calling its PSP with an async HTTP client would
 write it: the same steps with `await lease.acheckpoint()` and `await lease.aatomic()`.
@@ -96,3 +100,25 @@ def reconcile(job, lease):
             pending.update(status=Status.EXPIRED, updated_at=Now())
         else:
             pending.update(status=Status.CAPTURED, psp_reference=found.reference, updated_at=Now())
+
+
+# Payments one sweep looks at: the oldest pending first; the next tick takes the rest.
+SWEEP_BATCH = 500
+
+
+@job_handler("reconcile_sweep")
+def reconcile_sweep(job, lease):
+    """Enqueue a `reconcile` job for each pending payment that the PSP captured.
+
+    The PSP took the money but the shop never heard: its webhook was lost, or the process that
+    should have recorded the capture died after the PSP call. Each payment's job has its own
+    idempotency key, so however many sweeps see the payment, it gets one reconcile job.
+    """
+    pending = Payment.objects.filter(status=Status.PENDING).order_by("pk")[:SWEEP_BATCH]
+    for payment_ref in psp.captured([str(pk) for pk in pending.values_list("pk", flat=True)]):
+        PaymentJob.objects.enqueue(
+            "reconcile",
+            payment_id=payment_ref,
+            idempotency_key=f"reconcile-{payment_ref}",
+            max_attempts=8,
+        )

@@ -133,6 +133,14 @@ def find_capture(payment_ref: str) -> PspResult | None:
     return PspResult.of(charge, replayed=True) if charge else None
 
 
+def captured(payment_refs: list[str]) -> list[str]:
+    """Return which of `payment_refs` the PSP captured: its settlement report."""
+    charges = FakePspCharge.objects.filter(
+        payment_ref__in=payment_refs, operation=CAPTURE, outcome=SUCCEEDED
+    )
+    return sorted(set(charges.values_list("payment_ref", flat=True)))
+
+
 def act_now(
     operation: str, payment_ref: str, amount: int, currency: str, *, idempotency_key: str
 ) -> PspResult:
