@@ -8,6 +8,7 @@ from django.db import connection
 from django.db.models.functions import Now
 from django.test.utils import CaptureQueriesContext
 
+from django_leases.exceptions import LeaseLost
 from django_leases.models import JobAttempt, JobEvent, PaymentJob
 from django_leases.querysets.operators import OPERATOR_BATCH_SIZE
 
@@ -19,13 +20,22 @@ Status = PaymentJob.Status
 ROW = ("attempt", "token", "owner", "outcome", "ended_by", "error_class", "error_message")
 
 
-def expire(job: PaymentJob) -> None:
-    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=5))
+def expire(job: PaymentJob, seconds: float = 5) -> None:
+    """Make the job's lease end `seconds` ago, by the database clock."""
+    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=seconds))
 
 
-def claim(owner: str) -> PaymentJob:
-    (job,) = PaymentJob.objects.claim(owner, ttl=60)
+def claim(owner: str = "w1", **kwargs: object) -> PaymentJob:
+    (job,) = PaymentJob.objects.claim(owner, ttl=60, **kwargs)  # type: ignore[arg-type]
     return job
+
+
+def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
+    return list(
+        JobAttempt.objects.filter(job_ref=job.pk)
+        .order_by("token")
+        .values_list("attempt", "token", "owner", "outcome")
+    )
 
 
 def rows(job: PaymentJob) -> list[tuple]:
@@ -203,3 +213,95 @@ def test_mark_failed__racing_workers_records_exactly_the_jobs_it_failed(
     ) == (failed)
     taken = first.filter(outcome="lease_lost", ended_by__in=["w0", "w1"])
     assert taken.count() == completed.count() == JobAttempt.objects.filter(attempt=2).count()
+
+
+# ---- each action on its own ------------------------------------------------------------
+
+
+def test_requeue__refuses_a_healthy_lease_unless_forced() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim("w1")
+    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 0
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING
+    assert PaymentJob.objects.filter(pk=job.pk).requeue(force=True) == 1
+    requeued = PaymentJob.objects.get(pk=job.pk)
+    assert requeued.status == Status.PENDING and requeued.lease_token == 2
+    # The fenced-out holder can write nothing any more.
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    assert ledger(job) == [(1, 1, "w1", "requeued")]
+
+
+def test_requeue__failed_job_gets_another_attempt() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=1)
+    job = claim("w1")
+    PaymentJob.objects.fail(job.pk, "w1", job.lease_token, "x")
+    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 1
+    again = claim("w2")
+    assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
+
+
+def test_release_stuck__only_expired_leases() -> None:
+    PaymentJob.objects.enqueue("a")
+    PaymentJob.objects.enqueue("a")
+    stuck, live = PaymentJob.objects.claim("w1", ttl=60, limit=2)
+    expire(stuck)
+    assert PaymentJob.objects.all().release_stuck() == 1
+    assert PaymentJob.objects.get(pk=stuck.pk).status == Status.PENDING
+    assert PaymentJob.objects.get(pk=live.pk).status == Status.PROCESSING
+
+
+def test_mark_failed_cancel_and_resolve_review() -> None:
+    PaymentJob.objects.enqueue("a")
+    live = claim("w1")
+    pending = PaymentJob.objects.enqueue("a")
+    other = PaymentJob.objects.enqueue("a")
+    # A live lease is neither failed (unless forced) nor cancelled; a pending job is cancelled.
+    assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops") == 0
+    assert PaymentJob.objects.filter(pk=live.pk).cancel() == 0
+    assert PaymentJob.objects.get(pk=live.pk).status == Status.PROCESSING
+    assert PaymentJob.objects.filter(pk=pending.pk).cancel() == 1
+    assert PaymentJob.objects.get(pk=pending.pk).status == Status.CANCELLED
+    assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops", force=True) == 1
+    failed = PaymentJob.objects.get(pk=live.pk)
+    assert (failed.status, failed.last_error, failed.lease_token) == (Status.FAILED, "ops", 2)
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(live.pk, "w1", live.lease_token)
+    PaymentJob.objects.filter(pk=other.pk).update(status=Status.REVIEW)
+    assert PaymentJob.objects.filter(pk=other.pk).resolve_review("completed") == 1
+    assert PaymentJob.objects.get(pk=other.pk).status == Status.COMPLETED
+    with pytest.raises(ValueError, match="verdict"):
+        PaymentJob.objects.all().resolve_review("maybe")
+
+
+def test_release_stuck__gives_a_job_without_attempts_left_one_more() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=1)
+    job = claim("w1")
+    expire(job)
+    assert PaymentJob.objects.all().release_stuck(by="admin:ops") == 1
+    again = claim("w2")
+    assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
+    assert JobAttempt.objects.get(job_ref=job.pk, token=1).ended_by == "admin:ops"
+
+
+def test_resolve_review__records_verdict_and_who_on_the_ledger() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim("w1")
+    expire(job)
+    assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "review", by="watcher")
+    assert PaymentJob.objects.filter(pk=job.pk).resolve_review("failed", by="admin:ops") == 1
+    row = JobAttempt.objects.get(job_ref=job.pk)
+    assert (row.outcome, row.ended_by, row.resolution, row.resolved_by) == (
+        "review",
+        "watcher",
+        "failed",
+        "admin:ops",
+    )
+    assert row.resolved_at is not None
+
+
+def test_cancel__says_who_cancelled() -> None:
+    job = PaymentJob.objects.enqueue("a")
+    assert PaymentJob.objects.filter(pk=job.pk).cancel(by="admin:ops") == 1
+    job.refresh_from_db()
+    assert (job.status, job.last_error) == (Status.CANCELLED, "cancelled by admin:ops")

@@ -1,18 +1,16 @@
-"""The lease layer against a real database: every transition and its lost-lease path."""
+"""`LeaseQuerySet` (querysets/leases.py): the claim, the holder's writes, the rescue."""
 
 from datetime import timedelta
-from decimal import Decimal
 
 import pytest
 from django.db import connection
-from django.db.models import F
 from django.db.models.functions import Now
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_leases.exceptions import InvalidArgument, InvalidDuration, InvalidPayload, LeaseLost
+from django_leases.exceptions import InvalidDuration, LeaseLost
 from django_leases.models import JobAttempt, PaymentJob
-from tests.testapp.models import BareJob, PayoutAttempt, PayoutJob
+from tests.testapp.models import BareJob
 
 pytestmark = pytest.mark.django_db
 
@@ -43,115 +41,6 @@ def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
     )
 
 
-# ---- enqueue --------------------------------------------------------------------------------
-
-
-def test_enqueue__creates_pending_job_due_now() -> None:
-    job = PaymentJob.objects.enqueue("capture", {"amount": 1250}, payment_id="pay_1")
-    job.refresh_from_db()
-    assert (job.status, job.kind, job.payload, job.payment_id) == (
-        Status.PENDING,
-        "capture",
-        {"amount": 1250},
-        "pay_1",
-    )
-    assert job.attempts == 0 and job.max_attempts == 5 and job.lease_token == 0
-    assert PaymentJob.objects.due().filter(pk=job.pk).exists()
-
-
-def test_enqueue__same_idempotency_key_returns_first_job() -> None:
-    first = PaymentJob.objects.enqueue("capture", {"n": 1}, idempotency_key="cap-1")
-    second = PaymentJob.objects.enqueue("capture", {"n": 2}, idempotency_key="cap-1")
-    assert second.pk == first.pk
-    assert second.payload == {"n": 1}
-    assert PaymentJob.objects.count() == 1
-
-
-@pytest.mark.parametrize(
-    "payload", [{"amount": Decimal("12.50")}, {"when": object()}, {"x": float("nan")}, {1, 2}]
-)
-def test_enqueue__bad_payload_raises_and_writes_nothing(payload: object) -> None:
-    with pytest.raises(InvalidPayload, match="payload .*not JSON"):
-        PaymentJob.objects.enqueue("capture", payload, idempotency_key="k")
-    assert PaymentJob.objects.count() == 0
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"kind": ""}, "kind must be"),
-        ({"kind": "x" * 101}, "kind must be"),
-        ({"kind": "a", "priority": 40000}, "priority"),
-        ({"kind": "a", "max_attempts": 0}, "max_attempts"),
-        ({"kind": "a", "idempotency_key": ""}, "idempotency_key"),
-        ({"kind": "a", "run_at": -1}, "run_at"),
-    ],
-)
-def test_enqueue__bad_arguments_raise_clear_errors(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        PaymentJob.objects.enqueue(**kwargs)  # type: ignore[arg-type]
-    assert PaymentJob.objects.count() == 0
-
-
-def test_enqueue__run_at_delay_uses_database_clock() -> None:
-    job = PaymentJob.objects.enqueue("capture", run_at=timedelta(hours=1))
-    assert not PaymentJob.objects.due().filter(pk=job.pk).exists()
-    assert PaymentJob.objects.claim("w1", ttl=60) == []
-
-
-def test_enqueue__a_projects_own_table_takes_its_columns_and_idempotency_key() -> None:
-    job = PayoutJob.objects.enqueue(
-        "payout.send", {"amount": 500}, recipient="acct-1", idempotency_key="po-1", priority=3
-    )
-    again = PayoutJob.objects.enqueue("payout.send", recipient="acct-2", idempotency_key="po-1")
-    job.refresh_from_db()
-    assert again.pk == job.pk
-    assert (job.status, job.kind, job.payload, job.recipient, job.priority) == (
-        Status.PENDING,
-        "payout.send",
-        {"amount": 500},
-        "acct-1",
-        3,
-    )
-    assert list(PayoutJob.objects.due().values_list("pk", flat=True)) == [job.pk]
-    assert PaymentJob.objects.count() == 0
-
-
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        ({"payment_id": "pay_1"}, "payment_id is not a column of testapp.PayoutJob"),
-        ({"status": "completed"}, "status is not a column of testapp.PayoutJob"),
-        ({"attempts": 3}, "attempts is not a column of testapp.PayoutJob"),
-        ({"id": 7}, "id is not a column of testapp.PayoutJob"),
-        ({"attempt_log": []}, "attempt_log is not a column of testapp.PayoutJob"),
-        ({"recipient": "x" * 65}, "recipient: Ensure this value has at most 64 characters"),
-        ({"recipient": None}, "recipient: This field cannot be null"),
-        ({"recipient": "acct\x00"}, "recipient contains a NUL character"),
-    ],
-)
-def test_enqueue__own_columns_are_checked_before_anything_is_written(
-    fields: dict[str, object], message: str
-) -> None:
-    with pytest.raises(InvalidArgument, match=message):
-        PayoutJob.objects.enqueue("payout.send", **fields)
-    assert PayoutJob.objects.count() == 0
-
-
-def test_enqueue__idempotency_key_needs_a_unique_field_on_the_table() -> None:
-    with pytest.raises(InvalidArgument, match="idempotency_key needs a unique idempotency_key"):
-        BareJob.objects.enqueue("bare", idempotency_key="k-1")
-    assert BareJob.objects.count() == 0
-
-
-def test_enqueue__payment_job_keeps_payment_id_and_refuses_a_long_one() -> None:
-    job = PaymentJob.objects.enqueue("capture", payment_id=None)
-    assert PaymentJob.objects.get(pk=job.pk).payment_id == ""
-    with pytest.raises(InvalidArgument, match="payment_id must be a string of at most 64"):
-        PaymentJob.objects.enqueue("capture", payment_id="p" * 65)
-    assert PaymentJob.objects.count() == 1
-
-
 def test_leases__a_table_without_a_ledger_claims_and_completes() -> None:
     job = BareJob.objects.enqueue("bare")
     (claimed,) = BareJob.objects.claim("w1", ttl=60)
@@ -159,23 +48,6 @@ def test_leases__a_table_without_a_ledger_claims_and_completes() -> None:
     BareJob.objects.complete(job.pk, "w1", 1)
     assert BareJob.objects.get(pk=job.pk).status == Status.COMPLETED
     assert BareJob.objects.attempt_rows(job.pk) == []
-
-
-def test_attempt_rows__reads_the_tables_own_ledger_oldest_first() -> None:
-    job = PayoutJob.objects.enqueue("payout.send")
-    PayoutJob.objects.claim("w1", ttl=60)
-    PayoutJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=5))
-    PayoutJob.objects.claim("w2", ttl=60)
-    rows = PayoutJob.objects.attempt_rows(job.pk)
-    assert [(r.token, r.owner, r.outcome) for r in rows] == [
-        (1, "w1", "lease_lost"),
-        (2, "w2", "running"),
-    ]
-    assert all(isinstance(row, PayoutAttempt) for row in rows)
-    assert JobAttempt.objects.count() == 0
-
-
-# ---- claim ----------------------------------------------------------------------------------
 
 
 def test_claim__takes_job_and_counts_attempt_in_same_update() -> None:
@@ -289,9 +161,6 @@ def test_claim_job__claims_only_a_claimable_job() -> None:
 def test_claim_job__future_job_is_not_claimable() -> None:
     job = PaymentJob.objects.enqueue("capture", run_at=3600)
     assert PaymentJob.objects.claim_job(job.pk, "w1", ttl=60) is None
-
-
-# ---- holder writes --------------------------------------------------------------------------
 
 
 def test_heartbeat__renews_many_leases_in_one_statement() -> None:
@@ -456,27 +325,6 @@ def test_release__refuses_after_takeover() -> None:
     assert PaymentJob.objects.get(pk=job.pk).lease_owner == "w2"
 
 
-# ---- operator reads -------------------------------------------------------------------------
-
-
-def test_expired_and_near_expiry__split_processing_jobs_by_time_left() -> None:
-    for _ in range(3):
-        PaymentJob.objects.enqueue("a")
-    stale, near, healthy = PaymentJob.objects.claim("w1", ttl=600, limit=3)
-    expire(stale)
-    PaymentJob.objects.filter(pk=near.pk).update(lease_until=Now() + timedelta(seconds=10))
-    assert list(PaymentJob.objects.expired().values_list("pk", flat=True)) == [stale.pk]
-    assert list(PaymentJob.objects.near_expiry(20).values_list("pk", flat=True)) == [near.pk]
-    assert (
-        list(PaymentJob.objects.near_expiry(timedelta(seconds=5)).values_list("pk", flat=True))
-        == []
-    )
-    assert list(PaymentJob.objects.healthy(20).values_list("pk", flat=True)) == [healthy.pk]
-
-
-# ---- the watcher's rescue -------------------------------------------------------------------
-
-
 def test_rescue__returns_expired_job_to_pending_without_an_attempt() -> None:
     PaymentJob.objects.enqueue("a")
     job = claim_one("w1")
@@ -526,179 +374,6 @@ def test_rescue__review_and_failed_actions() -> None:
     assert (failed.status, failed.last_error) == (Status.FAILED, "no attempts left")
     assert ledger(a)[0][3] == "review" and ledger(b)[0][3] == "failed"
 
-
-# ---- operator writes ------------------------------------------------------------------------
-
-
-def test_requeue__refuses_a_healthy_lease_unless_forced() -> None:
-    PaymentJob.objects.enqueue("a")
-    job = claim_one("w1")
-    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 0
-    assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING
-    assert PaymentJob.objects.filter(pk=job.pk).requeue(force=True) == 1
-    requeued = PaymentJob.objects.get(pk=job.pk)
-    assert requeued.status == Status.PENDING and requeued.lease_token == 2
-    # The fenced-out holder can write nothing any more.
-    with pytest.raises(LeaseLost):
-        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
-    assert ledger(job) == [(1, 1, "w1", "requeued")]
-
-
-def test_requeue__failed_job_gets_another_attempt() -> None:
-    PaymentJob.objects.enqueue("a", max_attempts=1)
-    job = claim_one("w1")
-    PaymentJob.objects.fail(job.pk, "w1", job.lease_token, "x")
-    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 1
-    again = claim_one("w2")
-    assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
-
-
-def test_release_stuck__only_expired_leases() -> None:
-    PaymentJob.objects.enqueue("a")
-    PaymentJob.objects.enqueue("a")
-    stuck, live = PaymentJob.objects.claim("w1", ttl=60, limit=2)
-    expire(stuck)
-    assert PaymentJob.objects.all().release_stuck() == 1
-    assert PaymentJob.objects.get(pk=stuck.pk).status == Status.PENDING
-    assert PaymentJob.objects.get(pk=live.pk).status == Status.PROCESSING
-
-
-def test_mark_failed_cancel_and_resolve_review() -> None:
-    PaymentJob.objects.enqueue("a")
-    live = claim_one("w1")
-    pending = PaymentJob.objects.enqueue("a")
-    other = PaymentJob.objects.enqueue("a")
-    # A live lease is neither failed (unless forced) nor cancelled; a pending job is cancelled.
-    assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops") == 0
-    assert PaymentJob.objects.filter(pk=live.pk).cancel() == 0
-    assert PaymentJob.objects.get(pk=live.pk).status == Status.PROCESSING
-    assert PaymentJob.objects.filter(pk=pending.pk).cancel() == 1
-    assert PaymentJob.objects.get(pk=pending.pk).status == Status.CANCELLED
-    assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops", force=True) == 1
-    failed = PaymentJob.objects.get(pk=live.pk)
-    assert (failed.status, failed.last_error, failed.lease_token) == (Status.FAILED, "ops", 2)
-    with pytest.raises(LeaseLost):
-        PaymentJob.objects.complete(live.pk, "w1", live.lease_token)
-    PaymentJob.objects.filter(pk=other.pk).update(status=Status.REVIEW)
-    assert PaymentJob.objects.filter(pk=other.pk).resolve_review("completed") == 1
-    assert PaymentJob.objects.get(pk=other.pk).status == Status.COMPLETED
-    with pytest.raises(ValueError, match="verdict"):
-        PaymentJob.objects.all().resolve_review("maybe")
-
-
-def test_attempts_never_reset_and_ledger_agrees() -> None:
-    PaymentJob.objects.enqueue("a", max_attempts=10)
-    for n in range(1, 5):
-        job = claim_one(f"w{n}")
-        assert job.attempts == n
-        if n % 2:
-            expire(job)
-        else:
-            PaymentJob.objects.fail(job.pk, job.lease_owner, job.lease_token, "x")
-            PaymentJob.objects.filter(pk=job.pk).update(run_at=Now())
-    job.refresh_from_db()
-    rows = ledger(job)
-    assert job.attempts == len(rows) == 4
-    assert [r[0] for r in rows] == [1, 2, 3, 4] and [r[1] for r in rows] == [1, 2, 3, 4]
-    assert PaymentJob.objects.filter(attempts=F("lease_token")).count() == 1
-
-
-def test_release_stuck__gives_a_job_without_attempts_left_one_more() -> None:
-    PaymentJob.objects.enqueue("a", max_attempts=1)
-    job = claim_one("w1")
-    expire(job)
-    assert PaymentJob.objects.all().release_stuck(by="admin:ops") == 1
-    again = claim_one("w2")
-    assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
-    assert JobAttempt.objects.get(job_ref=job.pk, token=1).ended_by == "admin:ops"
-
-
-def test_resolve_review__records_verdict_and_who_on_the_ledger() -> None:
-    PaymentJob.objects.enqueue("a")
-    job = claim_one("w1")
-    expire(job)
-    assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "review", by="watcher")
-    assert PaymentJob.objects.filter(pk=job.pk).resolve_review("failed", by="admin:ops") == 1
-    row = JobAttempt.objects.get(job_ref=job.pk)
-    assert (row.outcome, row.ended_by, row.resolution, row.resolved_by) == (
-        "review",
-        "watcher",
-        "failed",
-        "admin:ops",
-    )
-    assert row.resolved_at is not None
-
-
-def test_cancel__says_who_cancelled() -> None:
-    job = PaymentJob.objects.enqueue("a")
-    assert PaymentJob.objects.filter(pk=job.pk).cancel(by="admin:ops") == 1
-    job.refresh_from_db()
-    assert (job.status, job.last_error) == (Status.CANCELLED, "cancelled by admin:ops")
-
-
-def test_finished_by__tells_a_lost_acknowledgement_from_a_takeover() -> None:
-    PaymentJob.objects.enqueue("a")
-    PaymentJob.objects.enqueue("a")
-    done, taken = PaymentJob.objects.claim("w1", ttl=60, limit=2)
-    assert not PaymentJob.objects.finished_by(done.pk, "w1", done.lease_token)
-    PaymentJob.objects.complete(done.pk, "w1", done.lease_token)
-    assert PaymentJob.objects.finished_by(done.pk, "w1", done.lease_token)
-    expire(taken)
-    claim_one("w2")
-    assert not PaymentJob.objects.finished_by(taken.pk, "w1", taken.lease_token)
-    assert list(PaymentJob.objects.held_by("w2").values_list("pk", flat=True)) == [taken.pk]
-
-
-def test_finished_by__no_when_the_watcher_rescued_the_job_meanwhile() -> None:
-    PaymentJob.objects.enqueue("a")
-    job = claim_one("w1")
-    expire(job)
-    # The holder's completion never committed; the watcher rescued the job, token unchanged.
-    assert PaymentJob.objects.rescue(PaymentJob.objects.expired().get(), "retry", by="watcher")
-    assert PaymentJob.objects.get(pk=job.pk).lease_token == job.lease_token
-    assert not PaymentJob.objects.finished_by(job.pk, "w1", job.lease_token)
-
-
-@pytest.mark.parametrize("outcome", ["failed", "retried", "released", "timed_out"])
-def test_finished_by__yes_for_each_write_of_the_holder_itself(outcome: str) -> None:
-    PaymentJob.objects.enqueue("a", max_attempts=1 if outcome == "failed" else 5)
-    job = claim_one("w1")
-    jobs, pk, token = PaymentJob.objects, job.pk, job.lease_token
-    if outcome == "released":
-        jobs.release(pk, "w1", token)
-    elif outcome == "timed_out":
-        jobs.time_out(pk, "w1", token, retry_in=None, reason="ran too long")
-    else:
-        jobs.fail(pk, "w1", token, "x")
-    assert ledger(job) == [(1, 1, "w1", outcome)]
-    assert jobs.finished_by(pk, "w1", token)
-    assert not jobs.finished_by(pk, "w2", token)
-
-
-def test_record_fenced__never_stamps_a_row_its_holder_closed() -> None:
-    PaymentJob.objects.enqueue("a")
-    job = claim_one("w1")
-    PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
-    # The acknowledgement was lost and the holder sends its completion again: refused.
-    with pytest.raises(LeaseLost):
-        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
-    PaymentJob.objects.record_fenced(job.pk, job.lease_token)
-    row = JobAttempt.objects.get(job_ref=job.pk)
-    assert (row.outcome, row.ended_by, row.fenced_at) == ("completed", "w1", None)
-
-
-def test_record_fenced__stamps_the_row_of_a_holder_that_was_taken_over() -> None:
-    PaymentJob.objects.enqueue("a")
-    job = claim_one("w1")
-    expire(job)
-    claim_one("w2")
-    with pytest.raises(LeaseLost):
-        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
-    row = JobAttempt.objects.get(job_ref=job.pk, token=job.lease_token)
-    assert (row.outcome, row.ended_by) == ("lease_lost", "w2") and row.fenced_at is not None
-
-
-# ---- a rescue restates the checkpoint it decided on -----------------------------------------
 
 REVIEW_CAPTURE = {"STUCK_POLICY_BY_KIND": {"capture": "review"}}
 

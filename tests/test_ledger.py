@@ -1,0 +1,136 @@
+"""The attempt ledger (querysets/ledger.py): a row per acquisition, closed once; finished_by."""
+
+from datetime import timedelta
+
+import pytest
+from django.db.models import F
+from django.db.models.functions import Now
+from django.test.utils import CaptureQueriesContext
+
+from django_leases.exceptions import LeaseLost
+from django_leases.models import JobAttempt, PaymentJob
+from tests.testapp.models import PayoutAttempt, PayoutJob
+
+pytestmark = pytest.mark.django_db
+
+Status = PaymentJob.Status
+
+
+def expire(job: PaymentJob, seconds: float = 5) -> None:
+    """Make the job's lease end `seconds` ago, by the database clock."""
+    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=seconds))
+
+
+def claim_one(owner: str = "w1", **kwargs: object) -> PaymentJob:
+    (job,) = PaymentJob.objects.claim(owner, ttl=60, **kwargs)  # type: ignore[arg-type]
+    return job
+
+
+def statements(ctx: CaptureQueriesContext) -> list[str]:
+    """The SQL statements captured, without transaction and savepoint bookkeeping."""
+    bookkeeping = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK")
+    return [q["sql"] for q in ctx.captured_queries if not q["sql"].startswith(bookkeeping)]
+
+
+def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
+    return list(
+        JobAttempt.objects.filter(job_ref=job.pk)
+        .order_by("token")
+        .values_list("attempt", "token", "owner", "outcome")
+    )
+
+
+def test_attempt_rows__reads_the_tables_own_ledger_oldest_first() -> None:
+    job = PayoutJob.objects.enqueue("payout.send")
+    PayoutJob.objects.claim("w1", ttl=60)
+    PayoutJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=5))
+    PayoutJob.objects.claim("w2", ttl=60)
+    rows = PayoutJob.objects.attempt_rows(job.pk)
+    assert [(r.token, r.owner, r.outcome) for r in rows] == [
+        (1, "w1", "lease_lost"),
+        (2, "w2", "running"),
+    ]
+    assert all(isinstance(row, PayoutAttempt) for row in rows)
+    assert JobAttempt.objects.count() == 0
+
+
+def test_attempts_never_reset_and_ledger_agrees() -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=10)
+    for n in range(1, 5):
+        job = claim_one(f"w{n}")
+        assert job.attempts == n
+        if n % 2:
+            expire(job)
+        else:
+            PaymentJob.objects.fail(job.pk, job.lease_owner, job.lease_token, "x")
+            PaymentJob.objects.filter(pk=job.pk).update(run_at=Now())
+    job.refresh_from_db()
+    rows = ledger(job)
+    assert job.attempts == len(rows) == 4
+    assert [r[0] for r in rows] == [1, 2, 3, 4] and [r[1] for r in rows] == [1, 2, 3, 4]
+    assert PaymentJob.objects.filter(attempts=F("lease_token")).count() == 1
+
+
+def test_finished_by__tells_a_lost_acknowledgement_from_a_takeover() -> None:
+    PaymentJob.objects.enqueue("a")
+    PaymentJob.objects.enqueue("a")
+    done, taken = PaymentJob.objects.claim("w1", ttl=60, limit=2)
+    assert not PaymentJob.objects.finished_by(done.pk, "w1", done.lease_token)
+    PaymentJob.objects.complete(done.pk, "w1", done.lease_token)
+    assert PaymentJob.objects.finished_by(done.pk, "w1", done.lease_token)
+    expire(taken)
+    claim_one("w2")
+    assert not PaymentJob.objects.finished_by(taken.pk, "w1", taken.lease_token)
+    assert list(PaymentJob.objects.held_by("w2").values_list("pk", flat=True)) == [taken.pk]
+
+
+def test_finished_by__no_when_the_watcher_rescued_the_job_meanwhile() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    # The holder's completion never committed; the watcher rescued the job, token unchanged.
+    assert PaymentJob.objects.rescue(PaymentJob.objects.expired().get(), "retry", by="watcher")
+    assert PaymentJob.objects.get(pk=job.pk).lease_token == job.lease_token
+    assert not PaymentJob.objects.finished_by(job.pk, "w1", job.lease_token)
+
+
+@pytest.mark.parametrize("outcome", ["failed", "retried", "released", "timed_out"])
+def test_finished_by__yes_for_each_write_of_the_holder_itself(outcome: str) -> None:
+    PaymentJob.objects.enqueue("a", max_attempts=1 if outcome == "failed" else 5)
+    job = claim_one("w1")
+    jobs, pk, token = PaymentJob.objects, job.pk, job.lease_token
+    if outcome == "released":
+        jobs.release(pk, "w1", token)
+    elif outcome == "timed_out":
+        jobs.time_out(pk, "w1", token, retry_in=None, reason="ran too long")
+    else:
+        jobs.fail(pk, "w1", token, "x")
+    assert ledger(job) == [(1, 1, "w1", outcome)]
+    assert jobs.finished_by(pk, "w1", token)
+    assert not jobs.finished_by(pk, "w2", token)
+
+
+def test_record_fenced__never_stamps_a_row_its_holder_closed() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    # The acknowledgement was lost and the holder sends its completion again: refused.
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    PaymentJob.objects.record_fenced(job.pk, job.lease_token)
+    row = JobAttempt.objects.get(job_ref=job.pk)
+    assert (row.outcome, row.ended_by, row.fenced_at) == ("completed", "w1", None)
+
+
+def test_record_fenced__stamps_the_row_of_a_holder_that_was_taken_over() -> None:
+    PaymentJob.objects.enqueue("a")
+    job = claim_one("w1")
+    expire(job)
+    claim_one("w2")
+    with pytest.raises(LeaseLost):
+        PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
+    row = JobAttempt.objects.get(job_ref=job.pk, token=job.lease_token)
+    assert (row.outcome, row.ended_by) == ("lease_lost", "w2") and row.fenced_at is not None
+
+
+REVIEW_CAPTURE = {"STUCK_POLICY_BY_KIND": {"capture": "review"}}
