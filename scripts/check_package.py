@@ -145,6 +145,9 @@ def write_project(project: Path, mode: str, database_url: str) -> None:
     text += SETTINGS + (TASKS_SETTINGS if mode != "plain" else "")
     if database_url:
         text += f"DATABASES = {{'default': {database_config(database_url)!r}}}\n"
+    else:
+        # As check W003 asks of SQLite (Django 5.1+): writers take the lock when they begin.
+        text += 'DATABASES["default"]["OPTIONS"] = {"transaction_mode": "IMMEDIATE"}\n'
     settings.write_text(text)
     (project / "shop" / "jobs.py").write_text(JOBS)
     if mode == "tasks":
