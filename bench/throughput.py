@@ -37,6 +37,8 @@ class System:
     # Returns (succeeded, finished) counts.
     poll_sql: str
     workers: Callable[[argparse.Namespace, bool], list[list[str]]]
+    # Environment of its workers beyond the shared one (e.g. another CONN_MAX_AGE).
+    env: tuple[tuple[str, str], ...] = ()
 
     def missing(self) -> list[str]:
         return [module for module in self.requires if find_spec(module) is None]
@@ -49,7 +51,7 @@ def leases_workers(args: argparse.Namespace, has_command: bool) -> list[list[str
                 "run_lease_worker",
                 "--kind=noop",
                 "--burst",
-                "--concurrency=1",
+                f"--concurrency={args.concurrency}",
                 f"--ttl={args.ttl}",
                 f"--worker-id=bench-{i}",
                 "--verbosity=0",
@@ -60,6 +62,10 @@ def leases_workers(args: argparse.Namespace, has_command: bool) -> list[list[str
         "bench.throughput:leases_loop", batch=args.batch, ttl=args.ttl, ledger=args.ledger
     )
     return [loop] * args.workers
+
+
+def bare_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    return [common.child_command("bench.throughput:bare_loop", ttl=args.ttl)] * args.bare_processes
 
 
 def procrastinate_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
@@ -79,15 +85,33 @@ def q2_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
     return [common.django_command("qcluster")]
 
 
+LEASES_POLL = (
+    f"SELECT count(*) FILTER (WHERE status = 'completed'), "
+    f"count(*) FILTER (WHERE status IN ('completed', 'failed', 'review')) "
+    f"FROM {common.JOB_TABLE}"
+)
 SYSTEMS = [
     System(
         "django-leases",
         ("django_leases",),
         (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
-        f"SELECT count(*) FILTER (WHERE status = 'completed'), "
-        f"count(*) FILTER (WHERE status IN ('completed', 'failed', 'review')) "
-        f"FROM {common.JOB_TABLE}",
+        LEASES_POLL,
         leases_workers,
+    ),
+    System(
+        "leases-cma0 (django-leases, CONN_MAX_AGE=0)",
+        ("django_leases",),
+        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_POLL,
+        leases_workers,
+        env=(("BENCH_CONN_MAX_AGE", "0"),),
+    ),
+    System(
+        "bare (psycopg lease loop, no ledger)",
+        ("psycopg",),
+        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_POLL,
+        bare_workers,
     ),
     System(
         "procrastinate",
@@ -126,7 +150,7 @@ def enqueue(system: str, jobs: int, tables: list[str]) -> dict[str, Any]:
 
     common.empty_tables(*tables)
     start = time.perf_counter()
-    if system == "django-leases":
+    if system.startswith(("django-leases", "leases-cma0", "bare")):
         common.seed_pending(jobs)
     elif system == "procrastinate":
         from bench.tasks import noop_procrastinate
@@ -171,6 +195,55 @@ def leases_loop(batch: int, ttl: float, ledger: bool) -> dict[str, Any]:
     return {"done": done}
 
 
+def bare_loop(ttl: float) -> dict[str, Any]:
+    """Claim one job, complete it, until nothing is claimable: psycopg alone, no ledger.
+
+    The floor a lease queue on this table can reach: per job one conditional UPDATE that claims
+    (SKIP LOCKED, database clock, token and attempts incremented) and one that completes
+    (restating id, status, owner and token), in autocommit, on one persistent connection.
+    """
+    from django.db import connection
+
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.autocommit = True
+    owner = common.owner_name("bare")
+    table = common.JOB_TABLE
+    claim = f"""
+        UPDATE {table} AS job
+        SET status = 'processing', lease_owner = %(owner)s,
+            lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %(ttl)s),
+            heartbeat_at = STATEMENT_TIMESTAMP(),
+            lease_token = job.lease_token + 1, attempts = job.attempts + 1
+        FROM (
+            SELECT id FROM {table}
+            WHERE status = 'pending' AND run_at <= STATEMENT_TIMESTAMP() AND kind = 'noop'
+              AND attempts < max_attempts
+            ORDER BY priority DESC, run_at, id
+            LIMIT 1
+            FOR UPDATE SKIP LOCKED
+        ) AS picked
+        WHERE job.id = picked.id
+        RETURNING job.id, job.lease_token
+    """  # noqa: S608 - a constant table name
+    complete = f"""
+        UPDATE {table}
+        SET status = 'completed', completed_at = STATEMENT_TIMESTAMP(), last_error = ''
+        WHERE id = %(pk)s AND status = 'processing' AND lease_owner = %(owner)s
+          AND lease_token = %(token)s
+    """  # noqa: S608 - a constant table name
+    done = 0
+    with raw.cursor() as cursor:
+        while True:
+            cursor.execute(claim, {"owner": owner, "ttl": ttl})
+            row = cursor.fetchone()
+            if row is None:
+                break
+            cursor.execute(complete, {"pk": row[0], "owner": owner, "token": row[1]})
+            done += cursor.rowcount
+    return {"done": done}
+
+
 def has_worker_command() -> dict[str, Any]:
     from django.core.management import get_commands
 
@@ -198,7 +271,10 @@ def drain(
 ) -> Drain:
     """Start `system`'s workers and time them until every job is finished or the timeout."""
     env = common.child_env(
-        db, BENCH_WORKERS=str(args.workers), BENCH_CONN_MAX_AGE=args.conn_max_age
+        db,
+        BENCH_WORKERS=str(args.workers),
+        BENCH_CONN_MAX_AGE=args.conn_max_age,
+        **dict(system.env),
     )
     conn = db.connect()
     workers: list[subprocess.Popen[str]] = []
@@ -248,7 +324,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
         procs.call(db, "bench._common:migrate")
         has_command = procs.call(db, "bench.throughput:has_worker_command")["found"]
         mode = (
-            "run_lease_worker --concurrency 1"
+            f"run_lease_worker --concurrency {args.concurrency}"
             if has_command
             else f"queryset loop, claim(limit={args.batch}) + complete() per job "
             f"{'' if args.ledger else 'WITHOUT the attempt ledger '}(run_lease_worker not found)"
@@ -364,6 +440,18 @@ def main(argv: list[str] | None = None) -> int:
         default=[s.name.split()[0] for s in SYSTEMS],
         help=f"comma-separated subset of {','.join(s.name.split()[0] for s in SYSTEMS)} "
         "(default: all)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=common.positive_int,
+        default=1,
+        help="run_lease_worker --concurrency of each django-leases worker (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--bare-processes",
+        type=common.positive_int,
+        default=4,
+        help="processes of the bare psycopg lease loop (default: %(default)r)",
     )
     parser.add_argument(
         "--batch",
