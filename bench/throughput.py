@@ -270,12 +270,8 @@ def drain(
     has_command: bool,
 ) -> Drain:
     """Start `system`'s workers and time them until every job is finished or the timeout."""
-    env = common.child_env(
-        db,
-        BENCH_WORKERS=str(args.workers),
-        BENCH_CONN_MAX_AGE=args.conn_max_age,
-        **dict(system.env),
-    )
+    extra = {"BENCH_WORKERS": str(args.workers), "BENCH_CONN_MAX_AGE": args.conn_max_age}
+    env = common.child_env(db, **{**extra, **dict(system.env)})
     conn = db.connect()
     workers: list[subprocess.Popen[str]] = []
     try:
