@@ -24,6 +24,7 @@ from django.db import (
 )
 
 from django_leases.backoff import retry_delay
+from django_leases.db import keep_usable
 from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
 from django_leases.handlers import get_handler
 from django_leases.lease import Lease
@@ -81,7 +82,7 @@ class RunsAttempts:
         logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
         error: BaseException | None = None
         try:
-            close_old_connections()
+            keep_usable()  # a worker's connections outlive CONN_MAX_AGE: not a request cycle
             deadline = None if handler.timeout is None else started + handler.timeout
             handler.run(job, lease, deadline=deadline)
         except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
@@ -112,7 +113,7 @@ class RunsAttempts:
         elif lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
             outcome = lease.outcome or AttemptOutcome.COMPLETED
             self.stats.add(outcome)
-            logger.info(
+            logger.debug(
                 "%s job_id=%s attempt=%s by the handler in=%.3fs",
                 outcome,
                 job.pk,
@@ -196,7 +197,7 @@ class RunsAttempts:
         error_name = type(error).__name__ if error else ""
         if outcome == AttemptOutcome.COMPLETED:
             self.stats.add(AttemptOutcome.COMPLETED)
-            logger.info(
+            logger.debug(
                 "completed job_id=%s attempt=%s owner=%s", lease.pk, lease.attempt, lease.owner
             )
         elif outcome == TIMED_OUT:
@@ -217,7 +218,7 @@ class RunsAttempts:
             )
         else:
             self.stats.add(AttemptOutcome.RETRIED)
-            logger.info(
+            logger.debug(
                 "retry job_id=%s attempt=%s error_class=%s", lease.pk, lease.attempt, error_name
             )
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_leases.conf import leases_settings
@@ -232,3 +233,26 @@ def harden(connection: BaseDatabaseWrapper, ttl: float | None = None) -> None:
         setattr(connection, name, deadline.wrap(getattr(connection, name)))
     if connection.connection is not None and not connection.in_atomic_block:
         connection.close()
+
+
+def keep_usable(*, health_check: bool = False) -> None:
+    """Close this thread's broken database connections and keep the others open.
+
+    A worker thread is not a request cycle: Django's `close_old_connections()` would also close
+    a connection past CONN_MAX_AGE, and with the default of 0 every job would reconnect. Here a
+    connection is closed only if it cannot be trusted: an autocommit mode left changed, or an
+    error since which it no longer answers. With `health_check`, a connection of an alias that
+    sets CONN_HEALTH_CHECKS is checked again before its next use.
+    """
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is None or conn.in_atomic_block:
+            continue
+        if conn.get_autocommit() != conn.settings_dict["AUTOCOMMIT"]:
+            conn.close()
+        elif conn.errors_occurred:
+            if conn.is_usable():
+                conn.errors_occurred = False
+            else:
+                conn.close()
+        elif health_check:
+            conn.health_check_done = False  # type: ignore[attr-defined]
