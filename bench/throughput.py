@@ -150,7 +150,7 @@ def enqueue(system: str, jobs: int, tables: list[str]) -> dict[str, Any]:
 
     common.empty_tables(*tables)
     start = time.perf_counter()
-    if system.startswith(("django-leases", "leases-cma0", "bare")):
+    if system.startswith(("django-leases", "leases-", "bare")):
         common.seed_pending(jobs)
     elif system == "procrastinate":
         from bench.tasks import noop_procrastinate
@@ -307,13 +307,36 @@ def drain(
     )
 
 
+def checkouts(specs: list[tuple[str, str, str | None]]) -> list[System]:
+    """django-leases systems whose workers import another checkout (`--checkout`)."""
+    leases = SYSTEMS[0]
+    systems = []
+    for name, directory, max_age in specs:
+        env = [("PYTHONPATH", directory)]
+        if max_age is not None:
+            env.append(("BENCH_CONN_MAX_AGE", max_age))
+        label = f"leases-{name} ({directory}, CONN_MAX_AGE={max_age or 'as --conn-max-age'})"
+        systems.append(
+            System(label, leases.requires, leases.tables, LEASES_POLL, leases_workers, tuple(env))
+        )
+    return systems
+
+
+def checkout(text: str) -> tuple[str, str, str | None]:
+    name, sep, rest = text.partition("=")
+    directory, at, max_age = rest.partition("@")
+    if not sep or not name or not directory or (at and conn_max_age(max_age) != max_age):
+        raise argparse.ArgumentTypeError(f"NAME=DIR or NAME=DIR@CONN_MAX_AGE, got {text!r}")
+    return name, directory, max_age if at else None
+
+
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
     reason = common.check_server("postgresql", args.pg_url)
     if reason:
         raise SystemExit(f"PostgreSQL is needed for this benchmark: {reason}")
     wanted = [s for s in SYSTEMS if s.name.split()[0] in args.systems]
     skipped = {s.name: f"not installed ({', '.join(s.missing())})" for s in wanted if s.missing()}
-    systems = [s for s in wanted if s.name not in skipped]
+    systems = [s for s in wanted if s.name not in skipped] + checkouts(args.checkout)
     results: dict[str, list[Drain]] = {s.name: [] for s in systems}
     with common.temp_database("postgresql", args.pg_url, "throughput") as db:
         common.note(f"migrating {db.name} ...")
@@ -442,6 +465,15 @@ def main(argv: list[str] | None = None) -> int:
         type=common.positive_int,
         default=1,
         help="run_lease_worker --concurrency of each django-leases worker (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--checkout",
+        type=checkout,
+        action="append",
+        default=[],
+        metavar="NAME=DIR[@CONN_MAX_AGE]",
+        help="also measure run_lease_worker of the django-leases checkout in DIR (e.g. a "
+        "`git worktree` of an earlier commit), optionally with its own CONN_MAX_AGE; repeatable",
     )
     parser.add_argument(
         "--bare-processes",
