@@ -39,6 +39,8 @@ class System:
     workers: Callable[[argparse.Namespace, bool], list[list[str]]]
     # Environment of its workers beyond the shared one (e.g. another CONN_MAX_AGE).
     env: tuple[tuple[str, str], ...] = ()
+    # Directory its workers start in (`python -m` imports from there first); None: this one.
+    cwd: str | None = None
 
     def missing(self) -> list[str]:
         return [module for module in self.requires if find_spec(module) is None]
@@ -277,7 +279,7 @@ def drain(
     try:
         started = time.monotonic()
         workers = [
-            procs.spawn(argv, env, f"{system.name.split()[0]}-worker", pipes=False)
+            procs.spawn(argv, env, f"{system.name.split()[0]}-worker", pipes=False, cwd=system.cwd)
             for argv in system.workers(args, has_command)
         ]
         first = None
@@ -317,7 +319,15 @@ def checkouts(specs: list[tuple[str, str, str | None]]) -> list[System]:
             env.append(("BENCH_CONN_MAX_AGE", max_age))
         label = f"leases-{name} ({directory}, CONN_MAX_AGE={max_age or 'as --conn-max-age'})"
         systems.append(
-            System(label, leases.requires, leases.tables, LEASES_POLL, leases_workers, tuple(env))
+            System(
+                label,
+                leases.requires,
+                leases.tables,
+                LEASES_POLL,
+                leases_workers,
+                tuple(env),
+                cwd=directory,
+            )
         )
     return systems
 
