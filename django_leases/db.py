@@ -21,6 +21,7 @@ their settings. Values the project sets in a database's `OPTIONS` win over these
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_leases.conf import leases_settings
@@ -248,11 +249,17 @@ def keep_usable(*, health_check: bool = False) -> None:
         if conn.connection is None or conn.in_atomic_block:
             continue
         if conn.get_autocommit() != conn.settings_dict["AUTOCOMMIT"]:
-            conn.close()
+            discard(conn)
         elif conn.errors_occurred:
             if conn.is_usable():
                 conn.errors_occurred = False
             else:
-                conn.close()
+                discard(conn)
         elif health_check:
             conn.health_check_done = False  # type: ignore[attr-defined]
+
+
+def discard(connection: BaseDatabaseWrapper) -> None:
+    """Close `connection`; the next use reconnects. Closing a broken connection may fail too."""
+    with contextlib.suppress(DatabaseError):
+        connection.close()
