@@ -315,15 +315,21 @@ class Processes:
     _count: int = 0
 
     def spawn(
-        self, argv: Sequence[str], env: dict[str, str], name: str, *, pipes: bool = True
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        name: str,
+        *,
+        pipes: bool = True,
+        cwd: str | Path | None = None,
     ) -> subprocess.Popen[str]:
-        """Start `argv` with its output in a log file, or only stderr there with `pipes`
-        (then stdin and stdout are pipes to talk to the child)."""
+        """Start `argv` (in `cwd`, default the repository root) with its output in a log file,
+        or only stderr there with `pipes` (then stdin and stdout are pipes to the child)."""
         self._count += 1
         with open(self.logs / f"{self._count:03d}-{name}.log", "w") as log:
             proc = subprocess.Popen(
                 argv,
-                cwd=ROOT,
+                cwd=cwd or ROOT,
                 env=env,
                 stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
                 stdout=subprocess.PIPE if pipes else log,

@@ -37,6 +37,10 @@ class System:
     # Returns (succeeded, finished) counts.
     poll_sql: str
     workers: Callable[[argparse.Namespace, bool], list[list[str]]]
+    # Environment of its workers beyond the shared one (e.g. another CONN_MAX_AGE).
+    env: tuple[tuple[str, str], ...] = ()
+    # Directory its workers start in (`python -m` imports from there first); None: this one.
+    cwd: str | None = None
 
     def missing(self) -> list[str]:
         return [module for module in self.requires if find_spec(module) is None]
@@ -49,7 +53,7 @@ def leases_workers(args: argparse.Namespace, has_command: bool) -> list[list[str
                 "run_lease_worker",
                 "--kind=noop",
                 "--burst",
-                "--concurrency=1",
+                f"--concurrency={args.concurrency}",
                 f"--ttl={args.ttl}",
                 f"--worker-id=bench-{i}",
                 "--verbosity=0",
@@ -60,6 +64,10 @@ def leases_workers(args: argparse.Namespace, has_command: bool) -> list[list[str
         "bench.throughput:leases_loop", batch=args.batch, ttl=args.ttl, ledger=args.ledger
     )
     return [loop] * args.workers
+
+
+def bare_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    return [common.child_command("bench.throughput:bare_loop", ttl=args.ttl)] * args.bare_processes
 
 
 def procrastinate_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
@@ -79,15 +87,33 @@ def q2_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
     return [common.django_command("qcluster")]
 
 
+LEASES_POLL = (
+    f"SELECT count(*) FILTER (WHERE status = 'completed'), "
+    f"count(*) FILTER (WHERE status IN ('completed', 'failed', 'review')) "
+    f"FROM {common.JOB_TABLE}"
+)
 SYSTEMS = [
     System(
         "django-leases",
         ("django_leases",),
         (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
-        f"SELECT count(*) FILTER (WHERE status = 'completed'), "
-        f"count(*) FILTER (WHERE status IN ('completed', 'failed', 'review')) "
-        f"FROM {common.JOB_TABLE}",
+        LEASES_POLL,
         leases_workers,
+    ),
+    System(
+        "leases-cma0 (django-leases, CONN_MAX_AGE=0)",
+        ("django_leases",),
+        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_POLL,
+        leases_workers,
+        env=(("BENCH_CONN_MAX_AGE", "0"),),
+    ),
+    System(
+        "bare (psycopg lease loop, no ledger)",
+        ("psycopg",),
+        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_POLL,
+        bare_workers,
     ),
     System(
         "procrastinate",
@@ -126,7 +152,7 @@ def enqueue(system: str, jobs: int, tables: list[str]) -> dict[str, Any]:
 
     common.empty_tables(*tables)
     start = time.perf_counter()
-    if system == "django-leases":
+    if system.startswith(("django-leases", "leases-", "bare")):
         common.seed_pending(jobs)
     elif system == "procrastinate":
         from bench.tasks import noop_procrastinate
@@ -171,6 +197,55 @@ def leases_loop(batch: int, ttl: float, ledger: bool) -> dict[str, Any]:
     return {"done": done}
 
 
+def bare_loop(ttl: float) -> dict[str, Any]:
+    """Claim one job, complete it, until nothing is claimable: psycopg alone, no ledger.
+
+    The floor a lease queue on this table can reach: per job one conditional UPDATE that claims
+    (SKIP LOCKED, database clock, token and attempts incremented) and one that completes
+    (restating id, status, owner and token), in autocommit, on one persistent connection.
+    """
+    from django.db import connection
+
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.autocommit = True
+    owner = common.owner_name("bare")
+    table = common.JOB_TABLE
+    claim = f"""
+        UPDATE {table} AS job
+        SET status = 'processing', lease_owner = %(owner)s,
+            lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %(ttl)s),
+            heartbeat_at = STATEMENT_TIMESTAMP(),
+            lease_token = job.lease_token + 1, attempts = job.attempts + 1
+        FROM (
+            SELECT id FROM {table}
+            WHERE status = 'pending' AND run_at <= STATEMENT_TIMESTAMP() AND kind = 'noop'
+              AND attempts < max_attempts
+            ORDER BY priority DESC, run_at, id
+            LIMIT 1
+            FOR UPDATE SKIP LOCKED
+        ) AS picked
+        WHERE job.id = picked.id
+        RETURNING job.id, job.lease_token
+    """  # noqa: S608 - a constant table name
+    complete = f"""
+        UPDATE {table}
+        SET status = 'completed', completed_at = STATEMENT_TIMESTAMP(), last_error = ''
+        WHERE id = %(pk)s AND status = 'processing' AND lease_owner = %(owner)s
+          AND lease_token = %(token)s
+    """  # noqa: S608 - a constant table name
+    done = 0
+    with raw.cursor() as cursor:
+        while True:
+            cursor.execute(claim, {"owner": owner, "ttl": ttl})
+            row = cursor.fetchone()
+            if row is None:
+                break
+            cursor.execute(complete, {"pk": row[0], "owner": owner, "token": row[1]})
+            done += cursor.rowcount
+    return {"done": done}
+
+
 def has_worker_command() -> dict[str, Any]:
     from django.core.management import get_commands
 
@@ -197,15 +272,14 @@ def drain(
     has_command: bool,
 ) -> Drain:
     """Start `system`'s workers and time them until every job is finished or the timeout."""
-    env = common.child_env(
-        db, BENCH_WORKERS=str(args.workers), BENCH_CONN_MAX_AGE=args.conn_max_age
-    )
+    extra = {"BENCH_WORKERS": str(args.workers), "BENCH_CONN_MAX_AGE": args.conn_max_age}
+    env = common.child_env(db, **{**extra, **dict(system.env)})
     conn = db.connect()
     workers: list[subprocess.Popen[str]] = []
     try:
         started = time.monotonic()
         workers = [
-            procs.spawn(argv, env, f"{system.name.split()[0]}-worker", pipes=False)
+            procs.spawn(argv, env, f"{system.name.split()[0]}-worker", pipes=False, cwd=system.cwd)
             for argv in system.workers(args, has_command)
         ]
         first = None
@@ -235,20 +309,51 @@ def drain(
     )
 
 
+def checkouts(specs: list[tuple[str, str, str | None]]) -> list[System]:
+    """django-leases systems whose workers import another checkout (`--checkout`)."""
+    leases = SYSTEMS[0]
+    systems = []
+    for name, directory, max_age in specs:
+        env = [("PYTHONPATH", directory)]
+        if max_age is not None:
+            env.append(("BENCH_CONN_MAX_AGE", max_age))
+        label = f"leases-{name} ({directory}, CONN_MAX_AGE={max_age or 'as --conn-max-age'})"
+        systems.append(
+            System(
+                label,
+                leases.requires,
+                leases.tables,
+                LEASES_POLL,
+                leases_workers,
+                tuple(env),
+                cwd=directory,
+            )
+        )
+    return systems
+
+
+def checkout(text: str) -> tuple[str, str, str | None]:
+    name, sep, rest = text.partition("=")
+    directory, at, max_age = rest.partition("@")
+    if not sep or not name or not directory or (at and conn_max_age(max_age) != max_age):
+        raise argparse.ArgumentTypeError(f"NAME=DIR or NAME=DIR@CONN_MAX_AGE, got {text!r}")
+    return name, directory, max_age if at else None
+
+
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
     reason = common.check_server("postgresql", args.pg_url)
     if reason:
         raise SystemExit(f"PostgreSQL is needed for this benchmark: {reason}")
     wanted = [s for s in SYSTEMS if s.name.split()[0] in args.systems]
     skipped = {s.name: f"not installed ({', '.join(s.missing())})" for s in wanted if s.missing()}
-    systems = [s for s in wanted if s.name not in skipped]
+    systems = [s for s in wanted if s.name not in skipped] + checkouts(args.checkout)
     results: dict[str, list[Drain]] = {s.name: [] for s in systems}
     with common.temp_database("postgresql", args.pg_url, "throughput") as db:
         common.note(f"migrating {db.name} ...")
         procs.call(db, "bench._common:migrate")
         has_command = procs.call(db, "bench.throughput:has_worker_command")["found"]
         mode = (
-            "run_lease_worker --concurrency 1"
+            f"run_lease_worker --concurrency {args.concurrency}"
             if has_command
             else f"queryset loop, claim(limit={args.batch}) + complete() per job "
             f"{'' if args.ledger else 'WITHOUT the attempt ledger '}(run_lease_worker not found)"
@@ -364,6 +469,27 @@ def main(argv: list[str] | None = None) -> int:
         default=[s.name.split()[0] for s in SYSTEMS],
         help=f"comma-separated subset of {','.join(s.name.split()[0] for s in SYSTEMS)} "
         "(default: all)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=common.positive_int,
+        default=1,
+        help="run_lease_worker --concurrency of each django-leases worker (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--checkout",
+        type=checkout,
+        action="append",
+        default=[],
+        metavar="NAME=DIR[@CONN_MAX_AGE]",
+        help="also measure run_lease_worker of the django-leases checkout in DIR (e.g. a "
+        "`git worktree` of an earlier commit), optionally with its own CONN_MAX_AGE; repeatable",
+    )
+    parser.add_argument(
+        "--bare-processes",
+        type=common.positive_int,
+        default=4,
+        help="processes of the bare psycopg lease loop (default: %(default)r)",
     )
     parser.add_argument(
         "--batch",

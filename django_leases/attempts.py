@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from datetime import datetime
 from functools import partial
 from typing import Any, Protocol
 
@@ -24,6 +25,7 @@ from django.db import (
 )
 
 from django_leases.backoff import retry_delay
+from django_leases.db import keep_usable
 from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
 from django_leases.handlers import get_handler
 from django_leases.lease import Lease
@@ -72,6 +74,15 @@ class WorkerStats:
         if kind is not None and self.recorder is not None:
             self.recorder.count(name, kind, count)
 
+    def claimed_after_wait(self, job: Any) -> None:
+        """Report how long `job` waited from its due time to its claim, both by the database
+        clock (the claim sets `heartbeat_at` to its own time); a takeover did not wait."""
+        if self.recorder is None or getattr(job, "taken_over", False):
+            return
+        if isinstance(job.heartbeat_at, datetime) and isinstance(job.run_at, datetime):
+            waited = (job.heartbeat_at - job.run_at).total_seconds()
+            self.recorder.waited(job.kind, max(waited, 0.0))
+
     def summary(self) -> str:
         names = [f.name for f in fields(self) if f.name not in ("outages", "lock", "recorder")]
         return " ".join(f"{name}={getattr(self, name)}" for name in names)
@@ -100,7 +111,7 @@ class RunsAttempts:
         logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
         error: BaseException | None = None
         try:
-            close_old_connections()
+            keep_usable()  # a worker's connections outlive CONN_MAX_AGE: not a request cycle
             deadline = None if handler.timeout is None else started + handler.timeout
             handler.run(job, lease, deadline=deadline)
         except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
@@ -133,7 +144,7 @@ class RunsAttempts:
         elif lease.finished:  # the handler wrote the outcome itself, e.g. with lease.atomic()
             outcome = lease.outcome or AttemptOutcome.COMPLETED
             self.stats.add(outcome, kind=job.kind)
-            logger.info(
+            logger.debug(
                 "%s job_id=%s attempt=%s by the handler in=%.3fs",
                 outcome,
                 job.pk,
@@ -218,7 +229,7 @@ class RunsAttempts:
         kind = lease.job.kind
         if outcome == AttemptOutcome.COMPLETED:
             self.stats.add(AttemptOutcome.COMPLETED, kind=kind)
-            logger.info(
+            logger.debug(
                 "completed job_id=%s attempt=%s owner=%s", lease.pk, lease.attempt, lease.owner
             )
         elif outcome == TIMED_OUT:
@@ -239,7 +250,7 @@ class RunsAttempts:
             )
         else:
             self.stats.add(AttemptOutcome.RETRIED, kind=kind)
-            logger.info(
+            logger.debug(
                 "retry job_id=%s attempt=%s error_class=%s", lease.pk, lease.attempt, error_name
             )
 

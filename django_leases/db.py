@@ -21,6 +21,7 @@ their settings. Values the project sets in a database's `OPTIONS` win over these
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_leases.conf import leases_settings
@@ -231,4 +233,33 @@ def harden(connection: BaseDatabaseWrapper, ttl: float | None = None) -> None:
     for name in ("_commit", "_rollback", "is_usable", "init_connection_state"):
         setattr(connection, name, deadline.wrap(getattr(connection, name)))
     if connection.connection is not None and not connection.in_atomic_block:
+        connection.close()
+
+
+def keep_usable(*, health_check: bool = False) -> None:
+    """Close this thread's broken database connections and keep the others open.
+
+    A worker thread is not a request cycle: Django's `close_old_connections()` would also close
+    a connection past CONN_MAX_AGE, and with the default of 0 every job would reconnect. Here a
+    connection is closed only if it cannot be trusted: an autocommit mode left changed, or an
+    error since which it no longer answers. With `health_check`, a connection of an alias that
+    sets CONN_HEALTH_CHECKS is checked again before its next use.
+    """
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is None or conn.in_atomic_block:
+            continue
+        if conn.get_autocommit() != conn.settings_dict["AUTOCOMMIT"]:
+            discard(conn)
+        elif conn.errors_occurred:
+            if conn.is_usable():
+                conn.errors_occurred = False
+            else:
+                discard(conn)
+        elif health_check:
+            conn.health_check_done = False  # type: ignore[attr-defined]
+
+
+def discard(connection: BaseDatabaseWrapper) -> None:
+    """Close `connection`; the next use reconnects. Closing a broken connection may fail too."""
+    with contextlib.suppress(DatabaseError):
         connection.close()

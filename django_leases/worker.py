@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 from collections.abc import Collection
-from datetime import datetime
 from typing import Any, TypeVar
 
 from django.db import (
@@ -35,7 +34,7 @@ from django.db import (
 from django_leases.attempts import TRANSIENT, Recorder, RunsAttempts, WorkerStats
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.db import harden
+from django_leases.db import harden, keep_usable
 from django_leases.exceptions import (
     LeaseLost,
     WorkerIdTaken,
@@ -64,8 +63,10 @@ def default_worker_id() -> str:
 class Slot:
     """One job at a time, on its own thread. Its fields change only under the worker's lock."""
 
-    def __init__(self, number: int) -> None:
+    def __init__(self, number: int, lock: threading.Lock) -> None:
         self.number = number
+        self.wake = threading.Condition(lock)
+        """Notified when this slot gets a lease, a new thread, or the worker closes."""
         self.thread: threading.Thread | None = None
         self.lease: Lease | None = None
         self.started: float | None = None
@@ -149,13 +150,13 @@ class LeaseWorker(RunsAttempts):
         self._stopped = threading.Event()
         self._slot_free = threading.Event()
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._closing = False
-        self._slots = [Slot(n) for n in range(self.concurrency)]
+        self._slots = [Slot(n, self._lock) for n in range(self.concurrency)]
         self._abandoned: list[threading.Thread] = []
         self._heartbeat: threading.Thread | None = None
         self._reported_lost: set[tuple[int, int]] = set()
         self._ticker = Ticker(model=self.model, using=self.using)
+        self._checked_at = time.monotonic()
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -172,6 +173,11 @@ class LeaseWorker(RunsAttempts):
             self.ttl,
             self.heartbeat_interval,
         )
+        logger.info(
+            "database connections are kept open for the worker's lifetime, whatever "
+            "CONN_MAX_AGE says; broken ones are replaced, and CONN_HEALTH_CHECKS runs at most "
+            "once per claim loop pass and poll interval"
+        )
         harden(connections[self.using], self.ttl)
         listener = Listener.for_model(self.model, self.using)
         try:
@@ -180,7 +186,7 @@ class LeaseWorker(RunsAttempts):
                 self._supervise()
                 if self.failure is not None:
                     break
-                close_old_connections()
+                self._tidy_connections()
                 self._ticker.poll()
                 free = len(self._idle_slots())
                 claimed = self.run_once() if free > 0 and not self._quota_reached() else 0
@@ -216,14 +222,16 @@ class LeaseWorker(RunsAttempts):
         except TRANSIENT as exc:
             self._outage("claim", exc)
             return 0
+        leases = [Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs]
+        with self._lock:
+            # One hand-off for the whole batch, waking only the slots that got a lease.
+            for slot, lease in zip(self._idle_slots(), leases, strict=False):
+                slot.lease = lease
+                slot.wake.notify()
         for job in jobs:
-            lease = Lease(job, ttl=self.ttl, renewed_at=started)
-            with self._changed:
-                self._idle_slots()[0].lease = lease
-                self._changed.notify_all()
             self.stats.add("claimed", kind=job.kind)
-            self._report_wait(job)
-            logger.info(
+            self.stats.claimed_after_wait(job)
+            logger.debug(
                 "claimed job_id=%s kind=%s attempt=%s token=%s owner=%s",
                 job.pk,
                 job.kind,
@@ -232,16 +240,6 @@ class LeaseWorker(RunsAttempts):
                 self.worker_id,
             )
         return len(jobs)
-
-    def _report_wait(self, job: Any) -> None:
-        """Report how long a job waited from its due time to this claim, both by the database
-        clock (the claim sets `heartbeat_at` to its own time); a takeover did not wait."""
-        recorder = self.stats.recorder
-        if recorder is None or getattr(job, "taken_over", False):
-            return
-        if isinstance(job.heartbeat_at, datetime) and isinstance(job.run_at, datetime):
-            waited = (job.heartbeat_at - job.run_at).total_seconds()
-            recorder.waited(job.kind, max(waited, 0.0))
 
     def stop(self) -> None:
         """Stop claiming; running jobs get the grace period. Safe to call from a signal handler."""
@@ -281,6 +279,11 @@ class LeaseWorker(RunsAttempts):
             "kinds": self.kinds,
             "concurrency": self.concurrency,
         }
+
+    def _wake_slots(self) -> None:
+        # Called under the lock.
+        for slot in self._slots:
+            slot.wake.notify()
 
     def _idle_slots(self) -> list[Slot]:
         return [slot for slot in self._slots if slot.lease is None]
@@ -325,6 +328,14 @@ class LeaseWorker(RunsAttempts):
                 self._slot_free.wait(timeout=min(remaining, 0.25))
         self._slot_free.clear()
 
+    def _tidy_connections(self) -> None:
+        """Replace the loop's broken connections; health-check at most once per poll interval."""
+        now = time.monotonic()
+        check = now - self._checked_at >= self.poll_interval
+        if check:
+            self._checked_at = now
+        keep_usable(health_check=check)
+
     def _outage(self, what: str, exc: Exception) -> None:
         """Log a database outage, drop the broken connection and back off (jittered)."""
         self.stats.add("outages")
@@ -338,7 +349,7 @@ class LeaseWorker(RunsAttempts):
     def _supervise(self) -> None:
         """Replace dead threads, time out handlers past their limit, count abandoned threads."""
         now = time.monotonic()
-        with self._changed:
+        with self._lock:
             for slot in self._slots:
                 if slot.thread is not None and not slot.thread.is_alive():
                     self._replace_dead_slot(slot)
@@ -350,7 +361,7 @@ class LeaseWorker(RunsAttempts):
         for slot, lease in late:
             if lease is not None:
                 self._time_out(slot, lease)
-        with self._changed:
+        with self._lock:
             for slot in self._slots:
                 if slot.thread is None and not self._closing:
                     slot.thread = threading.Thread(
@@ -414,13 +425,13 @@ class LeaseWorker(RunsAttempts):
             # expires and the watcher applies the same policy.
             logger.warning("could not time out job_id=%s: %s", lease.pk, type(exc).__name__)
             status = "left to expire"
-        with self._changed:
+        with self._lock:
             if slot.lease is not lease or slot.thread is None:
                 return  # the handler returned meanwhile; its slot wrote the outcome
             lease.mark_lost(reason)
             self._abandoned.append(slot.thread)
             slot.thread, slot.lease, slot.started, slot.deadline = None, None, None, None
-            self._changed.notify_all()
+            self._wake_slots()
         self.stats.add(TIMED_OUT, kind=lease.job.kind)
         logger.warning(
             "timed out job_id=%s attempt=%s token=%s: %s; %s; its thread is abandoned",
@@ -438,10 +449,10 @@ class LeaseWorker(RunsAttempts):
         me = threading.current_thread()
         try:
             while True:
-                with self._changed:
+                with self._lock:
                     # Once stop is requested an unstarted lease stays where it is: the
                     # shutdown releases it (and counts it) before it waits for running ones.
-                    self._changed.wait_for(
+                    slot.wake.wait_for(
                         lambda: (
                             slot.thread is not me
                             or self._closing
@@ -459,7 +470,7 @@ class LeaseWorker(RunsAttempts):
                     slot.deadline = self._deadline(lease, slot.started)
                 harden(connections[self.using], self.ttl)  # per job: a dropped wrapper is new
                 self._execute(lease)
-                with self._changed:
+                with self._lock:
                     mine = slot.thread is me
                     if mine and slot.lease is lease:
                         slot.lease, slot.started, slot.deadline = None, None, None
@@ -493,7 +504,7 @@ class LeaseWorker(RunsAttempts):
         try:
             while not self._stopped.wait(timeout=self.heartbeat_interval):
                 try:
-                    close_old_connections()
+                    keep_usable(health_check=True)
                     self._renew()
                     self._beat()
                 except BaseException:  # noqa: BLE001 - the next beat tries again
@@ -592,13 +603,13 @@ class LeaseWorker(RunsAttempts):
 
     def _shutdown(self) -> None:
         """Release unstarted jobs, let running ones finish within the grace period."""
-        with self._changed:
+        with self._lock:
             unstarted = [s.lease for s in self._slots if s.lease is not None and s.started is None]
             for slot in self._slots:
                 if slot.started is None:
                     slot.lease = None
             self._closing = True
-            self._changed.notify_all()
+            self._wake_slots()
         for lease in unstarted:
             if lease is not None:
                 self._release_unstarted(lease)

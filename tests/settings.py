@@ -66,6 +66,9 @@ DATABASES = {"default": database_from_env(env, _sqlite)}
 # Worker subprocesses spawned by the tests connect to the test database by this name.
 if env("LEASES_TEST_DB_NAME", default=""):
     DATABASES["default"]["NAME"] = env("LEASES_TEST_DB_NAME")
+# Worker subprocesses of the connection tests run with Django's default CONN_MAX_AGE = 0.
+if env("LEASES_TEST_CONN_MAX_AGE", default=""):
+    DATABASES["default"]["CONN_MAX_AGE"] = env.int("LEASES_TEST_CONN_MAX_AGE")
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     DATABASES["default"].setdefault("TEST", {})["NAME"] = str(
         _sqlite.with_name("test_" + _sqlite.name)

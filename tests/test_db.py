@@ -19,6 +19,7 @@ from django_leases.db import (
     Deadline,
     harden,
     hardened_options,
+    keep_usable,
     merged_options,
     network_timeout,
     watchdog,
@@ -139,6 +140,35 @@ def test_harden__changes_this_connection_only(spare: BaseDatabaseWrapper) -> Non
         else:
             cursor.execute("SELECT 1")
             assert cursor.fetchone() == (1,)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_keep_usable__keeps_a_connection_past_conn_max_age_and_closes_a_broken_one() -> None:
+    connection.ensure_connection()
+    raw = connection.connection
+    connection.close_at = time.monotonic() - 1  # past CONN_MAX_AGE: Django would close it
+    keep_usable()
+    assert connection.connection is raw
+    connection.errors_occurred = True  # an error, after which the connection still answers
+    keep_usable()
+    assert connection.connection is raw and not connection.errors_occurred
+    if ON_SQLITE:
+        return  # a file: an SQLite connection does not break
+    raw.close()
+    connection.errors_occurred = True
+    keep_usable()
+    assert connection.connection is None
+    assert PaymentJob.objects.count() == 0  # the next use reconnects
+
+
+@pytest.mark.django_db(transaction=True)
+def test_keep_usable__asks_for_a_health_check_only_when_told() -> None:
+    connection.ensure_connection()
+    connection.health_check_done = True
+    keep_usable()
+    assert connection.health_check_done
+    keep_usable(health_check=True)
+    assert not connection.health_check_done
 
 
 @pytest.mark.django_db(transaction=True)

@@ -105,6 +105,27 @@ def test_worker__max_jobs_stops_after_that_many(processes: Processes) -> None:
     assert PaymentJob.objects.filter(status=Status.PENDING).count() == 3
 
 
+def test_worker__keeps_its_connection_from_job_to_job_whatever_conn_max_age(
+    processes: Processes,
+) -> None:
+    """With Django's default CONN_MAX_AGE = 0 the slot thread still opens one connection for
+    all its jobs: a worker is not a request cycle."""
+    jobs = [PaymentJob.objects.enqueue("connections") for _ in range(5)]
+    proc = worker(
+        processes,
+        "keeper",
+        "--burst",
+        "--concurrency",
+        "1",
+        env=subprocess_env(LEASES_TEST_CONN_MAX_AGE="0"),
+    )
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    done = [fresh(job) for job in jobs]
+    assert [(job.status, job.checkpoint) for job in done] == [(Status.COMPLETED, "opened=1")] * 5
+    assert "kept open for the worker's lifetime, whatever CONN_MAX_AGE says" in out
+
+
 def test_worker__sigkill_mid_job_is_rescued_after_ttl(processes: Processes) -> None:
     job = PaymentJob.objects.enqueue("sleep", {"durations": [60, 0]})
     victim = worker(processes, "victim", "--ttl", "2", "--heartbeat", "0.5")

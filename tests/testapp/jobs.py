@@ -1,9 +1,12 @@
 """Handlers the worker tests run. Behaviour is steered by the payload, never by globals."""
 
 import asyncio
+import threading
 import time
+from collections import Counter
 
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.backends.signals import connection_created
 from django.db.models.functions import Now
 
 from django_leases import PermanentError, job_handler
@@ -18,6 +21,24 @@ def duration(job, lease) -> float:
     if durations:
         return float(durations[min(lease.attempt, len(durations)) - 1])
     return float(job.payload.get("seconds", 0))
+
+
+# Connections this process opened, per thread: observed by the "connections" handler.
+opened: Counter[int] = Counter()
+
+
+def count_connection(sender, connection, **kwargs) -> None:
+    opened[threading.get_ident()] += 1
+
+
+connection_created.connect(count_connection)
+
+
+@job_handler("connections")
+def connections_opened(job, lease):
+    """Record, as the checkpoint, how many connections this slot thread has opened so far."""
+    connection.ensure_connection()
+    lease.checkpoint(f"opened={opened[threading.get_ident()]}")
 
 
 @job_handler("noop")
