@@ -23,10 +23,27 @@ step, reading the database, the guarantees the README makes:
    it is completed, failed or cancelled; `attempts <= max_attempts`; a pending job has an attempt
    left.
 
+The jobs are of two locks, of two payments (locked by `payment_id`, `LOCK_BY_PAYMENT`), or of
+none, and the README's job locks ("one at a time, in enqueue order: a job starts only once
+every earlier job of its lock is completed, failed or cancelled"; "a unique index admits one
+lock holder per lock") hold, for every lock:
+
+8. One holder: at most one job of a lock is pending, processing or under review, and its
+   `lock_holder` is the lock; a non-NULL `lock_holder` is its row's lock, on a row in one of
+   those statuses; a waiting job has a lock and no `lock_holder`; a finished job has none.
+9. Nothing stranded: a lock with a waiting job has a holder (the lock is passed on in the
+   transaction that finishes the holder).
+10. Enqueue order: when a job of a lock is claimed for the first time, every earlier job of the
+    lock is completed, failed or cancelled, except one an operator requeued while this job
+    held the lock (it waits, and runs next).
+11. One at a time: the attempts (`claimed_at` to `ended_at`) of different jobs of a lock never
+    overlap in the ledger.
+
 Besides, each rule checks what its own call must have done (a claim takes exactly the jobs the
 specification makes claimable, an operator action changes exactly the jobs its eligibility
-names, a holder's write wins exactly while it holds the lease), and that an operator action
-without "force" in its name never takes a live lease.
+names, a holder's write wins exactly while it holds the lease, an enqueue waits exactly when its
+lock has a holder, a requeued job of a lock keeps the lock it held or rejoins the lock), and that
+an operator action without "force" in its name never takes a live lease.
 
 Time passes only through the database clock: a rule moves `lease_until` or `run_at` into the
 past with an UPDATE, never a mocked clock. Leases are long (`TTL`), so nothing expires unless a
