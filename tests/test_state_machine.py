@@ -101,17 +101,18 @@ FINAL = {COMPLETED, FAILED, CANCELLED}
 # The statuses in which a job of a lock holds it.
 HOLDING = {PENDING, PROCESSING, REVIEW}
 # How a job is locked: (enqueue's `lock`, `payment_id`). None with a payment id locks it by its
-# payment (LOCK_BY_PAYMENT); "" opts out; two named locks and two payments share their jobs.
+# payment (LOCK_BY_PAYMENT); "" opts out. Most jobs share one of three locks ("L1", "L2" and
+# "payment:p1"), so that locks are contended within a few steps.
 LOCKING = st.sampled_from(
     [
         (None, None),
-        ("", None),
         ("", "p1"),
         ("L1", None),
-        ("L2", None),
+        ("L1", None),
         ("L1", "p2"),
+        ("L2", None),
         (None, "p1"),
-        (None, "p2"),
+        (None, "p1"),
     ]
 )
 # Kinds without handlers here: no reconcile hook resolves their reviews behind the test.
