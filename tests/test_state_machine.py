@@ -332,7 +332,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 self._runs_in_lock_order(job.pk, after)
 
     def _runs_in_lock_order(self, pk: int, rows: dict[int, dict[str, Any]]) -> None:
-        """Lock invariant 3, at job `pk`'s first claim: every earlier job of its lock is
+        """Invariant 10, at job `pk`'s first claim: every earlier job of its lock is
         finished, except one an operator requeued while `pk` held the lock (it waits)."""
         lock = rows[pk]["lock"]
         excused = self.requeued_behind.get(pk, set())
@@ -621,7 +621,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 assert after[pk] == old, f"{name} took the live lease of job {pk}"
 
     def _operator_changed(
-        self, name: str, pk: int, old: dict[str, Any], row: dict[str, Any], holders: dict
+        self, name: str, pk: int, old: dict[str, Any], row: dict[str, Any], holders: dict[str, int]
     ) -> None:
         """The status an operator action gave job `pk`: a requeued job of a lock keeps the lock
         it held, or rejoins the lock (waiting while another job holds it)."""
@@ -630,7 +630,7 @@ class LeaseMachine(RuleBasedStateMachine):
             assert row["lock_holder"] == old["lock_holder"], f"{name} moved job {pk}'s lock"
         if name in ("requeue", "force_requeue") and holders.get(row["lock"], pk) != pk:
             expected = WAITING
-            # Lock invariant 3's one exception: it waits ahead of the lock's holder.
+            # Invariant 10's one exception: it waits ahead of the lock's holder.
             self.requeued_behind.setdefault(holders[row["lock"]], set()).add(pk)
         assert row["status"] == expected, f"{name} made job {pk} {row['status']}"
 
