@@ -23,10 +23,27 @@ step, reading the database, the guarantees the README makes:
    it is completed, failed or cancelled; `attempts <= max_attempts`; a pending job has an attempt
    left.
 
+The jobs are of two locks, of two payments (locked by `payment_id`, `LOCK_BY_PAYMENT`), or of
+none, and the README's job locks ("one at a time, in enqueue order: a job starts only once
+every earlier job of its lock is completed, failed or cancelled"; "a unique index admits one
+lock holder per lock") hold, for every lock:
+
+8. One holder: at most one job of a lock is pending, processing or under review, and its
+   `lock_holder` is the lock; a non-NULL `lock_holder` is its row's lock, on a row in one of
+   those statuses; a waiting job has a lock and no `lock_holder`; a finished job has none.
+9. Nothing stranded: a lock with a waiting job has a holder (the lock is passed on in the
+   transaction that finishes the holder).
+10. Enqueue order: when a job of a lock is claimed for the first time, every earlier job of the
+    lock is completed, failed or cancelled, except one an operator requeued while this job
+    held the lock (it waits, and runs next).
+11. One at a time: the attempts (`claimed_at` to `ended_at`) of different jobs of a lock never
+    overlap in the ledger.
+
 Besides, each rule checks what its own call must have done (a claim takes exactly the jobs the
 specification makes claimable, an operator action changes exactly the jobs its eligibility
-names, a holder's write wins exactly while it holds the lease), and that an operator action
-without "force" in its name never takes a live lease.
+names, a holder's write wins exactly while it holds the lease, an enqueue waits exactly when its
+lock has a holder, a requeued job of a lock keeps the lock it held or rejoins the lock), and that
+an operator action without "force" in its name never takes a live lease.
 
 Time passes only through the database clock: a rule moves `lease_until` or `run_at` into the
 past with an UPDATE, never a mocked clock. Leases are long (`TTL`), so nothing expires unless a
@@ -43,6 +60,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
+from itertools import combinations
 from typing import Any
 
 import pytest
@@ -66,12 +84,37 @@ from django_leases.backoff import retry_delay
 from django_leases.exceptions import LeaseLost
 from django_leases.lease import Lease
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, Worker
-from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, PROCESSING, REVIEW
+from django_leases.status import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    PENDING,
+    PROCESSING,
+    REVIEW,
+    WAITING,
+)
 from django_leases.watcher import StuckWatcher
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 FINAL = {COMPLETED, FAILED, CANCELLED}
+# The statuses in which a job of a lock holds it.
+HOLDING = {PENDING, PROCESSING, REVIEW}
+# How a job is locked: (enqueue's `lock`, `payment_id`). None with a payment id locks it by its
+# payment (LOCK_BY_PAYMENT); "" opts out. Most jobs share one of three locks ("L1", "L2" and
+# "payment:p1"), so that locks are contended within a few steps.
+LOCKING = st.sampled_from(
+    [
+        (None, None),
+        ("", "p1"),
+        ("L1", None),
+        ("L1", None),
+        ("L1", "p2"),
+        ("L2", None),
+        (None, "p1"),
+        (None, "p1"),
+    ]
+)
 # Kinds without handlers here: no reconcile hook resolves their reviews behind the test.
 RETRY_KIND, REVIEW_KIND = "payout", "settle"
 LEASE_SETTINGS = {"STUCK_POLICY": "retry", "STUCK_POLICY_BY_KIND": {REVIEW_KIND: "review"}}
@@ -147,15 +190,15 @@ def operator_eligible(name: str, row: dict[str, Any]) -> bool:
     if name == "requeue":
         return status in (FAILED, CANCELLED, REVIEW, PENDING) or expired(row)
     if name == "force_requeue":
-        return status != COMPLETED
+        return status not in (COMPLETED, WAITING)
     if name == "release_stuck":
         return expired(row)
     if name == "mark_failed":
-        return status in (PENDING, REVIEW) or expired(row)
+        return status in (PENDING, WAITING, REVIEW) or expired(row)
     if name == "force_mark_failed":
-        return status in (PENDING, REVIEW, PROCESSING)
+        return status in (PENDING, WAITING, REVIEW, PROCESSING)
     if name == "cancel":
-        return status == PENDING
+        return status in (PENDING, WAITING)
     return status == REVIEW  # resolve_review_*
 
 
@@ -221,6 +264,9 @@ class LeaseMachine(RuleBasedStateMachine):
         self.finished_by_holder: set[tuple[int, int]] = set()
         # Expired leases a watcher read and decided on, not yet written back.
         self.watcher_read: list[tuple[Any, str, str]] = []
+        # Per lock holder: the earlier jobs of its lock an operator requeued while it held the
+        # lock (they wait, and may stay unfinished when it first runs).
+        self.requeued_behind: dict[int, set[int]] = {}
         # On request only: one job per example may go through MARATHON attempts (seconds each).
         self.marathon = WITH_MARATHON
 
@@ -228,25 +274,48 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @initialize(
         target=jobs,
-        kinds=st.lists(st.sampled_from([RETRY_KIND, REVIEW_KIND]), min_size=2, max_size=4),
+        kinds=st.lists(
+            st.tuples(st.sampled_from([RETRY_KIND, REVIEW_KIND]), LOCKING), min_size=2, max_size=4
+        ),
         max_attempts=st.integers(1, 3),
     )
-    def several_jobs(self, kinds: list[str], max_attempts: int) -> Any:
+    def several_jobs(
+        self, kinds: list[tuple[str, tuple[str | None, str | None]]], max_attempts: int
+    ) -> Any:
         """Every example starts with a few due jobs, so that its steps act on jobs."""
-        return multiple(*(self.enqueue(kind, max_attempts, False) for kind in kinds))
+        return multiple(
+            *(self.enqueue(kind, max_attempts, False, locking) for kind, locking in kinds)
+        )
 
     @rule(
         target=jobs,
         kind=st.sampled_from([RETRY_KIND, REVIEW_KIND]),
         max_attempts=st.integers(1, 3),
         later=st.booleans(),
+        locking=LOCKING,
     )
-    def enqueue(self, kind: str, max_attempts: int, later: bool) -> int:
+    def enqueue(
+        self, kind: str, max_attempts: int, later: bool, locking: tuple[str | None, str | None]
+    ) -> int:
+        lock, payment_id = locking
+        held_before = {row["lock_holder"] for row in job_rows().values()}
         job = PaymentJob.objects.enqueue(
-            kind, {"amount": 100}, max_attempts=max_attempts, run_at=LATER if later else None
+            kind,
+            {"amount": 100},
+            max_attempts=max_attempts,
+            run_at=LATER if later else None,
+            lock=lock,
+            payment_id=payment_id,
         )
         row = job_rows()[job.pk]
-        assert (row["status"], row["attempts"], row["lease_token"]) == (PENDING, 0, 0)
+        expected_lock = f"payment:{payment_id}" if lock is None and payment_id else lock or ""
+        assert row["lock"] == expected_lock
+        # Behind the lock's holder if it has one, else its holder: next in line.
+        if expected_lock in held_before:
+            assert (row["status"], row["lock_holder"]) == (WAITING, None)
+        else:
+            assert (row["status"], row["lock_holder"]) == (PENDING, expected_lock or None)
+        assert (row["attempts"], row["lease_token"]) == (0, 0)
         assert row["due"] is not later
         return int(job.pk)
 
@@ -259,6 +328,22 @@ class LeaseMachine(RuleBasedStateMachine):
             assert row["attempts"] == old["attempts"] + 1 == job.attempts
             assert row["lease_token"] == job.lease_token > old["lease_token"]
             self.acquisitions[job.pk] += 1
+            if old["attempts"] == 0 and row["lock"]:
+                self._runs_in_lock_order(job.pk, after)
+
+    def _runs_in_lock_order(self, pk: int, rows: dict[int, dict[str, Any]]) -> None:
+        """Invariant 10, at job `pk`'s first claim: every earlier job of its lock is
+        finished, except one an operator requeued while `pk` held the lock (it waits)."""
+        lock = rows[pk]["lock"]
+        excused = self.requeued_behind.get(pk, set())
+        early = {
+            other: row["status"]
+            for other, row in rows.items()
+            if row["lock"] == lock and other < pk and row["status"] not in FINAL
+        }
+        assert all(other in excused and status == WAITING for other, status in early.items()), (
+            f"job {pk} of lock {lock!r} started before earlier jobs {early}"
+        )
 
     @rule(
         target=leases,
@@ -521,13 +606,33 @@ class LeaseMachine(RuleBasedStateMachine):
             old = before[event["job_ref"]]
             assert (event["attempts"], event["token"]) == (old["attempts"], old["lease_token"])
         after = job_rows()
+        holders = {row["lock_holder"]: pk for pk, row in after.items() if row["lock_holder"]}
         for pk, old in before.items():
             if pk in eligible:
-                assert after[pk]["status"] == OPERATOR_STATUS[name]
+                self._operator_changed(name, pk, old, after[pk], holders)
+            elif old["status"] == WAITING and after[pk]["status"] == PENDING:
+                # A lock a finished job released passes on to one of its waiting jobs.
+                promoted = {"status": WAITING, "lock_holder": None}
+                assert {**after[pk], **promoted} == old, f"{name} changed waiting job {pk}"
+                assert holders[old["lock"]] == pk
             else:
                 assert after[pk] == old, f"{name} changed job {pk}, not eligible"
             if "force" not in name and old["status"] == PROCESSING and old["live"]:
                 assert after[pk] == old, f"{name} took the live lease of job {pk}"
+
+    def _operator_changed(
+        self, name: str, pk: int, old: dict[str, Any], row: dict[str, Any], holders: dict[str, int]
+    ) -> None:
+        """The status an operator action gave job `pk`: a requeued job of a lock keeps the lock
+        it held, or rejoins the lock (waiting while another job holds it)."""
+        expected = OPERATOR_STATUS[name]
+        if expected == PENDING and old["lock_holder"]:
+            assert row["lock_holder"] == old["lock_holder"], f"{name} moved job {pk}'s lock"
+        if name in ("requeue", "force_requeue") and holders.get(row["lock"], pk) != pk:
+            expected = WAITING
+            # Invariant 10's one exception: it waits ahead of the lock's holder.
+            self.requeued_behind.setdefault(holders[row["lock"]], set()).add(pk)
+        assert row["status"] == expected, f"{name} made job {pk} {row['status']}"
 
     # ---- invariants, read from the database -------------------------------------------------
 
@@ -576,6 +681,41 @@ class LeaseMachine(RuleBasedStateMachine):
             assert job["attempts"] <= job["max_attempts"]
             if job["status"] == PENDING:
                 assert job["attempts"] < job["max_attempts"], f"job {pk} pending, no attempt left"
+
+    @invariant()
+    def one_job_of_a_lock_at_a_time(self) -> None:
+        jobs = job_rows()
+        by_lock: dict[str, list[dict[str, Any]]] = {}
+        for pk, job in jobs.items():
+            holder, status = job["lock_holder"], job["status"]
+            # 8. The lock holder column agrees with the lock and the status.
+            if holder is not None:
+                assert holder == job["lock"] and status in HOLDING, f"job {pk} holds {holder!r}"
+            if status == WAITING:
+                assert job["lock"] and holder is None, f"job {pk} waits without a lock"
+            if job["lock"]:
+                by_lock.setdefault(job["lock"], []).append(job)
+        for lock, rows in by_lock.items():
+            # 8. One holder per lock, and it is marked as the holder.
+            active = [row for row in rows if row["status"] in HOLDING]
+            assert len(active) <= 1, f"lock {lock!r} held by {[row['id'] for row in active]}"
+            assert all(row["lock_holder"] == lock for row in active)
+            # 9. Nothing stranded: a lock with waiting jobs is held.
+            if any(row["status"] == WAITING for row in rows):
+                assert active, f"lock {lock!r} has waiting jobs and no holder"
+        # 11. No overlap: attempts of different jobs of a lock never run at the same time.
+        for lock, rows in by_lock.items():
+            spans = JobAttempt.objects.filter(job_ref__in=[row["id"] for row in rows]).values_list(
+                "job_ref", "claimed_at", "ended_at"
+            )
+            for (one, start, end), (other, other_start, other_end) in combinations(spans, 2):
+                overlap = (end is None or other_start < end) and (
+                    other_end is None or start < other_end
+                )
+                assert one == other or not overlap, (
+                    f"lock {lock!r}: attempts of jobs {one} ({start}..{end}) and {other} "
+                    f"({other_start}..{other_end}) overlap"
+                )
 
     @invariant()
     def closed_ledger_rows_never_change(self) -> None:
