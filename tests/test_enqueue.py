@@ -4,40 +4,14 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
-from django.db.models.functions import Now
-from django.test.utils import CaptureQueriesContext
 
 from django_leases.exceptions import InvalidArgument, InvalidPayload
-from django_leases.models import JobAttempt, PaymentJob
+from django_leases.models import PaymentJob
 from tests.testapp.models import BareJob, PayoutJob
 
 pytestmark = pytest.mark.django_db
 
 Status = PaymentJob.Status
-
-
-def expire(job: PaymentJob, seconds: float = 5) -> None:
-    """Make the job's lease end `seconds` ago, by the database clock."""
-    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=seconds))
-
-
-def claim_one(owner: str = "w1", **kwargs: object) -> PaymentJob:
-    (job,) = PaymentJob.objects.claim(owner, ttl=60, **kwargs)  # type: ignore[arg-type]
-    return job
-
-
-def statements(ctx: CaptureQueriesContext) -> list[str]:
-    """The SQL statements captured, without transaction and savepoint bookkeeping."""
-    bookkeeping = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK")
-    return [q["sql"] for q in ctx.captured_queries if not q["sql"].startswith(bookkeeping)]
-
-
-def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
-    return list(
-        JobAttempt.objects.filter(job_ref=job.pk)
-        .order_by("token")
-        .values_list("attempt", "token", "owner", "outcome")
-    )
 
 
 def test_enqueue__creates_pending_job_due_now() -> None:

@@ -10,35 +10,12 @@ from django.test.utils import CaptureQueriesContext
 
 from django_leases.exceptions import InvalidDuration, LeaseLost
 from django_leases.models import JobAttempt, PaymentJob
+from tests.leasing import claim_one, expire, ledger, statements
 from tests.testapp.models import BareJob
 
 pytestmark = pytest.mark.django_db
 
 Status = PaymentJob.Status
-
-
-def expire(job: PaymentJob, seconds: float = 5) -> None:
-    """Make the job's lease end `seconds` ago, by the database clock."""
-    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=seconds))
-
-
-def claim_one(owner: str = "w1", **kwargs: object) -> PaymentJob:
-    (job,) = PaymentJob.objects.claim(owner, ttl=60, **kwargs)  # type: ignore[arg-type]
-    return job
-
-
-def statements(ctx: CaptureQueriesContext) -> list[str]:
-    """The SQL statements captured, without transaction and savepoint bookkeeping."""
-    bookkeeping = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK")
-    return [q["sql"] for q in ctx.captured_queries if not q["sql"].startswith(bookkeeping)]
-
-
-def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
-    return list(
-        JobAttempt.objects.filter(job_ref=job.pk)
-        .order_by("token")
-        .values_list("attempt", "token", "owner", "outcome")
-    )
 
 
 def test_leases__a_table_without_a_ledger_claims_and_completes() -> None:

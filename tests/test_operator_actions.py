@@ -11,6 +11,7 @@ from django.test.utils import CaptureQueriesContext
 from django_leases.exceptions import LeaseLost
 from django_leases.models import JobAttempt, JobEvent, PaymentJob
 from django_leases.querysets.operators import OPERATOR_BATCH_SIZE
+from tests.leasing import claim_one, expire, ledger
 
 from .conftest import Processes, wait_for
 
@@ -18,24 +19,6 @@ pytestmark = pytest.mark.django_db
 
 Status = PaymentJob.Status
 ROW = ("attempt", "token", "owner", "outcome", "ended_by", "error_class", "error_message")
-
-
-def expire(job: PaymentJob, seconds: float = 5) -> None:
-    """Make the job's lease end `seconds` ago, by the database clock."""
-    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=seconds))
-
-
-def claim(owner: str = "w1", **kwargs: object) -> PaymentJob:
-    (job,) = PaymentJob.objects.claim(owner, ttl=60, **kwargs)  # type: ignore[arg-type]
-    return job
-
-
-def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
-    return list(
-        JobAttempt.objects.filter(job_ref=job.pk)
-        .order_by("token")
-        .values_list("attempt", "token", "owner", "outcome")
-    )
 
 
 def rows(job: PaymentJob) -> list[tuple]:
@@ -55,7 +38,7 @@ def events(job: PaymentJob) -> list[tuple]:
 
 def test_requeue__leaves_the_failed_attempt_as_it_was_and_records_an_event() -> None:
     job = PaymentJob.objects.enqueue("a", max_attempts=1)
-    held = claim("w1")
+    held = claim_one("w1")
     PaymentJob.objects.fail(job.pk, "w1", held.lease_token, ValueError("card declined"))
     before = rows(job)
     assert [r[3:7] for r in before] == [("failed", "w1", "ValueError", "card declined")]
@@ -65,14 +48,14 @@ def test_requeue__leaves_the_failed_attempt_as_it_was_and_records_an_event() -> 
     assert rows(job) == before
     assert events(job) == [("requeued", "admin:ops", 1, 1, "")]
     # No attempts were left: the requeued job still runs again.
-    again = claim("w2")
+    again = claim_one("w2")
     assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
     assert JobEvent.objects.get(job_ref=job.pk).at is not None
 
 
 def test_mark_failed__of_a_rescued_pending_job_keeps_the_watchers_row() -> None:
     job = PaymentJob.objects.enqueue("a")
-    claim("w1")
+    claim_one("w1")
     expire(job)
     assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "retry", by="watcher")
     before = rows(job)
@@ -86,7 +69,7 @@ def test_mark_failed__of_a_rescued_pending_job_keeps_the_watchers_row() -> None:
 
 def test_mark_failed__of_a_job_under_review_keeps_the_review_row() -> None:
     job = PaymentJob.objects.enqueue("a")
-    claim("w1")
+    claim_one("w1")
     expire(job)
     assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "review", by="watcher")
     before = rows(job)
@@ -99,7 +82,7 @@ def test_mark_failed__of_a_job_under_review_keeps_the_review_row() -> None:
 
 def test_forced_actions__close_the_open_attempt_once_then_never_again() -> None:
     job = PaymentJob.objects.enqueue("a")
-    held = claim("w1")
+    held = claim_one("w1")
     expire(job)
     # An expired processing job: its open attempt is ended by the operator, once.
     assert PaymentJob.objects.filter(pk=job.pk).mark_failed(reason="stuck", by="admin:a") == 1
@@ -117,7 +100,7 @@ def test_forced_actions__close_the_open_attempt_once_then_never_again() -> None:
 
 def test_force_requeue__of_a_live_lease_ends_its_attempt_as_requeued_by_the_operator() -> None:
     job = PaymentJob.objects.enqueue("a")
-    claim("w1")
+    claim_one("w1")
     assert PaymentJob.objects.filter(pk=job.pk).requeue(by="admin:ops") == 0
     assert PaymentJob.objects.filter(pk=job.pk).requeue(force=True, by="admin:ops") == 1
     assert [r[3:5] for r in rows(job)] == [("requeued", "admin:ops")]
@@ -126,7 +109,7 @@ def test_force_requeue__of_a_live_lease_ends_its_attempt_as_requeued_by_the_oper
 
 def test_release_stuck_cancel_and_review_verdicts__each_record_one_event() -> None:
     stuck = PaymentJob.objects.enqueue("a")
-    claim("w1")
+    claim_one("w1")
     expire(stuck)
     pending = PaymentJob.objects.enqueue("a")
     review = PaymentJob.objects.enqueue("a")
@@ -220,7 +203,7 @@ def test_mark_failed__racing_workers_records_exactly_the_jobs_it_failed(
 
 def test_requeue__refuses_a_healthy_lease_unless_forced() -> None:
     PaymentJob.objects.enqueue("a")
-    job = claim("w1")
+    job = claim_one("w1")
     assert PaymentJob.objects.filter(pk=job.pk).requeue() == 0
     assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING
     assert PaymentJob.objects.filter(pk=job.pk).requeue(force=True) == 1
@@ -234,10 +217,10 @@ def test_requeue__refuses_a_healthy_lease_unless_forced() -> None:
 
 def test_requeue__failed_job_gets_another_attempt() -> None:
     PaymentJob.objects.enqueue("a", max_attempts=1)
-    job = claim("w1")
+    job = claim_one("w1")
     PaymentJob.objects.fail(job.pk, "w1", job.lease_token, "x")
     assert PaymentJob.objects.filter(pk=job.pk).requeue() == 1
-    again = claim("w2")
+    again = claim_one("w2")
     assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
 
 
@@ -253,7 +236,7 @@ def test_release_stuck__only_expired_leases() -> None:
 
 def test_mark_failed_cancel_and_resolve_review() -> None:
     PaymentJob.objects.enqueue("a")
-    live = claim("w1")
+    live = claim_one("w1")
     pending = PaymentJob.objects.enqueue("a")
     other = PaymentJob.objects.enqueue("a")
     # A live lease is neither failed (unless forced) nor cancelled; a pending job is cancelled.
@@ -276,17 +259,17 @@ def test_mark_failed_cancel_and_resolve_review() -> None:
 
 def test_release_stuck__gives_a_job_without_attempts_left_one_more() -> None:
     PaymentJob.objects.enqueue("a", max_attempts=1)
-    job = claim("w1")
+    job = claim_one("w1")
     expire(job)
     assert PaymentJob.objects.all().release_stuck(by="admin:ops") == 1
-    again = claim("w2")
+    again = claim_one("w2")
     assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
     assert JobAttempt.objects.get(job_ref=job.pk, token=1).ended_by == "admin:ops"
 
 
 def test_resolve_review__records_verdict_and_who_on_the_ledger() -> None:
     PaymentJob.objects.enqueue("a")
-    job = claim("w1")
+    job = claim_one("w1")
     expire(job)
     assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "review", by="watcher")
     assert PaymentJob.objects.filter(pk=job.pk).resolve_review("failed", by="admin:ops") == 1

@@ -4,37 +4,13 @@ from datetime import timedelta
 
 import pytest
 from django.db.models.functions import Now
-from django.test.utils import CaptureQueriesContext
 
-from django_leases.models import JobAttempt, PaymentJob
+from django_leases.models import PaymentJob
+from tests.leasing import expire
 
 pytestmark = pytest.mark.django_db
 
 Status = PaymentJob.Status
-
-
-def expire(job: PaymentJob, seconds: float = 5) -> None:
-    """Make the job's lease end `seconds` ago, by the database clock."""
-    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=seconds))
-
-
-def claim_one(owner: str = "w1", **kwargs: object) -> PaymentJob:
-    (job,) = PaymentJob.objects.claim(owner, ttl=60, **kwargs)  # type: ignore[arg-type]
-    return job
-
-
-def statements(ctx: CaptureQueriesContext) -> list[str]:
-    """The SQL statements captured, without transaction and savepoint bookkeeping."""
-    bookkeeping = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK")
-    return [q["sql"] for q in ctx.captured_queries if not q["sql"].startswith(bookkeeping)]
-
-
-def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
-    return list(
-        JobAttempt.objects.filter(job_ref=job.pk)
-        .order_by("token")
-        .values_list("attempt", "token", "owner", "outcome")
-    )
 
 
 def test_expired_and_near_expiry__split_processing_jobs_by_time_left() -> None:
