@@ -44,12 +44,10 @@ from django_leases.status import (
     REVIEW,
     TIMED_OUT,
     AttemptOutcome,
-    StuckPolicy,
-    Verdict,
 )
 
 if TYPE_CHECKING:
-    from django_leases.models import AbstractLeasedJob
+    pass
 
 
 ClaimPath = Literal["postgresql+ledger", "postgresql", "sqlite", "orm"]
@@ -475,64 +473,6 @@ class LeaseQuerySet(Enqueueing[J]):
             return False
         self._pass_lock(pk)
         return True
-
-    # ---- the watcher ----------------------------------------------------------
-
-    @retry_deadlocks
-    def rescue(
-        self,
-        job: AbstractLeasedJob,
-        action: str,
-        *,
-        by: str,
-        retry_in: float | timedelta | None = None,
-        reason: str = "",
-        orphaned: bool = False,
-    ) -> bool:
-        """Resolve the expired lease of `job` (as read by the watcher) with `action`.
-
-        `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
-        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates everything the
-        decision read: the expiry, the token, the checkpoint and `max_attempts`, so a job
-        completed, renewed, claimed, checkpointed or rescued a moment ago is left alone. With
-        `orphaned`, the lease may still be live but its owner is known gone (see `orphaned()`):
-        the UPDATE then restates that owner instead of the expiry. Returns whether this call won.
-        """
-        values: dict[str, Any]
-        outcome: str
-        if action == Verdict.RETRY:
-            delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
-            values = {"status": PENDING, "run_at": after(delay) if delay else Now()}
-            outcome = AttemptOutcome.RESCUED
-        elif action == StuckPolicy.REVIEW:
-            values = {"status": REVIEW}
-            outcome = AttemptOutcome.REVIEW
-        elif action in (FAILED, COMPLETED):
-            values = {"status": action, "completed_at": Now(), "lock_holder": None}
-            outcome = action
-        else:
-            raise ValueError(f"unknown rescue action {action!r}")
-        if reason:
-            values["last_error"] = reason[:MAX_ERROR_LENGTH]
-        with transaction.atomic(using=self.db):
-            stale = (
-                self.processing().filter(lease_owner=job.lease_owner)
-                if orphaned
-                else self.expired()
-            )
-            won = stale.filter(
-                pk=job.pk,
-                lease_token=job.lease_token,
-                checkpoint=job.checkpoint,
-                max_attempts=job.max_attempts,
-            ).update(**values)
-            if won:
-                self._close_attempt(
-                    job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
-                )
-                if "lock_holder" in values:
-                    self._pass_lock(job.pk)
-        return bool(won)
 
 
 def _check_owner(owner: str) -> None:

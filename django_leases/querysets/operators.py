@@ -1,21 +1,24 @@
-"""Operator actions: requeue, release, fail, cancel and review verdicts on a selection of jobs.
+"""Decisions on jobs their holder no longer speaks for: the watcher's rescue of an expired or
+orphaned lease, and the operator actions (requeue, release, fail, cancel, review verdicts).
 
-The admin's actions and any operator script call these, never their own UPDATEs. Each action is
-conditional per row: it changes only the rows still eligible when its UPDATE runs, and returns
-how many it changed.
+The watcher, the admin's actions and any operator script call these, never their own UPDATEs.
+Each is conditional per row: it changes only the rows still eligible when its UPDATE runs (a
+rescue restates everything its decision read), and says how many it changed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.db import transaction
 from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Greatest, Now
 
+from django_leases.conf import to_seconds
 from django_leases.exceptions import LeaseError
-from django_leases.querysets.base import retry_deadlocks
+from django_leases.querysets.base import after, retry_deadlocks
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, storable
 from django_leases.querysets.locks import LockOrder
 from django_leases.status import (
@@ -28,8 +31,12 @@ from django_leases.status import (
     WAITING,
     AttemptOutcome,
     EventAction,
+    StuckPolicy,
     Verdict,
 )
+
+if TYPE_CHECKING:
+    from django_leases.models import AbstractLeasedJob
 
 OPERATOR_BATCH_SIZE = 500
 """Jobs one operator action changes per transaction (one locking read and one UPDATE)."""
@@ -41,10 +48,70 @@ REVIEW_EVENTS: dict[str, str] = {
 
 
 class OperatorActions(LockOrder[J]):
-    """The operator actions of a job table; `LeaseQuerySet` builds on them (and on the lock
-    order, pruning and the ledger writes, the classes below it) to keep each concern in its own
-    module. An action that finishes a job holding its lock passes the lock on, in its
-    transaction."""
+    """The watcher's rescue and the operator actions of a job table; `LeaseQuerySet` builds on
+    them (and on the lock order, pruning and the ledger writes, the classes below it) to keep
+    each concern in its own module. A decision that finishes a job holding its lock passes the
+    lock on, in its transaction."""
+
+    # ---- the watcher's decision -------------------------------------------------------------
+
+    @retry_deadlocks
+    def rescue(
+        self,
+        job: AbstractLeasedJob,
+        action: str,
+        *,
+        by: str,
+        retry_in: float | timedelta | None = None,
+        reason: str = "",
+        orphaned: bool = False,
+    ) -> bool:
+        """Resolve the expired lease of `job` (as read by the watcher) with `action`.
+
+        `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
+        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates everything the
+        decision read: the expiry, the token, the checkpoint and `max_attempts`, so a job
+        completed, renewed, claimed, checkpointed or rescued a moment ago is left alone. With
+        `orphaned`, the lease may still be live but its owner is known gone (see `orphaned()`):
+        the UPDATE then restates that owner instead of the expiry. Returns whether this call won.
+        """
+        values: dict[str, Any]
+        outcome: str
+        if action == Verdict.RETRY:
+            delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
+            values = {"status": PENDING, "run_at": after(delay) if delay else Now()}
+            outcome = AttemptOutcome.RESCUED
+        elif action == StuckPolicy.REVIEW:
+            values = {"status": REVIEW}
+            outcome = AttemptOutcome.REVIEW
+        elif action in (FAILED, COMPLETED):
+            values = {"status": action, "completed_at": Now(), "lock_holder": None}
+            outcome = action
+        else:
+            raise ValueError(f"unknown rescue action {action!r}")
+        if reason:
+            values["last_error"] = reason[:MAX_ERROR_LENGTH]
+        with transaction.atomic(using=self.db):
+            stale = (
+                self.processing().filter(lease_owner=job.lease_owner)
+                if orphaned
+                else self.expired()
+            )
+            won = stale.filter(
+                pk=job.pk,
+                lease_token=job.lease_token,
+                checkpoint=job.checkpoint,
+                max_attempts=job.max_attempts,
+            ).update(**values)
+            if won:
+                self._close_attempt(
+                    job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
+                )
+                if "lock_holder" in values:
+                    self._pass_lock(job.pk)
+        return bool(won)
+
+    # ---- operator actions ---------------------------------------------------------------------
 
     def requeue(self, *, force: bool = False, by: str = "operator") -> int:
         """Make the selected jobs pending and due now; return how many changed.
