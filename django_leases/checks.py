@@ -30,6 +30,7 @@ from django_leases.limits import (
 )
 from django_leases.querysets import job_model, leased_job_models, ledger_model
 from django_leases.schedules import MIN_EVERY, SCHEDULE_KEYS, SCHEDULE_NAME_LENGTH
+from django_leases.sql import mysql
 from django_leases.status import COMPLETED, FINAL_STATUSES, StuckPolicy
 
 DURATIONS = (
@@ -242,10 +243,7 @@ def database_clock_problems(alias: str) -> list[str]:
     if connection.vendor != "mysql":
         return []
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT @@session.time_zone, @@system_time_zone, "
-            "TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())"
-        )
+        cursor.execute(mysql.SESSION_CLOCK)
         session_zone, system_zone, offset = cursor.fetchone()
     zone = system_zone if session_zone == "SYSTEM" else session_zone
     if offset == 0 and str(zone).lower() in UTC_ZONES:

@@ -1,7 +1,8 @@
 """The rules of the package's layout (docs/architecture.md), checked on its source.
 
 - `sql/` imports nothing from the app: its builders take names and values, nothing else.
-- SQL text is written only in `sql/` (and in migrations).
+- SQL text (any statement, and the vendor words of the claim) is written only in `sql/` (and in
+  migrations).
 - Status, outcome and verdict words are spelled out only in `status.py` (and in migrations).
 - Lease fields are written only by `querysets/`.
 """
@@ -16,6 +17,7 @@ from django_leases.status import AttemptOutcome, JobStatus, StuckPolicy, Verdict
 PACKAGE = Path(__file__).resolve().parent.parent / "django_leases"
 SQL_TEXT = ("SKIP LOCKED", "RETURNING", "STATEMENT_TIMESTAMP", "make_interval", "STRFTIME",
             "pg_notify")  # fmt: skip
+STATEMENTS = ("SELECT ", "UPDATE ", "INSERT ", "DELETE ", "WITH ", "SET ")
 WORDS = {*JobStatus.values, *AttemptOutcome.values, *StuckPolicy.values, *Verdict.values}
 LEASE_FIELDS = {"lease_owner", "lease_until", "lease_token", "heartbeat_at", "attempts",
                 "lock_holder"}  # fmt: skip
@@ -73,6 +75,13 @@ def test_architecture__sql_text_only_in_sql() -> None:
         for node in strings(path)
         for text in SQL_TEXT
         if text in node.value
+    ]
+    # Any other statement: a string that starts like one.
+    found += [
+        f"{where(path, node)} {node.value.split()[0]}"
+        for path in modules(outside=("sql",))
+        for node in strings(path)
+        if node.value.lstrip().startswith(STATEMENTS)
     ]
     assert found == []
 

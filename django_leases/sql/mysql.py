@@ -19,3 +19,10 @@ def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
     """
     sql = f"SELECT id FROM {table} WHERE lock_holder = %(lock)s LOCK IN SHARE MODE"  # noqa: S608
     return sql, {"lock": lock}
+
+
+SESSION_CLOCK = (
+    "SELECT @@session.time_zone, @@system_time_zone, TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())"
+)
+"""The session's time zone, the server's, and how far the session's NOW() is from UTC: what
+`checks.database_clock_problems` reads, since lease times are compared with NOW()."""
