@@ -103,7 +103,7 @@ class AckBuffer:
         self.interval = interval
         self.margin = margin
         self._leases: list[Lease] = []
-        self._oldest = math.inf
+        self._buffered_at: list[float] = []
         self._expiry = math.inf
         self._ready = threading.Condition()
         self._closed = False
@@ -117,9 +117,8 @@ class AckBuffer:
         with self._ready:
             if self._closed:
                 return False
-            if not self._leases:
-                self._oldest = time.monotonic()
             self._leases.append(lease)
+            self._buffered_at.append(time.monotonic())
             self._expiry = min(self._expiry, lease.valid_until - self.margin)
             # Wake the writer only when its deadline moved: a first lease, or a batch now due.
             if len(self._leases) == 1 or self._due_in() <= 0:
@@ -134,7 +133,7 @@ class AckBuffer:
                     return None
                 self._ready.wait(None if due == math.inf else due)
             batch, self._leases = self._leases[: self.size], self._leases[self.size :]
-            self._oldest = time.monotonic() if self._leases else math.inf
+            del self._buffered_at[: self.size]
             self._expiry = min(
                 (lease.valid_until - self.margin for lease in self._leases), default=math.inf
             )
@@ -152,7 +151,7 @@ class AckBuffer:
             return math.inf
         if self._closed or len(self._leases) >= self.size:
             return 0.0
-        return min(self._oldest + self.interval, self._expiry) - time.monotonic()
+        return min(self._buffered_at[0] + self.interval, self._expiry) - time.monotonic()
 
 
 class RunsAttempts:
