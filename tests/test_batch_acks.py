@@ -9,8 +9,10 @@ import threading
 
 import pytest
 from django.db import connection
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
+from django_leases.checks import check_ack_batching
 from django_leases.exceptions import HandlerError, InvalidArgument
 from django_leases.handlers import get_handler, job_handler
 from django_leases.models import JobAttempt, PaymentJob
@@ -43,6 +45,29 @@ def test_job_handler__ack_is_each_by_default_and_batch_on_request() -> None:
 def test_job_handler__refuses_an_unknown_ack(ack: object) -> None:
     with pytest.raises(HandlerError, match=r"job kind 'x': ack must be one of 'each', 'batch'"):
         job_handler("x", ack=ack)(lambda job, lease: None)  # type: ignore[arg-type]
+
+
+# ---- the settings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "ids"),
+    [(100, []), (1, []), (1000, []), (0, ["E032"]), (1001, ["E032"]), (True, ["E032"]),
+     (2.5, ["E032"]), ("100", ["E032"])],
+)  # fmt: skip
+def test_check_ack_batching__batch_size(value: object, ids: list[str]) -> None:
+    with override_settings(DJANGO_LEASES={"ACK_BATCH_SIZE": value}):
+        assert [m.id for m in check_ack_batching()] == [f"django_leases.{i}" for i in ids]
+
+
+@pytest.mark.parametrize(
+    ("value", "ids"),
+    [(0.1, []), (5, []), (0, ["E033"]), (-1, ["E033"]), (float("nan"), ["E033"]),
+     ("0.1", ["E033"]), (None, ["E033"])],
+)  # fmt: skip
+def test_check_ack_batching__flush_interval(value: object, ids: list[str]) -> None:
+    with override_settings(DJANGO_LEASES={"ACK_FLUSH_INTERVAL": value}):
+        assert [m.id for m in check_ack_batching()] == [f"django_leases.{i}" for i in ids]
 
 
 # ---- the queryset ------------------------------------------------------------------------------
@@ -171,6 +196,26 @@ def test_worker__atomic_locked_and_failed_attempts_of_a_batch_kind_are_never_buf
 
 def worker(processes: Processes, name: str, *args: str) -> subprocess.Popen[str]:
     return processes.manage("run_lease_worker", "--worker-id", name, *FAST, *args)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ack-batch-size", "0"], "'0' must be from 1 to 1000"),
+        (["--ack-batch-size", "many"], "'many' is not a whole number"),
+        (["--ack-flush-interval", "0"], "must be a positive number of seconds"),
+    ],
+)
+def test_run_lease_worker__refuses_bad_ack_options_before_any_claim(
+    processes: Processes, args: list[str], message: str
+) -> None:
+    job = PaymentJob.objects.enqueue("noop_batch")
+    proc = processes.manage("run_lease_worker", "--burst", *args)
+    out = finish(proc, timeout=30)
+    assert proc.returncode == 1
+    assert message in out and len(out.strip().splitlines()) == 1
+    assert PaymentJob.objects.get(pk=job.pk).attempts == 0
 
 
 def acknowledged(out: str) -> list[int]:
