@@ -198,26 +198,6 @@ def worker(processes: Processes, name: str, *args: str) -> subprocess.Popen[str]
     return processes.manage("run_lease_worker", "--worker-id", name, *FAST, *args)
 
 
-@pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--ack-batch-size", "0"], "'0' must be from 1 to 1000"),
-        (["--ack-batch-size", "many"], "'many' is not a whole number"),
-        (["--ack-flush-interval", "0"], "must be a positive number of seconds"),
-    ],
-)
-def test_run_lease_worker__refuses_bad_ack_options_before_any_claim(
-    processes: Processes, args: list[str], message: str
-) -> None:
-    job = PaymentJob.objects.enqueue("noop_batch")
-    proc = processes.manage("run_lease_worker", "--burst", *args)
-    out = finish(proc, timeout=30)
-    assert proc.returncode == 1
-    assert message in out and len(out.strip().splitlines()) == 1
-    assert PaymentJob.objects.get(pk=job.pk).attempts == 0
-
-
 def acknowledged(out: str) -> list[int]:
     """The sizes of the batches the worker's log says it wrote."""
     return [int(n) for n in re.findall(r"acknowledged completed=(\d+)", out)]
