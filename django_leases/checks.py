@@ -18,7 +18,7 @@ from django_leases.exceptions import InvalidArgument, InvalidDuration, InvalidPa
 from django_leases.handlers import registered_kinds
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 from django_leases.limits import (
-    ACK_BATCH,
+    ACK_BATCH_SIZE,
     BATCH_SIZE,
     CONCURRENCY,
     DURATION_RANGE,
@@ -164,7 +164,7 @@ def check_ack_batching(**kwargs: Any) -> list[CheckMessage]:
     user = getattr(settings, "DJANGO_LEASES", {})
     values = {**DEFAULTS, **(user if isinstance(user, dict) else {})}
     messages: list[CheckMessage] = []
-    size, (low, high) = values["ACK_BATCH_SIZE"], ACK_BATCH
+    size, (low, high) = values["ACK_BATCH_SIZE"], ACK_BATCH_SIZE
     if not (isinstance(size, int) and not isinstance(size, bool) and low <= size <= high):
         messages.append(
             Error(

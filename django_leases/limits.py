@@ -35,7 +35,7 @@ MAX_ATTEMPTS = (1, 1_000_000)
 CLAIM_LIMIT = (1, 10_000)
 BATCH_SIZE = (1, 10_000)
 # Completions a worker writes in one statement (ACK_BATCH_SIZE).
-ACK_BATCH = (1, 1_000)
+ACK_BATCH_SIZE = (1, 1_000)
 # One thread and one database connection each.
 CONCURRENCY = (1, 1_000)
 MAX_JOBS = (1, 2**31 - 1)

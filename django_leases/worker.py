@@ -41,6 +41,7 @@ from django_leases.exceptions import (
 )
 from django_leases.handlers import ACK_BATCH, get_handler, registered_kinds
 from django_leases.lease import Lease
+from django_leases.limits import ACK_BATCH_SIZE
 from django_leases.listener import Listener
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet, leased_jobs, registered_workers
 from django_leases.redaction import error_text
@@ -144,8 +145,9 @@ class LeaseWorker(RunsAttempts):
             grace_period if grace_period is not None else leases_settings.GRACE_PERIOD
         )
         size = ack_batch_size if ack_batch_size is not None else leases_settings.ACK_BATCH_SIZE
-        if size < 1:
-            raise ValueError(f"ack batch size must be at least 1, got {size}")
+        low, high = ACK_BATCH_SIZE
+        if not low <= size <= high:
+            raise ValueError(f"ack batch size must be from {low} to {high}, got {size}")
         # A buffered completion's lease is no longer renewed: write it at the latest one
         # heartbeat interval before the worker would have to take that lease as lost.
         self._acks = AckBuffer(
@@ -364,8 +366,8 @@ class LeaseWorker(RunsAttempts):
         keep_usable(health_check=check)
 
     def _outage(self, what: str, exc: Exception, *, wait: threading.Event | None = None) -> None:
-        """Log a database outage, drop the broken connection and back off (jittered), or less
-        once `wait` (default: the stop request) is set."""
+        """Log a database outage, drop the broken connection and back off (jittered) unless
+        `wait` (default: the stop request) is set first."""
         self.stats.add("outages")
         logger.warning("database unavailable during %s: %s; retrying", what, error_text(exc))
         close_old_connections()

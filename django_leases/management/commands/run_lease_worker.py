@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_leases.checks import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.exceptions import WorkerIdTaken
-from django_leases.limits import ACK_BATCH, CONCURRENCY, MAX_JOBS
+from django_leases.limits import ACK_BATCH_SIZE, CONCURRENCY, MAX_JOBS
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
     add_metrics_arguments,
@@ -106,7 +106,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         )
         parser.add_argument(
             "--ack-batch-size",
-            type=whole_number(ACK_BATCH),
+            type=whole_number(ACK_BATCH_SIZE),
             default=None,
             help='completions of ack="batch" kinds written in one statement at most '
             f"(default: DJANGO_LEASES['ACK_BATCH_SIZE'], {leases_settings.ACK_BATCH_SIZE})",
