@@ -473,12 +473,19 @@ class LeaseMachine(RuleBasedStateMachine):
         if held(before, lease):
             assert job_rows()[lease.pk]["status"] == COMPLETED
 
-    @rule(batch=st.lists(leases, min_size=1, max_size=4))
-    def worker_acknowledges_a_batch(self, batch: list[PaymentJob]) -> None:
-        """A worker's batched completion (ack="batch"): one call for many leases, some lost,
-        some of a lock (left to `complete()`); each row wins exactly while its lease holds it."""
-        owner = batch[0].lease_owner
-        acks = {lease.pk: lease.lease_token for lease in batch if lease.lease_owner == owner}
+    @rule(owner=st.sampled_from(OWNERS), limit=st.integers(0, 3))
+    def worker_acknowledges_everything_it_ever_held(self, owner: str, limit: int) -> None:
+        """A worker's batched completion (ack="batch"): it claims up to `limit` jobs and runs
+        them, then completes in one call every job it ever held: those, and older ones lost,
+        finished or of a lock (left to `complete()`); each row wins exactly while its lease
+        holds it."""
+        if limit:
+            before = job_rows()
+            self._acquired(PaymentJob.objects.claim(owner, ttl=TTL, limit=limit), owner, before)
+        acks = {
+            row["job_ref"]: row["token"]
+            for row in JobAttempt.objects.filter(owner=owner).order_by("token").values()
+        }
         jobs_before, ledger_before = job_rows(), ledger_rows()
         won = PaymentJob.objects.complete_many(owner, acks)
         assert won == {
