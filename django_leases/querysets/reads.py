@@ -183,11 +183,17 @@ class LeaseReads(models.QuerySet[J]):
                 cursor.execute(statement, params)
                 return sql.postgresql.planned_rows(cursor.fetchone()[0])
         if connection.vendor == "mysql":
-            statement, params = sql.mysql.row_estimate(table, status=status)
             with connection.cursor() as cursor:
-                cursor.execute(statement, params)
-                columns = [column[0] for column in cursor.description]
-                return sql.mysql.planned_rows(columns, cursor.fetchone())
+
+                def planned(**where: Any) -> int:
+                    cursor.execute(*sql.mysql.row_estimate(table, **where))
+                    columns = [column[0] for column in cursor.description]
+                    return sql.mysql.planned_rows(columns, cursor.fetchone())
+
+                if status is None:
+                    return planned()
+                equal, other_than = planned(status=status), planned(status=status, other_than=True)
+                return sql.mysql.status_estimate(equal, other_than, planned())
         return None
 
     def _ledger(self) -> type[AbstractJobAttempt] | None:
