@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import _common as common
+from bench.gauges import add_live_argument, seed_live
 from bench.table_size import load_finished, settle
 
 PAGES = {
@@ -78,9 +79,7 @@ def measure_sizes(sizes: list[int], live: int, loads: int) -> list[dict[str, Any
     client = Client()
     client.force_login(user)
     manager = PaymentJob.objects
-    common.seed_pending(live)
-    for n, pk in enumerate(manager.values_list("pk", flat=True)[: live // 2]):
-        manager.claim_job(pk, f"bench-live-{n % 8}", ttl=3600)
+    seed_live(live)
     default_limit = DEFAULTS["ADMIN_EXACT_COUNT_LIMIT"]
     limits = {"default": default_limit, "all exact": EXACT_COUNT_LIMIT[1]}
     loaded, steps = 0, []
@@ -148,12 +147,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(__doc__)
     common.add_sizes_argument(parser)
-    parser.add_argument(
-        "--live",
-        type=common.positive_int,
-        default=2000,
-        help="live jobs beside them: half pending, half processing (default: %(default)r)",
-    )
+    add_live_argument(parser)
     parser.add_argument(
         "--loads",
         type=common.positive_int,
