@@ -5,9 +5,10 @@ GROUP BY or a bounded list, each served by an index of `PaymentJob` — the over
 counts stop at a limit (`status_tallies()`: partial indexes of live rows, `dl_job_finished_idx
 (status, completed_at)` for the others, the database's statistics beyond), lease counts walk
 the processing-only `dl_job_lease_idx`, the oldest due job the pending-only `dl_job_due_idx`
-and the last hour's throughput a range of `dl_job_finished_idx`; long runners are processing jobs, each probing the ledger's unique
-(job_ref, token) index for its open attempt. So the overview costs the same number of queries
-however many rows pile up. Every "now" is the database clock.
+and the last hour's throughput a range of `dl_job_finished_idx`; long runners are processing
+jobs, each probing the ledger's unique (job_ref, token) index for its open attempt. So the
+overview costs the same number of queries however many rows pile up. Every "now" is the
+database clock.
 """
 
 from __future__ import annotations

@@ -125,7 +125,10 @@ def test_changelist__whole_table_estimated_filtered_list_capped(
     assert cl.paginator.tally == Tally(200, MORE_THAN) and cl.result_count == 201
     assert len(cl.result_list) == 100
     assert {job.status for job in cl.result_list} == {"completed"}
-    assert ">more than 200</span> payment jobs" in response.content.decode()
+    html = response.content.decode()
+    assert ">more than 200</span> payment jobs" in html
+    # The actions' "select all" says the same, in both of its places.
+    assert 'Select all <span class="dl-approx"' in html and "All more than 200 selected" in html
 
 
 # ---- the pieces ----------------------------------------------------------------------------

@@ -10,26 +10,33 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.paginator import Paginator
 from django.utils.formats import number_format
 from django.utils.html import format_html
-from django.utils.translation import gettext
+from django.utils.translation import gettext, ngettext
 
 from django_leases import stats
 from django_leases.querysets import LeaseQuerySet
 
 
-def tally_html(tally: stats.Tally) -> str:
-    """Return `tally` as the admin shows it: an exact count as it is; an estimate as "≈ 1,200,000"
-    (two significant digits) and "more than 10,000", each with a tooltip saying where it comes
-    from."""
+def tally_text(tally: stats.Tally) -> str:
+    """Return `tally` as text: an exact count as it is; an estimate as "≈ 1,200,000" (two
+    significant digits), a lower bound as "more than 10,000"."""
     if tally.how == stats.EXACT:
         return str(tally.n)
     if tally.how == stats.ESTIMATED:
         rounded = round(tally.n, 2 - len(str(tally.n)))
-        text = "≈ " + number_format(rounded, force_grouping=True)
+        return "≈ " + number_format(rounded, force_grouping=True)
+    return gettext("more than %(n)s") % {"n": number_format(tally.n, force_grouping=True)}
+
+
+def tally_html(tally: stats.Tally) -> str:
+    """Return `tally` as the admin shows it: `tally_text()`, with a tooltip saying where a count
+    that is not exact comes from."""
+    if tally.how == stats.EXACT:
+        return str(tally.n)
+    if tally.how == stats.ESTIMATED:
         title = gettext("estimated from the database's statistics")
     else:
-        text = gettext("more than %(n)s") % {"n": number_format(tally.n, force_grouping=True)}
         title = gettext("counting stops there, so that the page stays fast")
-    return format_html('<span class="dl-approx" title="{}">{}</span>', title, text)
+    return format_html('<span class="dl-approx" title="{}">{}</span>', title, tally_text(tally))
 
 
 class CountingPaginator(Paginator):
@@ -60,8 +67,18 @@ class CountingChangeList(ChangeList):
 
     @property
     def labelled(self) -> LabelledCount:
-        """This changelist, its count labelled: for Django's own `{% pagination %}`."""
+        """This changelist, its count labelled: for Django's own templates (pagination,
+        actions)."""
         return LabelledCount(self)
+
+    def selection_note_all(self) -> str | None:
+        """The actions' "All N selected", its count labelled; None when the count is exact
+        (Django's own then stands)."""
+        tally = self.paginator.tally
+        if tally.how == stats.EXACT:
+            return None
+        note = ngettext("%(total_count)s selected", "All %(total_count)s selected", tally.n)
+        return note % {"total_count": tally_text(tally)}
 
 
 class LabelledCount:

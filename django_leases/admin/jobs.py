@@ -169,6 +169,18 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[CountingChangeList]:
         return CountingChangeList
 
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None)  # a redirect has none
+        changelist = context.get("cl") if context else None
+        if isinstance(changelist, CountingChangeList):
+            note = changelist.selection_note_all()
+            if note is not None:
+                context["selection_note_all"] = note  # type: ignore[index]
+        return response
+
     def get_paginator(
         self,
         request: HttpRequest,
