@@ -50,10 +50,10 @@ def planned_rows(columns: list[str], row: tuple[Any, ...]) -> int:
 def status_estimate(equal: int, other_than: int, table_rows: int) -> int:
     """Return the estimate of a status's rows from `row_estimate()`'s three plans.
 
-    InnoDB caps an index range's estimate at half the table: a status holding most of the table
-    (completed, typically) reads as half of it. Then the table less the other statuses, a
-    smaller range estimated without the cap, is the better estimate.
+    InnoDB caps an index range's estimate at half the table (rounded down): a status holding
+    most of the table (completed, typically) reads as half of it. Then the table less the other
+    statuses, a smaller range estimated without the cap, is the better estimate.
     """
-    if 2 * equal >= table_rows:
+    if equal >= table_rows // 2:
         return max(equal, table_rows - other_than)
     return equal
