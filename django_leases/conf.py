@@ -27,6 +27,11 @@ DEFAULTS: dict[str, Any] = {
     "CONCURRENCY": 1,
     # Seconds a stopping worker lets running jobs finish; later ones are left to lease expiry.
     "GRACE_PERIOD": 30.0,
+    # Completions of ack="batch" kinds a worker writes in one statement at most.
+    "ACK_BATCH_SIZE": 100,
+    # Seconds a worker holds the oldest buffered completion of an ack="batch" kind at most
+    # before it writes the batch.
+    "ACK_FLUSH_INTERVAL": 0.1,
     # Acquisitions a job gets before it fails for good, unless enqueue() says otherwise.
     "MAX_ATTEMPTS": 5,
     # First retry delay in seconds; it doubles per attempt, with full jitter.

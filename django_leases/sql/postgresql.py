@@ -1,5 +1,5 @@
-"""PostgreSQL statements: the one-statement claim and completion, the enqueue's share lock on a
-lock holder, and NOTIFY. Tested on 15."""
+"""PostgreSQL statements: the one-statement claim and completion (of one job or a batch), the
+enqueue's share lock on a lock holder, and NOTIFY. Tested on 15."""
 
 import json
 from dataclasses import dataclass
@@ -135,6 +135,23 @@ def claim(
     return sql, params
 
 
+def _close_done(ledger: LedgerNames) -> str:
+    """Return the UPDATE that closes, as completed by `%(owner)s`, the open ledger row of each
+    job the `done` CTE (id, lease_token, checkpoint) completed."""
+    return f"""
+            UPDATE {ledger.table} AS a
+            SET {ledger.outcome} = %(completed)s,
+                {ledger.ended_at} = STATEMENT_TIMESTAMP(),
+                {ledger.ended_by} = %(owner)s,
+                {ledger.checkpoint} = done.checkpoint,
+                {ledger.error_class} = '',
+                {ledger.error_message} = ''
+            FROM done
+            WHERE a.{ledger.job_ref} = done.id AND a.{ledger.token} = done.lease_token
+              AND a.{ledger.ended_at} IS NULL
+        """  # noqa: S608 - names quoted by the caller, values are parameters
+
+
 def complete(
     table: str,
     ledger: LedgerNames,
@@ -157,24 +174,51 @@ def complete(
             WHERE id = %(pk)s AND status = %(processing)s AND lease_owner = %(owner)s
               AND lease_token = %(token)s AND "lock" = ''
             RETURNING id, lease_token, checkpoint
-        ), closed AS (
-            UPDATE {ledger.table} AS a
-            SET {ledger.outcome} = %(completed)s,
-                {ledger.ended_at} = STATEMENT_TIMESTAMP(),
-                {ledger.ended_by} = %(owner)s,
-                {ledger.checkpoint} = done.checkpoint,
-                {ledger.error_class} = '',
-                {ledger.error_message} = ''
-            FROM done
-            WHERE a.{ledger.job_ref} = done.id AND a.{ledger.token} = done.lease_token
-              AND a.{ledger.ended_at} IS NULL
-        )
+        ), closed AS ({_close_done(ledger)})
         SELECT count(*) FROM done
     """  # noqa: S608 - names quoted by the caller, values are parameters
     params = {
         "pk": pk,
         "owner": owner,
         "token": token,
+        "processing": processing,
+        "completed": completed,
+    }
+    return sql, params
+
+
+def complete_many(
+    table: str,
+    ledger: LedgerNames,
+    *,
+    owner: str,
+    pks: list[int],
+    tokens: list[int],
+    processing: str,
+    completed: str,
+) -> tuple[str, Params]:
+    """Return the completion of a batch of jobs without a lock in one statement: `complete()`
+    for every (pk, token) pair at once, each row still conditional on its own id, status,
+    owner and token. Only the ledger rows of the jobs whose UPDATE won are closed; the
+    statement returns their ids. The pairs arrive as two arrays, unnested side by side: two
+    parameters whatever the batch size, so the statement's text (and plan) does not vary."""
+    sql = f"""
+        WITH acked AS (
+            SELECT * FROM unnest(%(pks)s::bigint[], %(tokens)s::bigint[]) AS acked (id, token)
+        ), done AS (
+            UPDATE {table} AS job
+            SET status = %(completed)s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
+            FROM acked
+            WHERE job.id = acked.id AND job.lease_token = acked.token
+              AND job.status = %(processing)s AND job.lease_owner = %(owner)s AND job."lock" = ''
+            RETURNING job.id, job.lease_token, job.checkpoint
+        ), closed AS ({_close_done(ledger)})
+        SELECT id FROM done
+    """  # noqa: S608 - names quoted by the caller, values are parameters
+    params = {
+        "pks": pks,
+        "tokens": tokens,
+        "owner": owner,
         "processing": processing,
         "completed": completed,
     }

@@ -1,12 +1,61 @@
-"""SQLite statements: one pass of the claim, the enqueue's read of a lock holder. Needs SQLite
-3.35+ for RETURNING."""
+"""SQLite statements: one pass of the claim, the batched completion, the enqueue's read of a
+lock holder. Needs SQLite 3.35+ for RETURNING."""
 
 from typing import Any
+
+from django_leases.sql.postgresql import LedgerNames
 
 Params = dict[str, Any]
 
 NOW = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
 """The database clock, in the text format Django stores datetimes in (UTC)."""
+
+
+def pairs_in(columns: str, pairs: dict[int, int]) -> tuple[str, Params]:
+    """Return `(a, b) IN (VALUES (...), ...)` for `pairs` ({pk: token}), two parameters each:
+    a row-value list, never a chain of ORs (SQLite refuses expressions deeper than 1000)."""
+    rows = ", ".join(f"(%(pk_{i})s, %(token_{i})s)" for i in range(len(pairs)))
+    params: Params = {}
+    for i, (pk, token) in enumerate(pairs.items()):
+        params[f"pk_{i}"], params[f"token_{i}"] = pk, token
+    return f"({columns}) IN (VALUES {rows})", params
+
+
+def complete_many(
+    table: str, *, owner: str, pairs: dict[int, int], processing: str, completed: str
+) -> tuple[str, Params]:
+    """Return the completion of a batch of jobs without a lock: one UPDATE, each row still
+    conditional on its own id, status, owner and fencing token, RETURNING the rows that won
+    (the caller closes their ledger rows in the same transaction)."""
+    held, params = pairs_in("id, lease_token", pairs)
+    sql = f"""
+        UPDATE {table}
+        SET status = %(completed)s, completed_at = {NOW}, last_error = ''
+        WHERE {held} AND status = %(processing)s AND lease_owner = %(owner)s AND "lock" = ''
+        RETURNING id, lease_token
+    """  # noqa: S608 - names quoted by the caller, values are parameters
+    return sql, {**params, "owner": owner, "processing": processing, "completed": completed}
+
+
+def close_attempts(
+    table: str, ledger: LedgerNames, *, owner: str, pairs: dict[int, int], outcome: str
+) -> tuple[str, Params]:
+    """Return the closing of the open ledger rows of `pairs` ({job id: token}) as `outcome`,
+    by `owner`, each keeping its job's checkpoint: one UPDATE for the whole batch."""
+    held, params = pairs_in(f"{ledger.job_ref}, {ledger.token}", pairs)
+    sql = f"""
+        UPDATE {ledger.table}
+        SET {ledger.outcome} = %(outcome)s,
+            {ledger.ended_at} = {NOW},
+            {ledger.ended_by} = %(owner)s,
+            {ledger.checkpoint} = (
+                SELECT checkpoint FROM {table} WHERE id = {ledger.table}.{ledger.job_ref}
+            ),
+            {ledger.error_class} = '',
+            {ledger.error_message} = ''
+        WHERE {held} AND {ledger.ended_at} IS NULL
+    """  # noqa: S608 - names quoted by the caller, values are parameters
+    return sql, {**params, "owner": owner, "outcome": outcome}
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
