@@ -133,6 +133,12 @@ def lease_indexes(prefix: str) -> list[models.Index]:
             name=f"{prefix}_lease_idx",
             condition=Q(status=JobStatus.PROCESSING),
         ),
+        # claim() takeovers of given kinds, led by `kind` as the index above.
+        models.Index(
+            fields=["kind", "status", "lease_until"],
+            name=f"{prefix}_kind_lease_idx",
+            condition=Q(status=JobStatus.PROCESSING),
+        ),
         # Passing a lock on: the first waiting job of a lock.
         models.Index(
             fields=["status", "lock", "id"],

@@ -5,7 +5,7 @@ import json
 import random
 import threading
 from collections import Counter
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -123,14 +123,55 @@ def rows_examined(plan: dict[str, Any]) -> int:
     return own + sum(rows_examined(child) for child in plan.get("Plans", []))
 
 
+def expire_mix(per_kind: int) -> None:
+    """Make `per_kind` jobs of each served kind and of the backlog kind hold leases that expired
+    at distinct times, the backlog's longest ago."""
+    order = [kind for _ in range(per_kind) for kind in [*SERVED, BACKLOG]]
+    random.Random(5).shuffle(order)
+    for n, kind in enumerate(order):
+        job = PaymentJob.objects.enqueue(kind)
+        assert PaymentJob.objects.claim_job(job.pk, "gone", ttl=60) is not None
+        seconds = 10 * len(order) + n if kind == BACKLOG else 10 + n
+        PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=seconds))
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kinds", [SERVED, SERVED[:1]])
+def test_claim__takes_over_its_kinds_expired_leases_oldest_first(kinds: list[str]) -> None:
+    expire_mix(per_kind=CANDIDATE_SLACK + 4)
+    expected = list(
+        PaymentJob.objects.expired()
+        .filter(kind__in=kinds)
+        .order_by("lease_until")
+        .values_list("pk", flat=True)
+    )
+    claimed: list[int] = []
+    while batch := PaymentJob.objects.claim("w", ttl=60, kinds=kinds):
+        assert batch[0].taken_over  # type: ignore[attr-defined]
+        claimed.append(batch[0].pk)
+    assert claimed == expected
+    assert PaymentJob.objects.expired().filter(kind=BACKLOG).count() == CANDIDATE_SLACK + 4
+
+
 @pytest.mark.django_db
 @pytest.mark.skipif(
     connection.vendor != "postgresql", reason="EXPLAIN ANALYZE's JSON plan is PostgreSQL's"
 )
 @pytest.mark.parametrize("kinds", [SERVED, SERVED[:1]])
-def test_claim__reads_none_of_another_kinds_backlog(kinds: list[str]) -> None:
-    enqueue_mix(seed=3, per_kind=5)
-    PaymentJob.objects.bulk_create(PaymentJob(kind=BACKLOG, priority=9) for _ in range(20_000))
+@pytest.mark.parametrize("backlog", ["due", "expired"])
+def test_claim__reads_none_of_another_kinds_backlog(kinds: list[str], backlog: str) -> None:
+    if backlog == "due":
+        enqueue_mix(seed=3, per_kind=5)
+    else:  # expired leases are taken before due jobs are read
+        expire_mix(per_kind=3)
+    long_ago = datetime(2000, 1, 1, tzinfo=UTC)
+    status = "pending" if backlog == "due" else "processing"
+    PaymentJob.objects.bulk_create(
+        PaymentJob(
+            kind=BACKLOG, priority=9, status=status, lease_owner="gone", lease_until=long_ago
+        )
+        for _ in range(20_000)
+    )
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {PaymentJob._meta.db_table}")
     statements: list[tuple[str, Any]] = []
@@ -148,7 +189,8 @@ def test_claim__reads_none_of_another_kinds_backlog(kinds: list[str]) -> None:
         plan = cursor.fetchone()[0]
         transaction.set_rollback(True)
     plan = plan if isinstance(plan, list) else json.loads(plan)
-    # The CTE of due jobs; the primary-key probes of the UPDATE and the ledger are not scans.
-    (due,) = (node for node in plan[0]["Plan"]["Plans"] if node.get("Subplan Name") == "CTE due")
-    examined = rows_examined(due)
+    # The CTE that walks past the backlog; the UPDATE's and the ledger's are primary-key probes.
+    cte = f"CTE {backlog}"
+    (walk,) = (node for node in plan[0]["Plan"]["Plans"] if node.get("Subplan Name") == cte)
+    examined = rows_examined(walk)
     assert 0 < examined <= 2 * len(kinds) * (2 + CANDIDATE_SLACK), examined

@@ -33,6 +33,11 @@ LEDGER_INSERT = ("job", "job_ref", "attempt", "token", "owner", "claimed_at", "l
 DUE = "status = %(pending)s AND run_at <= STATEMENT_TIMESTAMP() AND attempts < max_attempts"
 """The claim's predicate of a due job."""
 
+EXPIRED = (
+    "status = %(processing)s AND lease_until < STATEMENT_TIMESTAMP() AND attempts < max_attempts"
+)
+"""The claim's predicate of an expired lease it may take over (before the takeover guard)."""
+
 CANDIDATE_SLACK = 32
 """How many due jobs of each kind beyond `limit` a claim of several kinds reads, for rows that
 concurrent claims hold locked and this one skips."""
@@ -61,7 +66,7 @@ def claim(
     skipped, not waited for; a row changed by a commit before we lock it is rechecked against
     the CTE's WHERE (READ COMMITTED EvalPlanQual). Expired leases are taken first; `due` is only
     read as far as the outer LIMIT needs. Each CTE walks its own partial index, so the cost does
-    not grow with finished rows; due jobs of given `kinds` are read from the index led by
+    not grow with finished rows; the jobs of given `kinds` are read from the indexes led by
     `kind`, so neither does it grow with other kinds' backlog.
 
     With `ledger`, the ledger writes ride in the same statement as data-modifying CTEs: the open
@@ -70,7 +75,7 @@ def claim(
     rows the INSERT adds. Without it the caller writes the ledger in the same transaction.
     The rows come back with a `taken_over` column, in no particular order.
     """
-    kind_sql, kind_params = kinds
+    kind_params = kinds[1]
     guard_sql, guard_params = guard
     update = f"""
         UPDATE {table} AS job
@@ -107,15 +112,11 @@ def claim(
         )
         SELECT * FROM claimed
         """  # noqa: S608 - names quoted by the caller, values are parameters
+    expired = _locked(table, f"{EXPIRED} {guard_sql}", ["lease_until"], kinds)
+    due = _locked(table, DUE, ["priority DESC", "run_at", "id"], kinds)
     sql = f"""
-        WITH expired AS MATERIALIZED (
-            SELECT id FROM {table}
-            WHERE status = %(processing)s AND lease_until < STATEMENT_TIMESTAMP()
-              AND attempts < max_attempts {kind_sql} {guard_sql}
-            ORDER BY lease_until
-            LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
-        ), due AS MATERIALIZED ({_due(table, kind_sql, kind_params)}
+        WITH expired AS MATERIALIZED ({expired}
+        ), due AS MATERIALIZED ({due}
         ), picked AS MATERIALIZED (
             SELECT id, TRUE AS taken_over FROM expired
             UNION ALL
@@ -138,37 +139,37 @@ def claim(
     return sql, params
 
 
-def _due(table: str, kind_sql: str, kind_params: Params) -> str:
-    """Return the claim's CTE of due jobs: at most `limit` of them, locked, in claim order.
+def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params]) -> str:
+    """Return a claim CTE: at most `limit` rows matching `where` and `kinds`, in `order`, locked.
 
     Every kind, or one (`kind IN (%(kind_0)s)` is `kind = ...`): one ordered range of a partial
     index, walked with SKIP LOCKED until LIMIT rows are locked. PostgreSQL (15) cannot merge the
-    ordered ranges of several kinds in one index scan; it would sort every due job of those
-    kinds, or walk the whole due index filtering on kind. So for several kinds each kind's
-    first `limit + CANDIDATE_SLACK` due jobs are one ordered range each, a Merge Append
-    interleaves them in claim order, and the outer SELECT locks them one by one under the
-    LIMIT: never more than `limit` rows locked. It comes back short only if more than
-    CANDIDATE_SLACK of a kind's first due jobs are locked by concurrent claims. Tested on 15.
+    ordered ranges of several kinds in one index scan; it would sort every row of those kinds,
+    or walk the index led by `status` filtering on kind. So for several kinds each kind's first
+    `limit + CANDIDATE_SLACK` rows are one ordered range each (`key_*` columns), a Merge Append
+    interleaves them in `order`, and the outer SELECT locks them one by one under the LIMIT:
+    never more than `limit` rows locked. It comes back short only if more than CANDIDATE_SLACK
+    of a kind's first rows are locked by concurrent claims. Tested on 15.
     """
+    kind_sql, kind_params = kinds
     if len(kind_params) < 2:
         return f"""
-            SELECT id FROM {table}
-            WHERE {DUE} {kind_sql}
-            ORDER BY priority DESC, run_at, id
-            LIMIT %(limit)s
+            SELECT id FROM {table} WHERE {where} {kind_sql}
+            ORDER BY {", ".join(order)} LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED"""  # noqa: S608 - names quoted by the caller
+    terms = [term.split(maxsplit=1) for term in order]  # ("priority", "DESC"), ("run_at",)
+    keys = ", ".join(f"{term[0]} AS key_{i}" for i, term in enumerate(terms))
     arms = " UNION ALL ".join(
-        f"(SELECT id, priority, run_at FROM {table} WHERE {DUE} AND kind = %({key})s"  # noqa: S608
-        " ORDER BY priority DESC, run_at, id LIMIT %(candidates)s)"
-        for key in kind_params
+        f"(SELECT id AS key_id, {keys} FROM {table} WHERE {where} AND kind = %({name})s"  # noqa: S608
+        f" ORDER BY {', '.join(order)} LIMIT %(candidates)s)"
+        for name in kind_params
     )
+    by_key = ", ".join(" ".join([f"candidate.key_{i}", *term[1:]]) for i, term in enumerate(terms))
     return f"""
             SELECT job.id FROM ({arms}) AS candidate
-            JOIN {table} AS job ON job.id = candidate.id
-            WHERE job.status = %(pending)s AND job.run_at <= STATEMENT_TIMESTAMP()
-              AND job.attempts < job.max_attempts
-            ORDER BY candidate.priority DESC, candidate.run_at, candidate.id
-            LIMIT %(limit)s
+            JOIN {table} AS job ON job.id = candidate.key_id
+            WHERE {where}
+            ORDER BY {by_key} LIMIT %(limit)s
             FOR UPDATE OF job SKIP LOCKED"""  # noqa: S608 - names quoted by the caller
 
 
