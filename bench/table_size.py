@@ -19,7 +19,9 @@ waiting, spread over the LOCKS locks). Waiting jobs are in no index a claim walk
 claim of the lock-free pending jobs should cost the same with 0 or 100k of them.
 
 `--other-kind` grows a backlog of another kind instead: the sizes are due pending jobs of kind
-"backlog", older than every `noop` job (so ahead of them in claim order), and each claim is
+"backlog", older than every `noop` job (so ahead of them in claim order), or with
+`--other-kind expired` processing jobs of that kind whose lease expired long ago (what a kind
+no worker serves leaves behind when no watcher runs); each claim is
 `claim(kinds=KINDS)` (`--kinds`, default `noop`; `noop,capture` for a worker of several kinds).
 A claim that had to walk past the backlog would grow with it; the ratio to the empty table is
 printed.
@@ -173,27 +175,32 @@ def load_waiting(count: int, locks: int) -> None:
     load_copies(template, count, values, after)
 
 
-def load_backlog(count: int) -> None:
-    """Add `count` due pending jobs of kind "backlog", ahead of every `noop` job in claim order."""
+def load_backlog(count: int, state: str) -> None:
+    """Add `count` jobs of kind "backlog" ahead of every `noop` job in claim order: due pending
+    jobs (`state` "due"), or processing jobs whose lease expired long ago ("expired")."""
     from django_leases.models import PaymentJob
 
     template = PaymentJob.objects.enqueue("backlog")
     values = {"lease_owner": f"'{LOADER}'", "run_at": LONG_AGO, "created_at": LONG_AGO}
+    if state == "expired":
+        values |= {"status": "'processing'", "lease_until": LONG_AGO, "attempts": "1"}
     load_copies(template, count, values)
 
 
-def settle(churn: bool, index_cleanup: bool) -> None:
-    """Refresh statistics; also VACUUM on PostgreSQL unless the dead rows are the point.
+def settle(churn: bool, index_cleanup: bool, vacuum: bool = False) -> None:
+    """Refresh statistics; also VACUUM on PostgreSQL unless the dead rows are the point (`churn`
+    without `vacuum`).
 
     A plain VACUUM, like autovacuum, skips index cleanup when the dead rows sit on under 2% of
-    the heap's pages (PostgreSQL 14+), which leaves their entries in the partial indexes;
+    the heap's pages (PostgreSQL 14+), which leaves their entries in the partial indexes, unless
+    the table says `vacuum_index_cleanup = on` (django_leases' migration 0002 does);
     `index_cleanup` forces it.
     """
     from django.db import connection
 
     tables = (common.JOB_TABLE, common.LEDGER_TABLE)
     options = "ANALYZE, INDEX_CLEANUP ON" if index_cleanup else "ANALYZE"
-    if connection.vendor == "postgresql" and not churn:
+    if connection.vendor == "postgresql" and (vacuum or not churn):
         for table in tables:
             common.execute(f"VACUUM ({options}) {table}")
     else:
@@ -304,8 +311,9 @@ def measure_sizes(
     churn: bool,
     index_cleanup: bool,
     waiting_behind: int = 0,
-    other_kind: bool = False,
+    other_kind: str = "",
     kinds: list[str] | None = None,
+    vacuum: bool = False,
 ) -> list[dict[str, Any]]:
     """Grow the table through `sizes` finished jobs (or jobs waiting behind `waiting_behind`
     busy locks, or due jobs of another kind); at each size time `claims` claims of `kinds`."""
@@ -328,12 +336,12 @@ def measure_sizes(
         if waiting_behind:
             load_waiting(size - loaded, waiting_behind)
         elif other_kind:
-            load_backlog(size - loaded)
+            load_backlog(size - loaded, other_kind)
         else:
             load_finished(size - loaded, churn)
         loaded = size
         common.seed_pending(pending)
-        settle(churn, index_cleanup)
+        settle(churn, index_cleanup, vacuum)
         # Once on the settled table, once after the timed claims left their dead versions.
         fresh = explain_claim(owner, ttl, kinds).get("buffers")
         common.claim_timings(warmup, limit=1, ttl=ttl, owner=owner, kinds=kinds)
@@ -364,6 +372,7 @@ def measure(
         waiting_behind=args.waiting_behind,
         other_kind=args.other_kind,
         kinds=args.kinds.split(",") if args.kinds else None,
+        vacuum=args.vacuum,
     )
 
 
@@ -372,7 +381,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
     if args.waiting_behind:
         rows_are = f"waiting behind {args.waiting_behind} locks"
     if args.other_kind:
-        rows_are = "due jobs of another kind"
+        rows_are = f"{args.other_kind} jobs of another kind"
     headers = ["database", rows_are, "p50 ms", "p95 ms", "p99 ms", "max ms", "empty"]
     headers += ["buffers 1st", "buffers", "expired CTE", "due CTE", "explain ms", "rows read"]
     headers += ["p50 vs smallest"]
@@ -399,10 +408,11 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
     ]
     plans = dict(steps)  # the last, largest size of each database wins
     state = "churned, not vacuumed" if args.churn else "inserted completed, vacuumed or analyzed"
+    state = "churned, then VACUUM" if args.churn and args.vacuum else state
     if args.waiting_behind:
         state = f"jobs waiting behind {args.waiting_behind} busy locks"
     if args.other_kind:
-        state = f"due jobs of kind backlog ahead of them; kinds={args.kinds}"
+        state = f"{args.other_kind} jobs of kind backlog ahead of them; kinds={args.kinds}"
     state += ", INDEX_CLEANUP ON" if args.index_cleanup and not args.churn else ""
     common.print_table(
         f"claim(limit=1) against {rows_are} ({state}); {args.claims} timed claims per size",
@@ -450,14 +460,24 @@ def main(argv: list[str] | None = None) -> int:
         help="finish the loaded rows by UPDATEs and measure before any vacuum (see above)",
     )
     parser.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="with --churn: a plain VACUUM ANALYZE after loading, as autovacuum runs it "
+        "(PostgreSQL)",
+    )
+    parser.add_argument(
         "--index-cleanup",
         action="store_true",
         help="VACUUM (INDEX_CLEANUP ON) instead of a plain VACUUM between sizes (PostgreSQL)",
     )
     parser.add_argument(
         "--other-kind",
-        action="store_true",
-        help="grow due jobs of another kind, ahead in claim order, instead of finished jobs",
+        nargs="?",
+        const="due",
+        default="",
+        choices=["due", "expired"],
+        help="grow jobs of another kind ahead in claim order instead of finished jobs: due "
+        "pending jobs (the default) or processing jobs with expired leases",
     )
     parser.add_argument(
         "--kinds",

@@ -4,6 +4,8 @@ lock holder, and NOTIFY. Tested on 15."""
 from dataclasses import dataclass
 from typing import Any
 
+from django_leases.sql.merge import merge_keys
+
 Params = dict[str, Any]
 
 DEADLOCK_SQLSTATES = ("40001", "40P01")
@@ -157,14 +159,12 @@ def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params])
             SELECT id FROM {table} WHERE {where} {kind_sql}
             ORDER BY {", ".join(order)} LIMIT %(limit)s
             FOR UPDATE SKIP LOCKED"""  # noqa: S608 - names quoted by the caller
-    terms = [term.split(maxsplit=1) for term in order]  # ("priority", "DESC"), ("run_at",)
-    keys = ", ".join(f"{term[0]} AS key_{i}" for i, term in enumerate(terms))
+    keys, by_key = merge_keys(order)
     arms = " UNION ALL ".join(
-        f"(SELECT id AS key_id, {keys} FROM {table} WHERE {where} AND kind = %({name})s"  # noqa: S608
+        f"(SELECT {keys} FROM {table} WHERE {where} AND kind = %({name})s"  # noqa: S608
         f" ORDER BY {', '.join(order)} LIMIT %(candidates)s)"
         for name in kind_params
     )
-    by_key = ", ".join(" ".join([f"candidate.key_{i}", *term[1:]]) for i, term in enumerate(terms))
     return f"""
             SELECT job.id FROM ({arms}) AS candidate
             JOIN {table} AS job ON job.id = candidate.key_id
