@@ -241,7 +241,7 @@ def explain_claim(owner: str, ttl: float, kinds: list[str] | None) -> dict[str, 
     vendor = connection.vendor
     statements = capture_claim_sql(owner, ttl, kinds)
     if vendor == "postgresql":
-        sql, params = next(s for s in statements if "FOR UPDATE SKIP LOCKED" in s[0])
+        sql, params = next(s for s in statements if "SKIP LOCKED" in s[0])
         prefixes = ["EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ", "EXPLAIN (ANALYZE, BUFFERS) "]
     elif vendor == "mysql":
         # The first locking SELECT looks at expired leases, the second at due jobs.
