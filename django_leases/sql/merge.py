@@ -2,9 +2,14 @@
 
 
 def merge_keys(order: list[str]) -> tuple[str, str]:
-    """Return the select list that names `id` `key_id` and the columns of `order` ("priority
-    DESC", "run_at", ...) `key_0`, `key_1`, ..., and the ORDER BY of those keys."""
+    """Return the select list that names `id` `key_id` and the other columns of `order`
+    ("priority DESC", "run_at", "id") `key_0`, `key_1`, ..., and the ORDER BY of those keys.
+
+    `id` is named once: ordered by a second copy of it, PostgreSQL would not see that the Merge
+    Append already delivers that order, and would sort (and probe) every candidate."""
     terms = [term.split(maxsplit=1) for term in order]
-    keys = ", ".join(["id AS key_id", *(f"{term[0]} AS key_{i}" for i, term in enumerate(terms))])
-    by_key = ", ".join(" ".join([f"key_{i}", *term[1:]]) for i, term in enumerate(terms))
-    return keys, by_key
+    names = ["key_id" if term[0] == "id" else f"key_{i}" for i, term in enumerate(terms)]
+    pairs = list(zip(terms, names, strict=True))
+    keys = ["id AS key_id", *(f"{term[0]} AS {name}" for term, name in pairs if name != "key_id")]
+    by_key = ", ".join(" ".join([name, *term[1:]]) for term, name in pairs)
+    return ", ".join(keys), by_key
