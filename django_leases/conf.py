@@ -71,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
     # Periodic jobs: {"name": {"kind": "k", "every": seconds}}, optionally with "payload" and
     # "catch_up" (default True: a missed tick is enqueued once, late). One job per tick.
     "SCHEDULES": {},
+    # Jobs the admin counts exactly (per status on the overview, per changelist): beyond it, a
+    # finished status or the whole table shows the database's estimate, anything else "more than".
+    "ADMIN_EXACT_COUNT_LIMIT": 10_000,
 }
 
 

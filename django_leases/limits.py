@@ -36,6 +36,8 @@ CLAIM_LIMIT = (1, 10_000)
 BATCH_SIZE = (1, 10_000)
 # One thread and one database connection each.
 CONCURRENCY = (1, 1_000)
+# Rows the admin counts exactly before it estimates.
+EXACT_COUNT_LIMIT = (1, 100_000_000)
 MAX_JOBS = (1, 2**31 - 1)
 # A job's id: a BIGINT.
 JOB_ID = (1, 2**63 - 1)
