@@ -24,8 +24,7 @@ BACKLOG = "webhook"
 
 def enqueue_mix(seed: int, per_kind: int) -> None:
     """Enqueue `per_kind` jobs of each served kind and of the backlog kind, with mixed priorities
-    and run_at (whole minutes apart, so that equal values leave the order to the id), the
-    backlog's ahead of the others in claim order."""
+    and run_at (some in the future), the backlog's ahead of the others in claim order."""
     rng = random.Random(seed)
     for _ in range(per_kind):
         for kind in [*SERVED, BACKLOG]:
