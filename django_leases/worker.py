@@ -22,7 +22,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from django.db import (
@@ -274,8 +274,13 @@ class LeaseWorker(RunsAttempts):
         if not any(get_handler(kind).ack == ACK_BATCH for kind in self.kinds):
             self._acks.close()
             return
-        self._ack_writer = threading.Thread(target=self._ack_loop, name="lease-acks", daemon=True)
-        self._ack_writer.start()
+        self._ack_writer = self._started(self._ack_loop, "lease-acks")
+
+    @staticmethod
+    def _started(target: Callable[[], None], name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         return leased_jobs(self.model, self.using)
@@ -407,10 +412,13 @@ class LeaseWorker(RunsAttempts):
         if self._heartbeat is None or not self._heartbeat.is_alive():
             if self._heartbeat is not None:
                 logger.error("the heartbeat thread died; starting a new one")
-            self._heartbeat = threading.Thread(
-                target=self._heartbeat_loop, name="lease-heartbeat", daemon=True
-            )
-            self._heartbeat.start()
+            self._heartbeat = self._started(self._heartbeat_loop, "lease-heartbeat")
+        if self._ack_writer is not None and not self._ack_writer.is_alive():
+            # Its code catches what a write raises, so this is a bug of ours. Completions it had
+            # taken are not written: their leases run out and those jobs run again, as after a
+            # crash; without a writer every later ack of the batch kinds would be lost too.
+            logger.error("the acknowledgement thread died; starting a new one")
+            self._ack_writer = self._started(self._ack_loop, "lease-acks")
         if abandoned > self.concurrency and self.failure is None:
             self.failure = (
                 f"{abandoned} handler thread(s) still running past their timeout, more than "
