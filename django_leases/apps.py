@@ -18,6 +18,7 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_sqlite_transaction_mode)
         # Asks the database itself: runs under `manage.py check --database ALIAS` (and migrate).
         checks.register(lease_checks.check_database_clock, checks.Tags.database)
+        checks.register(lease_checks.check_autovacuum, checks.Tags.database)
         checks.register(lease_checks.check_tasks_framework)
         checks.register(lease_checks.check_worker_retention)
         checks.register(lease_checks.check_job_model)

@@ -32,7 +32,7 @@ from django_leases.limits import (
 )
 from django_leases.querysets import job_model, leased_job_models, ledger_model
 from django_leases.schedules import MIN_EVERY, SCHEDULE_KEYS, SCHEDULE_NAME_LENGTH
-from django_leases.sql import mysql
+from django_leases.sql import mysql, postgresql
 from django_leases.status import COMPLETED, FINAL_STATUSES, StuckPolicy
 
 DURATIONS = (
@@ -306,6 +306,44 @@ def check_database_clock(
         )
         for alias in databases or ()
         for problem in database_clock_problems(alias)
+    ]
+
+
+def autovacuum_problems(alias: str) -> list[str]:
+    """Return what keeps database `alias` from vacuuming the job table, one line each.
+
+    No update of a job row is HOT (each changes an indexed column), so every claim, heartbeat
+    and completion leaves a dead entry in a partial index right where the next claim starts
+    reading; only a vacuum removes it. Without autovacuum a claim reads further with every job
+    processed since the last manual VACUUM (bench/README.md: about one index page per 95 jobs).
+    """
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(postgresql.AUTOVACUUM)
+        (running,) = cursor.fetchone()
+    if running:
+        return []
+    return [
+        f"database {alias!r}: autovacuum is off; claims slow down with every job processed "
+        "until a VACUUM of the job table."
+    ]
+
+
+def check_autovacuum(
+    app_configs: Any = None, databases: Iterable[str] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Warn about a PostgreSQL server without autovacuum (`check --database ALIAS`)."""
+    return [
+        Warning(
+            problem,
+            hint="Turn autovacuum on (postgresql.conf: autovacuum = on), or VACUUM the job and "
+            "ledger tables every few minutes; see the Autovacuum section of docs/operations.md.",
+            id="django_leases.W008",
+        )
+        for alias in databases or ()
+        for problem in autovacuum_problems(alias)
     ]
 
 

@@ -2,16 +2,19 @@
 
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import django
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
-from django.db import connection
+from django.db import connection, connections
 from django.test import override_settings
 
 from django_leases.checks import (
+    autovacuum_problems,
+    check_autovacuum,
     check_database_clock,
     check_job_model,
     check_ledgers,
@@ -27,7 +30,7 @@ from django_leases.models import PaymentJob
 from django_leases.querysets import leased_jobs
 from tests.testapp.models import PayoutJob
 
-from .conftest import Processes, subprocess_env
+from .conftest import Processes, subprocess_env, wait_for
 
 
 def ids(**settings: object) -> list[str]:
@@ -217,10 +220,56 @@ def test_commands__refuse_a_session_zone_that_is_not_utc(
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
 def test_commands__start_on_a_utc_session(processes: Processes) -> None:
-    proc = processes.manage("check", "--database", "default", "--fail-level", "WARNING")
+    proc = processes.manage("check", "--database", "default")
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
-    assert "no issues" in out
+    assert "E013" not in out, out
+
+
+@contextmanager
+def server_setting(name: str, value: str) -> Iterator[None]:
+    """Set a reloadable PostgreSQL setting server-wide (ALTER SYSTEM), then reset it."""
+    admin = connections.create_connection("default")
+    admin.ensure_connection()
+    admin.connection.autocommit = True  # ALTER SYSTEM cannot run in a transaction block
+    try:
+        with admin.connection.cursor() as cursor:
+            cursor.execute(f"ALTER SYSTEM SET {name} = {value}")
+            cursor.execute("SELECT pg_reload_conf()")
+        with connection.cursor() as cursor:
+            query = f"SELECT current_setting('{name}') = '{value}'"
+            wait_for(lambda: cursor.execute(query) or cursor.fetchone()[0], timeout=10)
+        yield
+    finally:
+        with admin.connection.cursor() as cursor:
+            cursor.execute(f"ALTER SYSTEM RESET {name}")
+            cursor.execute("SELECT pg_reload_conf()")
+        admin.close()
+
+
+@pytest.mark.django_db
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="autovacuum is PostgreSQL's")
+@pytest.mark.parametrize("running", ["on", "off"])
+def test_check_autovacuum__warns_while_the_server_runs_none(running: str) -> None:
+    with server_setting("autovacuum", running):
+        problems = autovacuum_problems("default")
+        messages = check_autovacuum(databases=["default"])
+    if running == "on":
+        assert (problems, messages) == ([], [])
+    else:
+        assert problems == [
+            "database 'default': autovacuum is off; claims slow down with every "
+            "job processed until a VACUUM of the job table."
+        ]
+        assert [m.id for m in messages] == ["django_leases.W008"]
+        assert "VACUUM the job and ledger tables" in str(messages[0].hint)
+
+
+@pytest.mark.django_db
+@pytest.mark.skipif(connection.vendor == "postgresql", reason="SQLite and MariaDB/MySQL")
+def test_check_autovacuum__nothing_to_ask_elsewhere() -> None:
+    assert autovacuum_problems("default") == []
+    assert check_autovacuum(databases=["default"]) == []
 
 
 LEASE_TASKS = {"default": {"BACKEND": "django_leases.backends.LeaseBackend"}}

@@ -304,3 +304,8 @@ def planned_rows(plan: Any) -> int:
     if isinstance(plan, str | bytes):
         plan = json.loads(plan)
     return int(plan[0]["Plan"]["Plan Rows"])
+
+
+AUTOVACUUM = "SELECT current_setting('autovacuum') = 'on'"
+"""Whether the server runs autovacuum: what `checks.autovacuum_problems` reads, since only a
+vacuum removes the dead entries each finished job leaves at the front of the claim's indexes."""
