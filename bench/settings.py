@@ -26,13 +26,20 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # off, so workers find new jobs by polling alone (wakeup_latency.py compares the two).
 DJANGO_LEASES = {**DJANGO_LEASES, "USE_NOTIFY": os.environ.get("BENCH_USE_NOTIFY", "1") != "0"}
 
+# Completions of an ack="batch" kind a worker writes in one statement (throughput.py's --batch
+# for its django-leases-batch system); unset: the library's default.
+if "BENCH_ACK_BATCH" in os.environ:
+    DJANGO_LEASES["ACK_BATCH_SIZE"] = int(os.environ["BENCH_ACK_BATCH"])
+
 # App -> the module that must be importable for it to be installed. The peers are compared on
 # PostgreSQL only (procrastinate's migrations need it), so they are left out on other databases.
+# The django-tasks database backend needs the django_tasks backport on Django 5.2 only (Django 6
+# has the Tasks framework in core).
 ON_POSTGRESQL = DATABASES["default"]["ENGINE"].endswith("postgresql")
 PEER_APPS = {
     "procrastinate.contrib.django": "procrastinate",
     "django_q": "django_q",
-    "django_tasks": "django_tasks_db",
+    "django_tasks": "django_tasks",
     "django_tasks_db": "django_tasks_db",
 }
 INSTALLED_APPS = [
