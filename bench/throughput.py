@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         help="CONN_MAX_AGE of every worker: 'none' (persistent connections) or seconds; 0 is "
         "Django's default, a new connection each worker round (default: %(default)s)",
     )
-    common.add_common_arguments(parser, databases=None, timeout=300)
+    common.add_common_arguments(parser, databases=None, timeout=900)
     args = parser.parse_args(argv)
     return common.run_main(run, args)
 
