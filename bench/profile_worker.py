@@ -94,16 +94,16 @@ def label(sql: str) -> str:
 # ---- Django side -------------------------------------------------------------------------------
 
 
-def seed(jobs: int, empty: bool = True) -> dict[str, Any]:
-    """Add `jobs` pending no-op jobs, to empty tables unless `empty` is false."""
+def seed(jobs: int, kind: str, empty: bool = True) -> dict[str, Any]:
+    """Add `jobs` pending jobs of `kind`, to empty tables unless `empty` is false."""
     if empty:
         common.empty_tables(common.JOB_TABLE, common.LEDGER_TABLE, common.WORKER_TABLE)
-    common.seed_pending(jobs)
+    common.seed_pending(jobs, kind)
     common.analyze(common.JOB_TABLE, common.LEDGER_TABLE)
     return {}
 
 
-def timed_worker(concurrency: int, ttl: float) -> dict[str, Any]:
+def timed_worker(kind: str, concurrency: int, ttl: float) -> dict[str, Any]:
     """Run the worker with every statement timed; return the groups, wall and CPU seconds, and
     one statement (text, parameters) of each group."""
     from django.core.management import call_command
@@ -135,7 +135,7 @@ def timed_worker(concurrency: int, ttl: float) -> dict[str, Any]:
     cpu, wall = os.times(), time.perf_counter()
     call_command(
         "run_lease_worker",
-        "--kind=noop",
+        f"--kind={kind}",
         "--burst",
         f"--concurrency={concurrency}",
         f"--ttl={ttl}",
@@ -219,8 +219,8 @@ def statements_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     ]
     rows.append(["all statements", "", "", f"{total / jobs * 1000:.3f}", "100.0%"])
     common.print_table(
-        f"statements of one run_lease_worker --concurrency {args.concurrency}, {jobs} no-op "
-        "jobs (client side, summed over the worker's threads)",
+        f"statements of one run_lease_worker --concurrency {args.concurrency}, {jobs} jobs of "
+        f"kind {args.kind} (client side, summed over the worker's threads)",
         ["statement", "calls/job", "ms/call", "ms/job", "% of statement time"],
         rows,
     )
@@ -243,7 +243,7 @@ def py_spy_record(
     out = procs.logs / "py-spy.txt"
     worker = common.django_command(
         "run_lease_worker",
-        "--kind=noop",
+        f"--kind={args.kind}",
         "--burst",
         f"--concurrency={args.concurrency}",
         f"--ttl={args.ttl}",
@@ -312,14 +312,18 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
         common.note(f"migrating {db.name} ...")
         procs.call(db, "bench._common:migrate")
         common.note(f"statements: {args.jobs} jobs ...")
-        procs.call(db, "bench.profile_worker:seed", jobs=args.jobs)
+        procs.call(db, "bench.profile_worker:seed", jobs=args.jobs, kind=args.kind)
         timed = procs.call(
-            db, "bench.profile_worker:timed_worker", concurrency=args.concurrency, ttl=args.ttl
+            db,
+            "bench.profile_worker:timed_worker",
+            kind=args.kind,
+            concurrency=args.concurrency,
+            ttl=args.ttl,
         )
         statements_report(args, timed)
         if args.py_spy:
             common.note(f"py-spy: {args.jobs} jobs ...")
-            procs.call(db, "bench.profile_worker:seed", jobs=args.jobs)
+            procs.call(db, "bench.profile_worker:seed", jobs=args.jobs, kind=args.kind)
             recorded = py_spy_record(args, db, procs)
             if isinstance(recorded, Path):
                 layers_report(recorded)
@@ -327,7 +331,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
                 print(f"\nskipped py-spy: {recorded}")
         common.note("round trips, EXPLAIN (ANALYZE, BUFFERS) ...")
         # On the table the runs left (their finished jobs and ledger rows), as a worker sees it.
-        procs.call(db, "bench.profile_worker:seed", jobs=1000, empty=False)
+        procs.call(db, "bench.profile_worker:seed", jobs=1000, kind=args.kind, empty=False)
         costs = procs.call(db, "bench.profile_worker:round_trips", samples=500)
         common.print_table(
             "one statement alone on an idle connection (median of 500, client side)",
@@ -346,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         type=common.positive_int,
         default=10_000,
         help="jobs per run (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--kind",
+        default="noop",
+        help="the handler kind of bench/jobs.py the worker runs (default: %(default)s)",
     )
     parser.add_argument(
         "--concurrency",
