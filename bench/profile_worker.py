@@ -36,17 +36,16 @@ from typing import Any
 
 from bench import _common as common
 
-# Statement groups, by a fragment of their text; others are named by their first words.
+# Statement groups, by a pattern of their text; others are named by their first words.
 STATEMENT_LABELS = (
-    ("SKIP LOCKED", "claim (UPDATE ... SKIP LOCKED, ledger rows opened)"),
-    ("WITH done AS", "complete (job UPDATE + ledger row closed)"),
-    ("SELECT 1", "connection health check (SELECT 1)"),
-    ("django_leases_worker", "worker registry (register, beat, leave)"),
-    ("heartbeat_at", "lease renewal (heartbeat)"),
-    ("LISTEN", "LISTEN"),
-    ("SET ", "session settings"),
+    (r"SKIP LOCKED", "claim (UPDATE ... SKIP LOCKED, ledger rows opened)"),
+    (r"^\s*WITH done AS", "complete (job UPDATE + ledger row closed)"),
+    (r"^\s*SELECT 1\s*$", "connection health check (SELECT 1)"),
+    (r"django_leases_worker", "worker registry (register, beat, leave)"),
+    (r"heartbeat_at", "lease renewal (heartbeat)"),
+    (r"^\s*(LISTEN|SET) ", "session set-up (LISTEN, SET)"),
 )
-# The groups whose statement is explained: the claim and the completion.
+# The groups whose statement is explained: the claim and the single completion.
 EXPLAINED = tuple(name for _, name in STATEMENT_LABELS[:2])
 # Layers of a py-spy sample: its innermost worker frame's function names the layer.
 OPERATION_LAYERS = {
@@ -85,8 +84,8 @@ LIBRARY_LAYERS = (
 
 
 def label(sql: str) -> str:
-    for fragment, name in STATEMENT_LABELS:
-        if fragment in sql:
+    for pattern, name in STATEMENT_LABELS:
+        if re.search(pattern, sql):
             return name
     return " ".join(re.sub(r"'[^']*'|\b\d+\b|\"s\d+_x\d+\"", "?", sql).split())[:70]
 
