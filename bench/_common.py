@@ -668,7 +668,9 @@ def seed_pending(count: int, kind: str = "noop") -> None:
     )
 
 
-def claim_timings(claims: int, *, limit: int, ttl: float, owner: str) -> dict[str, Any]:
+def claim_timings(
+    claims: int, *, limit: int, ttl: float, owner: str, kinds: list[str] | None = None
+) -> dict[str, Any]:
     """Claim `claims` times; return each claim() call's latency in ms ("ms"), how many claims
     found nothing ("empty") and how many jobs they got ("jobs").
 
@@ -681,7 +683,7 @@ def claim_timings(claims: int, *, limit: int, ttl: float, owner: str) -> dict[st
     timings, empty, claimed = [], 0, 0
     for _ in range(claims):
         start = time.perf_counter()
-        jobs = manager.claim(owner, ttl=ttl, limit=limit)
+        jobs = manager.claim(owner, ttl=ttl, limit=limit, kinds=kinds)
         timings.append((time.perf_counter() - start) * 1000)
         empty += not jobs
         claimed += len(jobs)

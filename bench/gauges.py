@@ -20,6 +20,27 @@ from bench import _common as common
 from bench.table_size import load_finished, settle
 
 
+def seed_live(live: int) -> None:
+    """Add `live` jobs: half pending, half processing under an hour's lease (with open
+    attempts)."""
+    from django_leases.models import PaymentJob
+
+    manager = PaymentJob.objects
+    common.seed_pending(live)
+    for n, pk in enumerate(manager.values_list("pk", flat=True)[: live // 2]):
+        manager.claim_job(pk, f"bench-live-{n % 8}", ttl=3600)
+
+
+def add_live_argument(parser: argparse.ArgumentParser) -> None:
+    """Add --live: the live jobs beside the finished ones."""
+    parser.add_argument(
+        "--live",
+        type=common.positive_int,
+        default=2000,
+        help="live jobs beside them: half pending, half processing (default: %(default)r)",
+    )
+
+
 def measure_sizes(sizes: list[int], live: int, scrapes: int) -> list[dict[str, Any]]:
     """Grow the table through `sizes` finished jobs; at each size time `scrapes` scrapes."""
     from django.db import connection
@@ -31,9 +52,7 @@ def measure_sizes(sizes: list[int], live: int, scrapes: int) -> list[dict[str, A
 
     common.migrate()
     manager = PaymentJob.objects
-    common.seed_pending(live)
-    for n, pk in enumerate(manager.values_list("pk", flat=True)[: live // 2]):
-        manager.claim_job(pk, f"bench-live-{n % 8}", ttl=3600)
+    seed_live(live)
     open_attempts = JobAttempt.objects.filter(ended_at__isnull=True)
     long_ones = list(open_attempts.values_list("pk", flat=True)[: live // 20])
     JobAttempt.objects.filter(pk__in=long_ones).update(claimed_at=Now() - timedelta(hours=1))
@@ -95,12 +114,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(__doc__)
     common.add_sizes_argument(parser)
-    parser.add_argument(
-        "--live",
-        type=common.positive_int,
-        default=2000,
-        help="live jobs beside them: half pending, half processing (default: %(default)r)",
-    )
+    add_live_argument(parser)
     parser.add_argument(
         "--scrapes",
         type=common.positive_int,

@@ -17,11 +17,20 @@ the state is reproducible).
 live lease (processing), and the sizes are jobs waiting behind those busy locks (status
 waiting, spread over the LOCKS locks). Waiting jobs are in no index a claim walks, so the
 claim of the lock-free pending jobs should cost the same with 0 or 100k of them.
+
+`--other-kind` grows a backlog of another kind instead: the sizes are due pending jobs of kind
+"backlog", older than every `noop` job (so ahead of them in claim order), or with
+`--other-kind expired` processing jobs of that kind whose lease expired long ago (what a kind
+no worker serves leaves behind when no watcher runs); each claim is
+`claim(kinds=KINDS)` (`--kinds`, default `noop`; `noop,capture` for a worker of several kinds).
+A claim that had to walk past the backlog would grow with it; the ratio to the empty table is
+printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from typing import Any
 
@@ -126,54 +135,79 @@ def hold_locks(locks: int) -> None:
             raise RuntimeError(f"could not claim the holder of lock bench:{i}")
 
 
-def load_waiting(count: int, locks: int) -> None:
-    """Add `count` jobs waiting behind the `locks` busy locks, in chunks of CHUNK rows."""
+def load_copies(template: Any, count: int, values: dict[str, str], after: str = "") -> None:
+    """Add `count` copies of the job `template` with `values` (column -> SQL) replaced, in
+    chunks of CHUNK rows; run `after` (an UPDATE taking the first new id) on each chunk."""
     from django.db import connection, transaction
 
     from django_leases.models import PaymentJob
 
     manager = PaymentJob.objects
-    template = manager.enqueue("noop", lock="bench:0")
-    if template.status != PaymentJob.Status.WAITING:
-        raise RuntimeError("the template job should wait behind bench:0")
-    spread = (
-        "CONCAT('bench:', id %% %s)" if connection.vendor == "mysql" else "'bench:' || (id %% %s)"
-    )
     for first in range(0, count, CHUNK):
         prefix, source = _series(connection.vendor, min(CHUNK, count - first))
         with transaction.atomic():
             last = manager.order_by("-pk").values_list("pk", flat=True).first() or 0
-            values = {"lease_owner": f"'{LOADER}'", "created_at": LONG_AGO}
             common.execute(
                 f"{prefix} {_copy_sql(PaymentJob, source, 't.id = %s', values)}", [template.pk]
             )
-            common.execute(
-                f"UPDATE {common.JOB_TABLE} SET {connection.ops.quote_name('lock')} = {spread} "
-                "WHERE id > %s",
-                [locks, last],
-            )
+            if after:
+                common.execute(after, [last])
     manager.filter(pk=template.pk).delete()
 
 
-def settle(churn: bool, index_cleanup: bool) -> None:
-    """Refresh statistics; also VACUUM on PostgreSQL unless the dead rows are the point.
+def load_waiting(count: int, locks: int) -> None:
+    """Add `count` jobs waiting behind the `locks` busy locks."""
+    from django.db import connection
+
+    from django_leases.models import PaymentJob
+
+    template = PaymentJob.objects.enqueue("noop", lock="bench:0")
+    if template.status != PaymentJob.Status.WAITING:
+        raise RuntimeError("the template job should wait behind bench:0")
+    spread = (
+        f"CONCAT('bench:', id %% {locks})"
+        if connection.vendor == "mysql"
+        else (f"'bench:' || (id %% {locks})")
+    )
+    lock = connection.ops.quote_name("lock")
+    after = f"UPDATE {common.JOB_TABLE} SET {lock} = {spread} WHERE id > %s"
+    values = {"lease_owner": f"'{LOADER}'", "created_at": LONG_AGO}
+    load_copies(template, count, values, after)
+
+
+def load_backlog(count: int, state: str) -> None:
+    """Add `count` jobs of kind "backlog" ahead of every `noop` job in claim order: due pending
+    jobs (`state` "due"), or processing jobs whose lease expired long ago ("expired")."""
+    from django_leases.models import PaymentJob
+
+    template = PaymentJob.objects.enqueue("backlog")
+    values = {"lease_owner": f"'{LOADER}'", "run_at": LONG_AGO, "created_at": LONG_AGO}
+    if state == "expired":
+        values |= {"status": "'processing'", "lease_until": LONG_AGO, "attempts": "1"}
+    load_copies(template, count, values)
+
+
+def settle(churn: bool, index_cleanup: bool, vacuum: bool = False) -> None:
+    """Refresh statistics; also VACUUM on PostgreSQL unless the dead rows are the point (`churn`
+    without `vacuum`).
 
     A plain VACUUM, like autovacuum, skips index cleanup when the dead rows sit on under 2% of
-    the heap's pages (PostgreSQL 14+), which leaves their entries in the partial indexes;
+    the heap's pages (PostgreSQL 14+), which leaves their entries in the partial indexes, unless
+    the table says `vacuum_index_cleanup = on` (django_leases' migration 0002 does);
     `index_cleanup` forces it.
     """
     from django.db import connection
 
     tables = (common.JOB_TABLE, common.LEDGER_TABLE)
     options = "ANALYZE, INDEX_CLEANUP ON" if index_cleanup else "ANALYZE"
-    if connection.vendor == "postgresql" and not churn:
+    if connection.vendor == "postgresql" and (vacuum or not churn):
         for table in tables:
             common.execute(f"VACUUM ({options}) {table}")
     else:
         common.analyze(*tables)
 
 
-def capture_claim_sql(owner: str, ttl: float) -> list[tuple[str, Any]]:
+def capture_claim_sql(owner: str, ttl: float, kinds: list[str] | None) -> list[tuple[str, Any]]:
     """Run one claim() and return the statements it sent (SQL and parameters)."""
     from django.db import connection
 
@@ -187,13 +221,13 @@ def capture_claim_sql(owner: str, ttl: float) -> list[tuple[str, Any]]:
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(record):
-        jobs = PaymentJob.objects.claim(owner, ttl=ttl)
+        jobs = PaymentJob.objects.claim(owner, ttl=ttl, kinds=kinds)
     for job in jobs:
         PaymentJob.objects.complete(job.pk, owner, job.lease_token)
     return statements
 
 
-def explain_claim(owner: str, ttl: float) -> dict[str, Any]:
+def explain_claim(owner: str, ttl: float, kinds: list[str] | None) -> dict[str, Any]:
     """EXPLAIN the statement of claim() that picks the jobs, on this database's terms.
 
     PostgreSQL: EXPLAIN (ANALYZE, BUFFERS) of the claiming UPDATE, rolled back. MariaDB:
@@ -205,9 +239,9 @@ def explain_claim(owner: str, ttl: float) -> dict[str, Any]:
     from django.db import connection, transaction
 
     vendor = connection.vendor
-    statements = capture_claim_sql(owner, ttl)
+    statements = capture_claim_sql(owner, ttl, kinds)
     if vendor == "postgresql":
-        sql, params = next(s for s in statements if "FOR UPDATE SKIP LOCKED" in s[0])
+        sql, params = next(s for s in statements if "SKIP LOCKED" in s[0])
         prefixes = ["EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ", "EXPLAIN (ANALYZE, BUFFERS) "]
     elif vendor == "mysql":
         # The first locking SELECT looks at expired leases, the second at due jobs.
@@ -277,9 +311,12 @@ def measure_sizes(
     churn: bool,
     index_cleanup: bool,
     waiting_behind: int = 0,
+    other_kind: str = "",
+    kinds: list[str] | None = None,
+    vacuum: bool = False,
 ) -> list[dict[str, Any]]:
     """Grow the table through `sizes` finished jobs (or jobs waiting behind `waiting_behind`
-    busy locks); at each size time `claims` claims."""
+    busy locks, or due jobs of another kind); at each size time `claims` claims of `kinds`."""
     from django.db import connection
 
     from django_leases.models import JobAttempt, PaymentJob
@@ -298,16 +335,19 @@ def measure_sizes(
         common.note(f"  {connection.vendor}: loading {size - loaded} finished jobs ...")
         if waiting_behind:
             load_waiting(size - loaded, waiting_behind)
+        elif other_kind:
+            load_backlog(size - loaded, other_kind)
         else:
             load_finished(size - loaded, churn)
         loaded = size
         common.seed_pending(pending)
-        settle(churn, index_cleanup)
+        settle(churn, index_cleanup, vacuum)
         # Once on the settled table, once after the timed claims left their dead versions.
-        fresh = explain_claim(owner, ttl).get("buffers")
-        common.claim_timings(warmup, limit=1, ttl=ttl, owner=owner)
-        timed = common.claim_timings(claims, limit=1, ttl=ttl, owner=owner)
-        steps.append({"size": size, **timed, **explain_claim(owner, ttl), "fresh_buffers": fresh})
+        fresh = explain_claim(owner, ttl, kinds).get("buffers")
+        common.claim_timings(warmup, limit=1, ttl=ttl, owner=owner, kinds=kinds)
+        timed = common.claim_timings(claims, limit=1, ttl=ttl, owner=owner, kinds=kinds)
+        explained = explain_claim(owner, ttl, kinds)
+        steps.append({"size": size, **timed, **explained, "fresh_buffers": fresh})
     return steps
 
 
@@ -330,17 +370,26 @@ def measure(
         churn=args.churn,
         index_cleanup=args.index_cleanup,
         waiting_behind=args.waiting_behind,
+        other_kind=args.other_kind,
+        kinds=args.kinds.split(",") if args.kinds else None,
+        vacuum=args.vacuum,
     )
 
 
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
-    rows_are = (
-        f"waiting behind {args.waiting_behind} locks" if args.waiting_behind else "finished rows"
-    )
+    rows_are = "finished rows"
+    if args.waiting_behind:
+        rows_are = f"waiting behind {args.waiting_behind} locks"
+    if args.other_kind:
+        rows_are = f"{args.other_kind} jobs of another kind"
     headers = ["database", rows_are, "p50 ms", "p95 ms", "p99 ms", "max ms", "empty"]
     headers += ["buffers 1st", "buffers", "expired CTE", "due CTE", "explain ms", "rows read"]
+    headers += ["p50 vs smallest"]
     skipped: dict[str, str] = {}
     steps = common.each_database(args, "size", lambda db: measure(args, db, procs), skipped)
+    empty: dict[str, float] = {}
+    for vendor, step in steps:  # the smallest size of each database comes first
+        empty.setdefault(vendor, statistics.median(step["ms"]))
     rows = [
         [
             vendor,
@@ -353,13 +402,17 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
             str(step.get("due_buffers", "-")),
             f"{step['exec_ms']:.2f}" if "exec_ms" in step else "-",
             f"{step['rows_read']:.0f}" if "rows_read" in step else "-",
+            f"{statistics.median(step['ms']) / empty[vendor]:.2f}x",
         ]
         for vendor, step in steps
     ]
     plans = dict(steps)  # the last, largest size of each database wins
     state = "churned, not vacuumed" if args.churn else "inserted completed, vacuumed or analyzed"
+    state = "churned, then VACUUM" if args.churn and args.vacuum else state
     if args.waiting_behind:
         state = f"jobs waiting behind {args.waiting_behind} busy locks"
+    if args.other_kind:
+        state = f"{args.other_kind} jobs of kind backlog ahead of them; kinds={args.kinds}"
     state += ", INDEX_CLEANUP ON" if args.index_cleanup and not args.churn else ""
     common.print_table(
         f"claim(limit=1) against {rows_are} ({state}); {args.claims} timed claims per size",
@@ -407,9 +460,30 @@ def main(argv: list[str] | None = None) -> int:
         help="finish the loaded rows by UPDATEs and measure before any vacuum (see above)",
     )
     parser.add_argument(
+        "--vacuum",
+        action="store_true",
+        help="with --churn: a plain VACUUM ANALYZE after loading, as autovacuum runs it "
+        "(PostgreSQL)",
+    )
+    parser.add_argument(
         "--index-cleanup",
         action="store_true",
         help="VACUUM (INDEX_CLEANUP ON) instead of a plain VACUUM between sizes (PostgreSQL)",
+    )
+    parser.add_argument(
+        "--other-kind",
+        nargs="?",
+        const="due",
+        default="",
+        choices=["due", "expired"],
+        help="grow jobs of another kind ahead in claim order instead of finished jobs: due "
+        "pending jobs (the default) or processing jobs with expired leases",
+    )
+    parser.add_argument(
+        "--kinds",
+        default="",
+        help="comma-separated kinds each claim asks for (default: every kind; noop with "
+        "--other-kind)",
     )
     parser.add_argument(
         "--waiting-behind",
@@ -420,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     common.add_common_arguments(parser, databases="postgresql", timeout=1800)
     args = parser.parse_args(argv)
+    if args.other_kind and not args.kinds:
+        args.kinds = "noop"
     return common.run_main(run, args)
 
 

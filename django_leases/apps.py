@@ -24,5 +24,6 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_ledgers)
         checks.register(lease_checks.check_network_timeout)
         checks.register(lease_checks.check_schedules)
+        checks.register(lease_checks.check_ack_batching)
         conf.connect_signals()
         handlers.autodiscover()

@@ -8,8 +8,10 @@ lease may still be live, and an outcome the database refuses still ends the atte
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -25,9 +27,9 @@ from django.db import (
 )
 
 from django_leases.backoff import retry_delay
-from django_leases.db import keep_usable
+from django_leases.db import harden, keep_usable
 from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
-from django_leases.handlers import get_handler
+from django_leases.handlers import ACK_BATCH, Handler, get_handler
 from django_leases.lease import Lease
 from django_leases.querysets import LeaseQuerySet
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
@@ -88,17 +90,84 @@ class WorkerStats:
         return " ".join(f"{name}={getattr(self, name)}" for name in names)
 
 
+class AckBuffer:
+    """Completions of ack="batch" kinds waiting to be written together. Thread-safe.
+
+    A batch is due when it holds `size` leases, when the oldest has waited `interval` seconds,
+    or when a buffered lease comes within `margin` seconds of the time it must be taken as lost
+    (the heartbeat no longer renews it: its handler is done), and at once after `close()`.
+    """
+
+    def __init__(self, *, size: int, interval: float, margin: float) -> None:
+        self.size = size
+        self.interval = interval
+        self.margin = margin
+        self._leases: list[Lease] = []
+        self._buffered_at: list[float] = []
+        self._expiry = math.inf
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._ready:
+            return len(self._leases)
+
+    def add(self, lease: Lease) -> bool:
+        """Buffer `lease`'s completion; False once closed (the caller writes it at once)."""
+        with self._ready:
+            if self._closed:
+                return False
+            self._leases.append(lease)
+            self._buffered_at.append(time.monotonic())
+            self._expiry = min(self._expiry, lease.valid_until - self.margin)
+            # Wake the writer only when its deadline moved: a first lease, or a batch now due.
+            if len(self._leases) == 1 or self._due_in() <= 0:
+                self._ready.notify()
+            return True
+
+    def take(self) -> list[Lease] | None:
+        """Wait for a due batch and return it, oldest first; None once closed and empty."""
+        with self._ready:
+            while (due := self._due_in()) > 0:
+                if self._closed and not self._leases:
+                    return None
+                self._ready.wait(None if due == math.inf else due)
+            batch, self._leases = self._leases[: self.size], self._leases[self.size :]
+            del self._buffered_at[: self.size]
+            self._expiry = min(
+                (lease.valid_until - self.margin for lease in self._leases), default=math.inf
+            )
+            return batch
+
+    def close(self) -> None:
+        """Make everything buffered due now and refuse more."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
+    def _due_in(self) -> float:
+        """Seconds until the buffered batch is due (<= 0: now; infinite: nothing buffered)."""
+        if not self._leases:
+            return math.inf
+        if self._closed or len(self._leases) >= self.size:
+            return 0.0
+        return min(self._buffered_at[0] + self.interval, self._expiry) - time.monotonic()
+
+
 class RunsAttempts:
     """The attempt half of `LeaseWorker` (its base class): what happens on a slot thread."""
 
     stats: WorkerStats
     using: str
+    ttl: float
+    worker_id: str
+    _acks: AckBuffer
     _stopped: threading.Event
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         raise NotImplementedError
 
-    def _outage(self, what: str, exc: Exception) -> None:
+    def _outage(self, what: str, exc: Exception, *, wait: threading.Event | None = None) -> None:
         raise NotImplementedError
 
     def _abandon(self, lease: Lease, why: str) -> None:
@@ -153,8 +222,79 @@ class RunsAttempts:
             )
         elif lease.lost:
             self._fenced_out(lease, "the lease was lost while the handler ran; result discarded")
-        else:
+        elif not self._defer_ack(lease, handler):
             self._record(lease, AttemptOutcome.COMPLETED, lease.complete)
+
+    def _defer_ack(self, lease: Lease, handler: Handler) -> bool:
+        """Buffer the completion of a job of an ack="batch" kind; False: write it now.
+
+        A job with a lock is completed at once: its completion passes the lock on.
+        """
+        if handler.ack != ACK_BATCH or lease.job.lock or not self._acks.add(lease):
+            return False
+        logger.debug("ack buffered job_id=%s token=%s", lease.pk, lease.token)
+        return True
+
+    def _ack_loop(self) -> None:
+        """Write buffered completions batch by batch until the buffer is closed and empty."""
+        harden(connections[self.using], self.ttl)
+        try:
+            while (batch := self._acks.take()) is not None:
+                try:
+                    self._flush(batch)
+                except Exception:  # noqa: BLE001 - a bug of ours: write them one by one
+                    logger.exception("batched acknowledgement failed; writing each on its own")
+                    for lease in batch:
+                        if not lease.finished:
+                            self._record(lease, AttemptOutcome.COMPLETED, lease.complete)
+        finally:
+            connections.close_all()
+
+    def _flush(self, batch: list[Lease]) -> None:
+        """Complete `batch` in one statement, retrying while the database is down.
+
+        Once the database is unreachable for a lease's whole TTL, that lease is taken as lost,
+        as a single completion would be: its job runs again after the lease expires.
+        """
+        pending = {lease.pk: lease for lease in batch}
+        had_outage = False
+        started = time.monotonic()
+        while pending:
+            leases = {pk: lease.token for pk, lease in pending.items()}
+            try:
+                won = self._jobs().complete_many(self.worker_id, leases)
+                break
+            except TRANSIENT as exc:
+                if connections[self.using].is_usable():
+                    # The database answered and refused the statement: write each on its own.
+                    for lease in pending.values():
+                        self._record(lease, AttemptOutcome.COMPLETED, lease.complete)
+                    return
+                had_outage = True
+                for lease in [lease for lease in pending.values() if lease.lost]:
+                    del pending[lease.pk]
+                    self._fenced_out(lease, "database unreachable for longer than the TTL")
+                self._outage(f"acknowledgement of {len(pending)} job(s)", exc, wait=self._stopped)
+        else:
+            return
+        done = [lease for pk, lease in pending.items() if pk in won]
+        for pk, lease in pending.items():
+            if pk in won:
+                continue
+            if had_outage and self._jobs().finished_by(pk, lease.owner, lease.token):
+                done.append(lease)  # our earlier write committed; only its answer was lost
+            else:
+                self._fenced_out(lease, "lease lost before its batched completion", recorded=True)
+        for lease in done:
+            lease.mark_completed()
+        for kind, count in Counter(lease.job.kind for lease in done).items():
+            self.stats.add(AttemptOutcome.COMPLETED, count, kind=kind)
+        logger.debug(
+            "acknowledged completed=%s lost=%s in=%.3fs",
+            len(done),
+            len(pending) - len(done),
+            time.monotonic() - started,
+        )
 
     def _restore_connections(self) -> str:
         """Undo a transaction the handler left open on this thread's connections.
@@ -278,7 +418,8 @@ class RunsAttempts:
             return
         self._abandon(lease, "the database refused every outcome write")
 
-    def _fenced_out(self, lease: Lease, reason: str) -> None:
+    def _fenced_out(self, lease: Lease, reason: str, *, recorded: bool = False) -> None:
+        """Count and log a holder write refused; note it in the ledger unless `recorded`."""
         lease.mark_lost(reason)
         self.stats.add("lost", kind=lease.job.kind)
         logger.warning(
@@ -288,6 +429,8 @@ class RunsAttempts:
             lease.owner,
             reason,
         )
+        if recorded:
+            return
         try:
             self._jobs().record_fenced(lease.pk, lease.token)
         except DatabaseError:

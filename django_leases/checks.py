@@ -18,9 +18,11 @@ from django_leases.exceptions import InvalidArgument, InvalidDuration, InvalidPa
 from django_leases.handlers import registered_kinds
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 from django_leases.limits import (
+    ACK_BATCH_SIZE,
     BATCH_SIZE,
     CONCURRENCY,
     DURATION_RANGE,
+    EXACT_COUNT_LIMIT,
     KIND_LENGTH,
     MAX_ATTEMPTS,
     MAX_DURATION,
@@ -45,7 +47,12 @@ DURATIONS = (
     "WORKER_GONE_AFTER",
     "LONG_RUNNING",
 )
-COUNTS = {"CONCURRENCY": CONCURRENCY, "MAX_ATTEMPTS": MAX_ATTEMPTS, "PRUNE_BATCH_SIZE": BATCH_SIZE}
+COUNTS = {
+    "CONCURRENCY": CONCURRENCY,
+    "MAX_ATTEMPTS": MAX_ATTEMPTS,
+    "PRUNE_BATCH_SIZE": BATCH_SIZE,
+    "ADMIN_EXACT_COUNT_LIMIT": EXACT_COUNT_LIMIT,
+}
 BOOLEANS = ("PRUNE_LEDGER", "USE_NOTIFY", "LOCK_BY_PAYMENT")
 POLICIES = tuple(StuckPolicy.values)
 
@@ -155,6 +162,36 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
     messages.extend(_check_policies(values))
     messages.extend(_check_retention(values["RETENTION"]))
     messages.extend(_check_redactor(values["REDACT_ERRORS"]))
+    return messages
+
+
+def check_ack_batching(**kwargs: Any) -> list[CheckMessage]:
+    """Validate the batching of ack="batch" completions: ACK_BATCH_SIZE, ACK_FLUSH_INTERVAL."""
+    user = getattr(settings, "DJANGO_LEASES", {})
+    values = {**DEFAULTS, **(user if isinstance(user, dict) else {})}
+    messages: list[CheckMessage] = []
+    size, (low, high) = values["ACK_BATCH_SIZE"], ACK_BATCH_SIZE
+    if not (isinstance(size, int) and not isinstance(size, bool) and low <= size <= high):
+        messages.append(
+            Error(
+                f"DJANGO_LEASES['ACK_BATCH_SIZE'] must be a whole number from {low} to {high}, "
+                f"got {size!r}.",
+                hint='Completions of ack="batch" kinds written in one statement at most; the '
+                f"default is {DEFAULTS['ACK_BATCH_SIZE']!r}.",
+                id="django_leases.E032",
+            )
+        )
+    interval = values["ACK_FLUSH_INTERVAL"]
+    if not _is_positive_number(interval):
+        messages.append(
+            Error(
+                "DJANGO_LEASES['ACK_FLUSH_INTERVAL'] must be a positive number of seconds up to "
+                f"{MAX_DURATION} (100 years), got {interval!r}.",
+                hint="How long a worker holds a buffered completion at most; keep it well below "
+                f"the TTL. The default is {DEFAULTS['ACK_FLUSH_INTERVAL']!r}.",
+                id="django_leases.E033",
+            )
+        )
     return messages
 
 

@@ -27,6 +27,11 @@ DEFAULTS: dict[str, Any] = {
     "CONCURRENCY": 1,
     # Seconds a stopping worker lets running jobs finish; later ones are left to lease expiry.
     "GRACE_PERIOD": 30.0,
+    # Completions of ack="batch" kinds a worker writes in one statement at most.
+    "ACK_BATCH_SIZE": 100,
+    # Seconds a worker holds the oldest buffered completion of an ack="batch" kind at most
+    # before it writes the batch.
+    "ACK_FLUSH_INTERVAL": 0.1,
     # Acquisitions a job gets before it fails for good, unless enqueue() says otherwise.
     "MAX_ATTEMPTS": 5,
     # First retry delay in seconds; it doubles per attempt, with full jitter.
@@ -71,6 +76,9 @@ DEFAULTS: dict[str, Any] = {
     # Periodic jobs: {"name": {"kind": "k", "every": seconds}}, optionally with "payload" and
     # "catch_up" (default True: a missed tick is enqueued once, late). One job per tick.
     "SCHEDULES": {},
+    # Jobs the admin counts exactly (per status on the overview, per changelist): beyond it, a
+    # finished status or the whole table shows the database's estimate, anything else "more than".
+    "ADMIN_EXACT_COUNT_LIMIT": 10_000,
 }
 
 

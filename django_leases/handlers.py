@@ -25,6 +25,12 @@ HandlerFunc = Callable[[Any, "Lease"], object]
 ReconcileFunc = Callable[[Any], str]
 RECONCILE_VERDICTS = tuple(Verdict.values)
 KIND_MAX_LENGTH = 100
+ACK_EACH = "each"
+"""The completion is written as soon as the handler returns (the default)."""
+ACK_BATCH = "batch"
+"""The worker buffers completions and writes them in batches: a crash before the write runs the
+job again (see `LeaseWorker`)."""
+ACK_MODES = (ACK_EACH, ACK_BATCH)
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class Handler:
     reconcile: ReconcileFunc | None = None
     timeout: float | None = None
     """Seconds an attempt may run before the worker ends it as timed out; None: no limit."""
+    ack: str = ACK_EACH
+    """How the worker writes a completion: "each" at once, "batch" buffered with others."""
 
     @property
     def name(self) -> str:
@@ -68,6 +76,7 @@ def job_handler(
     *,
     reconcile: ReconcileFunc | None = None,
     timeout: float | timedelta | None = None,
+    ack: str = ACK_EACH,
 ) -> Callable[[HandlerFunc], HandlerFunc]:
     """Register the decorated function as the handler of jobs of `kind`.
 
@@ -78,6 +87,10 @@ def job_handler(
         timeout: optional run-time limit of one attempt (seconds or a `timedelta`). An attempt
             still running then no longer holds its lease: it ends as timed out and the job
             follows its kind's retry or review policy. An `async def` handler is cancelled.
+        ack: "each" (default) writes each completion at once; "batch" lets the worker write
+            completions of this kind in batches (ACK_BATCH_SIZE, ACK_FLUSH_INTERVAL), one
+            statement per batch. A worker killed before a batch is written leaves those jobs
+            to run again: use it only for kinds that tolerate a re-run.
     """
     if not isinstance(kind, str) or not kind or len(kind) > KIND_MAX_LENGTH:
         raise HandlerError(
@@ -86,10 +99,14 @@ def job_handler(
     if reconcile is not None and not callable(reconcile):
         raise HandlerError(f"reconcile hook of job kind {kind!r} is not callable: {reconcile!r}")
     limit = _timeout(kind, timeout)
+    if ack not in ACK_MODES:
+        raise HandlerError(
+            f"job kind {kind!r}: ack must be one of {', '.join(map(repr, ACK_MODES))}, got {ack!r}"
+        )
 
     def register(func: HandlerFunc) -> HandlerFunc:
         _check_callable(kind, func)
-        handler = Handler(kind, func, reconcile, limit)
+        handler = Handler(kind, func, reconcile, limit, ack)
         existing = _registry.get(kind)
         # Re-importing the same module (autoreload, tests) registers the same function again.
         if existing is not None and existing.name != handler.name:

@@ -118,6 +118,10 @@ class Lease:
         self._guard(lambda: self._jobs().complete(self.pk, self.owner, self.token, result=result))
         self.finished, self.outcome = True, AttemptOutcome.COMPLETED
 
+    def mark_completed(self) -> None:
+        """Note that the worker's batched acknowledgement completed the job."""
+        self.finished, self.outcome = True, AttemptOutcome.COMPLETED
+
     def fail(
         self, error: BaseException | str, *, retry_in: float | None = None, permanent: bool = False
     ) -> str:

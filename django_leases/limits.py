@@ -34,8 +34,12 @@ MAX_ATTEMPTS = (1, 1_000_000)
 # Jobs one claim() takes, and ids in one `IN (...)` list: below SQLite's 32766 bound variables.
 CLAIM_LIMIT = (1, 10_000)
 BATCH_SIZE = (1, 10_000)
+# Completions a worker writes in one statement (ACK_BATCH_SIZE).
+ACK_BATCH_SIZE = (1, 1_000)
 # One thread and one database connection each.
 CONCURRENCY = (1, 1_000)
+# Rows the admin counts exactly before it estimates.
+EXACT_COUNT_LIMIT = (1, 100_000_000)
 MAX_JOBS = (1, 2**31 - 1)
 # A job's id: a BIGINT.
 JOB_ID = (1, 2**63 - 1)

@@ -117,10 +117,26 @@ def lease_indexes(prefix: str) -> list[models.Index]:
             name=f"{prefix}_due_idx",
             condition=Q(status=JobStatus.PENDING),
         ),
+        # claim() of given kinds: the due jobs of one kind in claim order, so that other kinds'
+        # backlog is not walked past (the index above serves claims of every kind). `kind`
+        # leads: PostgreSQL leaves `status = 'pending'` out of the index condition (the index
+        # predicate implies it), so with `status` first a scan for one kind would start at
+        # the index's first entry. MariaDB/MySQL still find (kind, status) as one range.
+        models.Index(
+            fields=["kind", "status", "-priority", "run_at", "id"],
+            name=f"{prefix}_kind_due_idx",
+            condition=Q(status=JobStatus.PENDING),
+        ),
         # claim() takeovers, expired(), near_expiry() and the watcher.
         models.Index(
             fields=["status", "lease_until"],
             name=f"{prefix}_lease_idx",
+            condition=Q(status=JobStatus.PROCESSING),
+        ),
+        # claim() takeovers of given kinds, led by `kind` as the index above.
+        models.Index(
+            fields=["kind", "status", "lease_until"],
+            name=f"{prefix}_kind_lease_idx",
             condition=Q(status=JobStatus.PROCESSING),
         ),
         # Passing a lock on: the first waiting job of a lock.

@@ -1,17 +1,20 @@
 """Read-only numbers for the admin and the Prometheus gauges, built on the `LeaseQuerySet` reads.
 
 Nothing here writes, and nothing reads one row per job into Python: every query is a count, a
-GROUP BY or a bounded list, each served by an index of `PaymentJob` — per-status counts walk
-`dl_job_finished_idx (status, completed_at)`, lease counts the processing-only `dl_job_lease_idx`,
-the oldest due job the pending-only `dl_job_due_idx` and the last hour's throughput a range of
-`dl_job_finished_idx`; long runners are processing jobs, each probing the ledger's unique
-(job_ref, token) index for its open attempt. So the overview costs the same number of queries
-however many rows pile up. Every "now" is the database clock.
+GROUP BY or a bounded list, each served by an index of `PaymentJob` — the overview's per-status
+counts stop at a limit (`status_tallies()`: partial indexes of live rows, `dl_job_finished_idx
+(status, completed_at)` for the others, the database's statistics beyond), lease counts walk
+the processing-only `dl_job_lease_idx`, the oldest due job the pending-only `dl_job_due_idx`
+and the last hour's throughput a range of `dl_job_finished_idx`; long runners are processing
+jobs, each probing the ledger's unique (job_ref, token) index for its open attempt. So the
+overview costs the same number of queries however many rows pile up. Every "now" is the
+database clock.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -32,7 +35,16 @@ from django.db.models.functions import Now, TruncMinute
 from django_leases.conf import leases_settings
 from django_leases.handlers import get_handler, registered_kinds
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
-from django_leases.status import COMPLETED, FAILED, PENDING, PROCESSING, REVIEW, WAITING
+from django_leases.status import (
+    COMPLETED,
+    FAILED,
+    FINAL_STATUSES,
+    PENDING,
+    PROCESSING,
+    REVIEW,
+    WAITING,
+    JobStatus,
+)
 
 STUCK, NEAR_EXPIRY, HEALTHY = "stuck", "near_expiry", "healthy"
 # Not a lease state of its own: a processing job whose attempt has run longer than its limit.
@@ -93,6 +105,58 @@ def status_counts(jobs: LeaseQuerySet[Any]) -> dict[str, int]:
     # COUNT(*) rather than COUNT(id): the (status, completed_at) index alone can answer it.
     rows = jobs.order_by().values_list("status").annotate(n=Count("*"))
     return dict(rows)
+
+
+# How a `Tally` was arrived at.
+EXACT, MORE_THAN, ESTIMATED = "exact", "more_than", "estimated"
+
+
+@dataclass(frozen=True)
+class Tally:
+    """A number of jobs as the admin shows it: counted (`EXACT`), counted up to a limit and
+    found beyond it (`MORE_THAN`: more than `n`), or the database's estimate (`ESTIMATED`)."""
+
+    n: int
+    how: str = EXACT
+
+    @classmethod
+    def sum(cls, tallies: Iterable[Tally]) -> Tally:
+        """Add `tallies` up: estimated if one is, else more than the sum if one is."""
+        parts = list(tallies)
+        hows = {tally.how for tally in parts}
+        how = next((how for how in (ESTIMATED, MORE_THAN) if how in hows), EXACT)
+        return cls(sum(tally.n for tally in parts), how)
+
+
+def tally(
+    jobs: LeaseQuerySet[Any], limit: int, estimate: Callable[[], int | None] | None = None
+) -> Tally:
+    """Count `jobs` exactly up to `limit` (reading at most `limit + 1` rows); beyond it, return
+    `estimate()` if it gives one above `limit`, else "more than `limit`"."""
+    counted = jobs.capped_count(limit)
+    if counted <= limit:
+        return Tally(counted)
+    guess = estimate() if estimate is not None else None
+    # An estimate at or below what was just counted is stale statistics: say what is known.
+    if guess is not None and guess > limit:
+        return Tally(guess, ESTIMATED)
+    return Tally(limit, MORE_THAN)
+
+
+def status_tallies(jobs: LeaseQuerySet[Any], limit: int) -> dict[str, Tally]:
+    """Return {status: Tally} for every status, each counted up to `limit`.
+
+    One capped count per status: the live statuses are ranges of their partial indexes, the
+    others of the (status, completed_at) index, each read for at most `limit + 1` entries.
+    Beyond `limit`, a final status (completed, failed, cancelled: they grow without bound) is
+    the database's estimate; a live status, which moves too fast for statistics, is "more than
+    `limit`". So the cost stays flat however many rows pile up.
+    """
+    tallies = {}
+    for status in JobStatus.values:
+        estimate = (lambda s=status: jobs.estimated_count(s)) if status in FINAL_STATUSES else None
+        tallies[status] = tally(jobs.filter(status=status), limit, estimate)
+    return tallies
 
 
 def selection(jobs: LeaseQuerySet[Any]) -> Counter[str]:
@@ -171,7 +235,7 @@ def throughput(jobs: LeaseQuerySet[Any], *, minutes: int = 60) -> tuple[list[Min
 class Overview:
     """The numbers of the admin's queue overview."""
 
-    by_status: dict[str, int]
+    by_status: dict[str, Tally]
     stuck: int
     near_expiry: int
     oldest_due_wait: timedelta | None
@@ -183,16 +247,16 @@ class Overview:
     long_runners: list[Any]
 
     @property
-    def total(self) -> int:
-        return sum(self.by_status.values())
+    def total(self) -> Tally:
+        return Tally.sum(self.by_status.values())
 
     @property
-    def under_review(self) -> int:
-        return self.by_status.get(REVIEW, 0)
+    def under_review(self) -> Tally:
+        return self.by_status.get(REVIEW, Tally(0))
 
     @property
-    def blocked_by_lock(self) -> int:
-        return self.by_status.get(WAITING, 0)
+    def blocked_by_lock(self) -> Tally:
+        return self.by_status.get(WAITING, Tally(0))
 
 
 def oldest_due_wait(jobs: LeaseQuerySet[Any]) -> timedelta | None:
@@ -263,11 +327,12 @@ def overview(
     minutes: int = 60,
     stuck_sample: int = 10,
 ) -> Overview:
-    """Read the queue overview in nine queries, whatever the number of jobs."""
+    """Read the queue overview in fifteen queries, whatever the number of jobs (and one
+    estimate per final status beyond `DJANGO_LEASES["ADMIN_EXACT_COUNT_LIMIT"]`)."""
     chart, finished = throughput(jobs, minutes=minutes)
     long_runners = with_lease_clock(running_long(jobs))
     return Overview(
-        by_status=status_counts(jobs),
+        by_status=status_tallies(jobs, leases_settings.ADMIN_EXACT_COUNT_LIMIT),
         stuck=jobs.expired().count(),
         near_expiry=jobs.near_expiry(near_expiry).count(),
         oldest_due_wait=oldest_due_wait(jobs),

@@ -22,7 +22,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from django.db import (
@@ -31,7 +31,7 @@ from django.db import (
     connections,
 )
 
-from django_leases.attempts import TRANSIENT, Recorder, RunsAttempts, WorkerStats
+from django_leases.attempts import TRANSIENT, AckBuffer, Recorder, RunsAttempts, WorkerStats
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
@@ -39,8 +39,9 @@ from django_leases.exceptions import (
     LeaseLost,
     WorkerIdTaken,
 )
-from django_leases.handlers import get_handler, registered_kinds
+from django_leases.handlers import ACK_BATCH, get_handler, registered_kinds
 from django_leases.lease import Lease
+from django_leases.limits import ACK_BATCH_SIZE
 from django_leases.listener import Listener
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet, leased_jobs, registered_workers
 from django_leases.redaction import error_text
@@ -95,6 +96,8 @@ class LeaseWorker(RunsAttempts):
         max_jobs: int | None = None,
         poll_interval: float | None = None,
         grace_period: float | None = None,
+        ack_batch_size: int | None = None,
+        ack_flush_interval: float | None = None,
         recorder: Recorder | None = None,
     ) -> None:
         jobs = leased_jobs(model)
@@ -141,6 +144,23 @@ class LeaseWorker(RunsAttempts):
         self.grace_period = (
             grace_period if grace_period is not None else leases_settings.GRACE_PERIOD
         )
+        size = ack_batch_size if ack_batch_size is not None else leases_settings.ACK_BATCH_SIZE
+        low, high = ACK_BATCH_SIZE
+        if not low <= size <= high:
+            raise ValueError(f"ack batch size must be from {low} to {high}, got {size}")
+        # A buffered completion's lease is no longer renewed: write it at the latest one
+        # heartbeat interval before the worker would have to take that lease as lost.
+        self._acks = AckBuffer(
+            size=size,
+            interval=to_seconds(
+                ack_flush_interval
+                if ack_flush_interval is not None
+                else leases_settings.ACK_FLUSH_INTERVAL,
+                "ack_flush_interval",
+            ),
+            margin=self.heartbeat_interval,
+        )
+        self._ack_writer: threading.Thread | None = None
         self.using = jobs.db
         self.stats = WorkerStats(recorder=recorder)
         self.failure: str | None = None
@@ -181,6 +201,7 @@ class LeaseWorker(RunsAttempts):
         harden(connections[self.using], self.ttl)
         listener = Listener.for_model(self.model, self.using)
         try:
+            self._start_ack_writer()
             self._register()
             while not self._stopping.is_set():
                 self._supervise()
@@ -247,6 +268,19 @@ class LeaseWorker(RunsAttempts):
         self._slot_free.set()
 
     # ---- the loop ---------------------------------------------------------------------------
+
+    def _start_ack_writer(self) -> None:
+        """Start the thread that writes buffered completions, if a claimed kind batches them."""
+        if not any(get_handler(kind).ack == ACK_BATCH for kind in self.kinds):
+            self._acks.close()
+            return
+        self._ack_writer = self._started(self._ack_loop, "lease-acks")
+
+    @staticmethod
+    def _started(target: Callable[[], None], name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         return leased_jobs(self.model, self.using)
@@ -336,13 +370,15 @@ class LeaseWorker(RunsAttempts):
             self._checked_at = now
         keep_usable(health_check=check)
 
-    def _outage(self, what: str, exc: Exception) -> None:
-        """Log a database outage, drop the broken connection and back off (jittered)."""
+    def _outage(self, what: str, exc: Exception, *, wait: threading.Event | None = None) -> None:
+        """Log a database outage, drop the broken connection and back off (jittered) unless
+        `wait` (default: the stop request) is set first."""
         self.stats.add("outages")
         logger.warning("database unavailable during %s: %s; retrying", what, error_text(exc))
         close_old_connections()
         connections[self.using].close()
-        self._stopping.wait(timeout=min(5.0, self.poll_interval) * random.uniform(0.5, 1.5))  # noqa: S311
+        pause = min(5.0, self.poll_interval) * random.uniform(0.5, 1.5)  # noqa: S311
+        (wait or self._stopping).wait(timeout=pause)
 
     # ---- supervision ------------------------------------------------------------------------
 
@@ -376,10 +412,13 @@ class LeaseWorker(RunsAttempts):
         if self._heartbeat is None or not self._heartbeat.is_alive():
             if self._heartbeat is not None:
                 logger.error("the heartbeat thread died; starting a new one")
-            self._heartbeat = threading.Thread(
-                target=self._heartbeat_loop, name="lease-heartbeat", daemon=True
-            )
-            self._heartbeat.start()
+            self._heartbeat = self._started(self._heartbeat_loop, "lease-heartbeat")
+        if self._ack_writer is not None and not self._ack_writer.is_alive():
+            # Its code catches what a write raises, so this is a bug of ours. Completions it had
+            # taken are not written: their leases run out and those jobs run again, as after a
+            # crash; without a writer every later ack of the batch kinds would be lost too.
+            logger.error("the acknowledgement thread died; starting a new one")
+            self._ack_writer = self._started(self._ack_loop, "lease-acks")
         if abandoned > self.concurrency and self.failure is None:
             self.failure = (
                 f"{abandoned} handler thread(s) still running past their timeout, more than "
@@ -626,6 +665,7 @@ class LeaseWorker(RunsAttempts):
             # Releasing a job whose handler still runs would let a second worker start it
             # alongside. Instead stop renewing: the lease expires and the watcher returns it.
             self._abandon(lease, f"still running after the {self.grace_period}s grace period")
+        self._write_buffered_acks()
         self._stopped.set()
         try:
             self._workers().stopped(self.worker_id, self._instance)
@@ -633,6 +673,18 @@ class LeaseWorker(RunsAttempts):
             pass
         finally:
             connections.close_all()
+
+    def _write_buffered_acks(self) -> None:
+        """Write every buffered completion before the worker exits.
+
+        The writer gives up on a lease once the database was unreachable for its whole TTL, so
+        waiting one TTL (plus a network timeout's worth) is enough.
+        """
+        self._acks.close()
+        if self._ack_writer is not None:
+            self._ack_writer.join(timeout=self.ttl * 2)
+            if self._ack_writer.is_alive():
+                logger.warning("buffered completions not written: %s left", len(self._acks))
 
     def _release_unstarted(self, lease: Lease) -> None:
         try:

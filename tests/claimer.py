@@ -16,6 +16,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--owner", required=True)
     parser.add_argument("--limit", type=int, default=1)
+    parser.add_argument("--kinds", default="", help="comma-separated kinds to claim (all)")
     parser.add_argument("--mode", choices=["claim", "claim_job"], default="claim")
     parser.add_argument("--start-at", type=float, default=0.0, help="epoch seconds to start at")
     parser.add_argument(
@@ -34,7 +35,8 @@ def main() -> None:
     if args.mode == "claim":
         idle = 0
         while idle < 3:
-            batch = jobs.claim(args.owner, ttl=300, limit=args.limit)
+            kinds = args.kinds.split(",") if args.kinds else None
+            batch = jobs.claim(args.owner, ttl=300, limit=args.limit, kinds=kinds)
             largest = max(largest, len(batch))
             idle = 0 if batch else idle + 1
             for job in batch:

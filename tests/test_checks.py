@@ -22,7 +22,7 @@ from django_leases.checks import (
     database_clock_problems,
     sqlite_without_immediate,
 )
-from django_leases.limits import BATCH_SIZE, MAX_ATTEMPTS, MAX_DURATION
+from django_leases.limits import BATCH_SIZE, EXACT_COUNT_LIMIT, MAX_ATTEMPTS, MAX_DURATION
 from django_leases.models import PaymentJob
 from django_leases.querysets import leased_jobs
 from tests.testapp.models import PayoutJob
@@ -76,6 +76,12 @@ def test_check_settings__count_bounds_come_from_limits() -> None:
     assert ids(MAX_ATTEMPTS=2**31) == ["django_leases.E004"]
     assert ids(MAX_ATTEMPTS=MAX_ATTEMPTS[1], PRUNE_BATCH_SIZE=BATCH_SIZE[1]) == []
     assert ids(PRUNE_BATCH_SIZE=BATCH_SIZE[1] + 1) == ["django_leases.E004"]
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "10000", None, True, EXACT_COUNT_LIMIT[1] + 1])
+def test_check_settings__admin_exact_count_limit_whole_and_in_range(value: object) -> None:
+    assert ids(ADMIN_EXACT_COUNT_LIMIT=value) == ["django_leases.E004"]
+    assert ids(ADMIN_EXACT_COUNT_LIMIT=EXACT_COUNT_LIMIT[0]) == []
     assert ids(RETENTION={"completed": 1e300}) == ["django_leases.E007"]
 
 

@@ -98,3 +98,70 @@ def test_claim_paths__claim_what_the_orm_path_claims(seed: int, settings: Any) -
             assert outcome_of(path, "w", limit, kinds) == expected, (path, limit, kinds)
     waiting = set(PaymentJob.objects.waiting().values_list("pk", flat=True))
     assert not waiting & {pk for pk, *_ in outcome_of("orm", "w", 50, None)[0]}
+
+
+def completion_paths() -> list[ClaimPath]:
+    """The fast paths of `complete_many()` on this database besides the ORM path."""
+    return {"postgresql": ["postgresql+ledger"], "sqlite": ["sqlite"]}.get(connection.vendor, [])
+
+
+def held_and_lost(seed: int) -> dict[int, int]:
+    """Claim jobs for "w", then lose, finish or fence some of them; return the acks ({pk:
+    token}) a worker would send, valid or not, and some for jobs "w" never held."""
+    rng = random.Random(seed)
+    jobs = PaymentJob.objects
+    acks = {}
+    for job in jobs.claim("w", ttl=60, limit=rng.randint(1, 30)):
+        pk, token = job.pk, job.lease_token
+        fate = rng.choice(["held", "held", "held", "taken", "released", "done", "failed", "stale"])
+        if rng.random() < 0.3:
+            jobs.checkpoint(pk, "w", token, "psp_called")
+        if fate == "taken":
+            # Taken over by "x", unless out of attempts: then merely expired (still held).
+            jobs.filter(pk=pk).update(lease_until=Now() - timedelta(seconds=5))
+            jobs.claim_job(pk, "x", ttl=60)
+        elif fate == "released":
+            jobs.release(pk, "w", token)
+        elif fate == "done":
+            jobs.complete(pk, "w", token)
+        elif fate == "failed":
+            jobs.fail(pk, "w", token, "psp 502", retry_in=30)
+        acks[pk] = token + (fate == "stale")
+    for job in jobs.exclude(pk__in=acks).exclude(lease_token=0)[:3]:
+        acks[job.pk] = job.lease_token  # held by someone else, or finished
+    return acks
+
+
+def completion_of(path: ClaimPath, owner: str, acks: dict[int, int]) -> Any:
+    """Complete `acks` with `path`, return what it did, and roll every write back."""
+    with transaction.atomic():
+        won = PaymentJob.objects.all()._complete_many(owner, acks, path)
+        states = sorted(
+            (*row[:-1], row[-1] is None)
+            for row in PaymentJob.objects.values_list(
+                "pk", "status", "lease_owner", "lease_token", "last_error", "lock_holder",
+                "completed_at",
+            )
+        )  # fmt: skip
+        rows = sorted(
+            (*row[:-1], row[-1] is None)
+            for row in JobAttempt.objects.values_list(
+                "job_ref", "attempt", "token", "owner", "outcome", "ended_by", "checkpoint",
+                "error_class", "error_message", "fenced_at", "ended_at",
+            )
+        )  # fmt: skip
+        transaction.set_rollback(True)
+    return won, states, rows
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_complete_many_paths__complete_what_the_orm_path_completes(seed: int) -> None:
+    if not completion_paths():
+        pytest.skip(f"{connection.vendor} completes batches through the ORM path only")
+    generate(seed)
+    acks = held_and_lost(seed)
+    expected = completion_of("orm", "w", acks)
+    assert expected[0], "some acks are valid"
+    assert expected[0] != set(acks), "some acks are refused"
+    for path in completion_paths():
+        assert completion_of(path, "w", acks) == expected, path

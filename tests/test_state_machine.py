@@ -473,6 +473,50 @@ class LeaseMachine(RuleBasedStateMachine):
         if held(before, lease):
             assert job_rows()[lease.pk]["status"] == COMPLETED
 
+    @rule(owner=st.sampled_from(OWNERS), limit=st.integers(0, 3))
+    def worker_acknowledges_everything_it_ever_held(self, owner: str, limit: int) -> None:
+        """A worker's batched completion (ack="batch"): it claims up to `limit` jobs and runs
+        them, then completes in one call every job it ever held: those, and older ones lost,
+        finished or of a lock (left to `complete()`); each row wins exactly while its lease
+        holds it."""
+        if limit:
+            before = job_rows()
+            self._acquired(PaymentJob.objects.claim(owner, ttl=TTL, limit=limit), owner, before)
+        acks = {
+            row["job_ref"]: row["token"]
+            for row in JobAttempt.objects.filter(owner=owner).order_by("token").values()
+        }
+        jobs_before, ledger_before = job_rows(), ledger_rows()
+        won = PaymentJob.objects.complete_many(owner, acks)
+        assert won == {
+            pk
+            for pk, token in acks.items()
+            if jobs_before[pk]["status"] == PROCESSING
+            and (jobs_before[pk]["lease_owner"], jobs_before[pk]["lease_token"]) == (owner, token)
+            and not jobs_before[pk]["lock"]
+        }
+        jobs_after, ledger_after = job_rows(), ledger_rows()
+        clock = {"live", "due"}
+        for pk, old in jobs_before.items():
+            new = jobs_after[pk]
+            if pk in won:
+                assert (new["status"], new["lock_holder"]) == (COMPLETED, None)
+                self.finished_by_holder.add((pk, acks[pk]))
+            else:
+                assert {k: v for k, v in new.items() if k not in clock} == {
+                    k: v for k, v in old.items() if k not in clock
+                }, f"a refused batched completion changed job {pk}"
+        assert ledger_after.keys() == ledger_before.keys()
+        for pk, old in ledger_before.items():
+            new, ack = ledger_after[pk], (old["job_ref"], old["token"])
+            if ack[0] in won and acks[ack[0]] == ack[1]:
+                assert (new["outcome"], new["ended_by"]) == (COMPLETED, owner)
+            elif ack in acks.items():
+                assert old["fenced_at"] is None or new["fenced_at"] == old["fenced_at"]
+                assert {**new, "fenced_at": old["fenced_at"]} == old, f"ledger row {pk} changed"
+            else:
+                assert new == old, f"a batched completion changed ledger row {pk}"
+
     @rule(lease=leases, permanent=st.booleans())
     def fail(self, lease: PaymentJob, permanent: bool) -> None:
         """A handler raised: retried after the worker's backoff, or failed for good."""

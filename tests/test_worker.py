@@ -370,6 +370,9 @@ def test_worker__lease_atomic_rolls_back_the_zombies_writes(
         (["--concurrency", "0"], "must be from 1 to 1000"),
         (["--kind", "nope"], "no handler for job kind(s) nope"),
         (["--worker-id", "has space"], "not a valid worker id"),
+        (["--ack-batch-size", "0"], "'0' must be from 1 to 1000"),
+        (["--ack-batch-size", "many"], "'many' is not a whole number"),
+        (["--ack-flush-interval", "0"], "must be a positive number of seconds"),
     ],
 )
 def test_worker__bad_options_fail_with_one_line_before_any_claim(

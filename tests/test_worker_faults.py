@@ -195,6 +195,32 @@ def test_worker__a_dead_heartbeat_thread_is_restarted(run_in_thread) -> None:
     assert lease_worker.starts >= 2
 
 
+class AcksDieOnce(LeaseWorker):
+    """A worker whose acknowledgement thread dies at its first start."""
+
+    starts = 0
+
+    def _ack_loop(self):
+        self.starts += 1
+        if self.starts == 1:
+            raise RuntimeError("injected: the acknowledgement thread's own code failed")
+        super()._ack_loop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_worker__a_dead_acknowledgement_thread_is_restarted(run_in_thread) -> None:
+    jobs = [PaymentJob.objects.enqueue("noop_batch") for _ in range(3)]
+    lease_worker = AcksDieOnce(
+        worker_id="no-acks", kinds=["noop_batch"], ttl=1.5, heartbeat=0.3, poll_interval=0.05
+    )
+    run_in_thread(lease_worker)
+
+    # Without a new writer the buffered completions would never be written.
+    wait_for(lambda: all(fresh(job).status == Status.COMPLETED for job in jobs), timeout=30)
+    assert [ledger(job) for job in jobs] == [[(1, "no-acks", "completed")]] * 3
+    assert lease_worker.starts >= 2
+
+
 @pytest.fixture
 def unrecordable_kind() -> Iterator[str]:
     def sabotage(job, lease):

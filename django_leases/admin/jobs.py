@@ -25,6 +25,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_leases import stats
 from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
+from django_leases.admin.counts import CountingChangeList, CountingPaginator
 from django_leases.admin.display import EMPTY, human_duration, short_text
 from django_leases.admin.filters import KindFilter, LeaseStateFilter, LockFilter, StatusFilter
 from django_leases.admin.ledger import AttemptInline, EventInline
@@ -119,7 +120,8 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     search_fields = ("kind",)  # shows the search box; search() does the search
     # The primary key index serves the default order, however large the table.
     ordering = ("-id",)
-    # One COUNT of the filtered rows per page, not a second one of the whole table.
+    # One count of the filtered rows per page, not a second one of the whole table; and that
+    # one stops at ADMIN_EXACT_COUNT_LIMIT (see get_paginator()).
     show_full_result_count = False
     form = LeasedJobForm
     change_list_template = "admin/django_leases/leasedjob/change_list.html"
@@ -163,6 +165,35 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # jobs are added with enqueue()
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[CountingChangeList]:
+        return CountingChangeList
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None)  # a redirect has none
+        changelist = context.get("cl") if context else None
+        if isinstance(changelist, CountingChangeList):
+            note = changelist.selection_note_all()
+            if note is not None:
+                context["selection_note_all"] = note  # type: ignore[index]
+        return response
+
+    def get_paginator(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet[Any],
+        per_page: int,
+        orphans: int = 0,
+        allow_empty_first_page: bool = True,
+    ) -> CountingPaginator:
+        # Never below "Show all"'s bound: a list counted as short as that is loaded whole.
+        limit = max(
+            leases_settings.ADMIN_EXACT_COUNT_LIMIT, self.list_per_page, self.list_max_show_all
+        )
+        return CountingPaginator(queryset, per_page, orphans, allow_empty_first_page, limit=limit)
 
     def get_inlines(self, request: HttpRequest, obj: Any) -> list[type[InlineModelAdmin[Any, Any]]]:
         """The model's attempt ledger and operator events, where it has them."""

@@ -13,6 +13,7 @@ from django.urls import URLPattern, path
 from django.utils.translation import gettext
 
 from django_leases import stats
+from django_leases.admin.counts import tally_html
 from django_leases.admin.display import human_duration
 from django_leases.conf import leases_settings
 from django_leases.models import Worker
@@ -46,8 +47,12 @@ class OverviewMixin(admin.ModelAdmin):
             "title": gettext("Queue overview"),
             "overview": data,
             "statuses": [
-                (value, label, data.by_status.get(value, 0)) for value, label in JobStatus.choices
+                (value, label, tally_html(data.by_status[value]))
+                for value, label in JobStatus.choices
             ],
+            "total": tally_html(data.total),
+            "under_review": tally_html(data.under_review),
+            "blocked_by_lock": tally_html(data.blocked_by_lock),
             "oldest_due_wait": human_duration(data.oldest_due_wait),
             "near_expiry_seconds": near_expiry,
             "chart": chart(data.chart),

@@ -172,10 +172,21 @@ class LedgerWrites(LeaseReads[J]):
         by: str,
         error: tuple[str, str] | None,
     ) -> None:
+        self._close_attempts({pk: token}, outcome, by=by, error=error)
+
+    def _close_attempts(
+        self,
+        leases: Mapping[int, int],
+        outcome: str,
+        *,
+        by: str,
+        error: tuple[str, str] | None = None,
+    ) -> None:
+        """Close the open ledger rows of `leases` ({job id: token}) in one UPDATE."""
         error_class, message = error or ("", "")
         # Only an open row: a closed attempt is never rewritten.
         self._ledger_update(
-            {pk: token},
+            leases,
             Q(ended_at__isnull=True),
             outcome=outcome,
             ended_at=Now(),
@@ -191,9 +202,9 @@ class LedgerWrites(LeaseReads[J]):
         Never on a row the holder closed itself (a repeated completion is refused too, but
         nobody fenced that holder out).
         """
-        ledger = self._ledger()
-        if ledger is not None:
-            closed_by_holder = Q(outcome__in=HOLDER_OUTCOMES, ended_by=F("owner"))
-            ledger.objects.using(self.db).filter(
-                job_ref=pk, token=token, fenced_at__isnull=True
-            ).exclude(closed_by_holder).update(fenced_at=Now())
+        self._record_fenced({pk: token})
+
+    def _record_fenced(self, leases: Mapping[int, int]) -> None:
+        """`record_fenced()` for every (job id, token) of `leases`, in one UPDATE."""
+        closed_by_holder = Q(outcome__in=HOLDER_OUTCOMES, ended_by=F("owner"))
+        self._ledger_update(leases, ~closed_by_holder & Q(fenced_at__isnull=True), fenced_at=Now())

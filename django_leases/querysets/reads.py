@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from django.apps import apps
-from django.db import models
+from django.db import connections, models
 from django.db.models import (
     Case,
     DurationField,
@@ -160,6 +160,41 @@ class LeaseReads(models.QuerySet[J]):
                 output_field=DurationField(),
             )
         )
+
+    def capped_count(self, cap: int) -> int:
+        """Count the rows, reading no more than `cap + 1` of them: above `cap` means "more than
+        `cap`". The cost is bounded by `cap` however large the table, where plain `count()`
+        reads every matching index entry."""
+        return self.order_by().values("pk")[: cap + 1].count()
+
+    def estimated_count(self, status: str | None = None) -> int | None:
+        """Return the database's estimate of the rows of this table (of its rows in `status`),
+        read from its statistics without counting, or None where it keeps none (SQLite).
+
+        The estimate is of the table: this queryset's own filters are not applied.
+        """
+        connection = connections[self.db]
+        table = connection.ops.quote_name(self.model._meta.db_table)
+        # The one vendor switch of the estimates. SQLite keeps no statistics by default: its
+        # callers fall back to a capped count.
+        if connection.vendor == "postgresql":
+            statement, params = sql.postgresql.row_estimate(table, status=status)
+            with connection.cursor() as cursor:
+                cursor.execute(statement, params)
+                return sql.postgresql.planned_rows(cursor.fetchone()[0])
+        if connection.vendor == "mysql":
+            with connection.cursor() as cursor:
+
+                def planned(**where: Any) -> int:
+                    cursor.execute(*sql.mysql.row_estimate(table, **where))
+                    columns = [column[0] for column in cursor.description]
+                    return sql.mysql.planned_rows(columns, cursor.fetchone())
+
+                if status is None:
+                    return planned()
+                equal, other_than = planned(status=status), planned(status=status, other_than=True)
+                return sql.mysql.status_estimate(equal, other_than, planned())
+        return None
 
     def _ledger(self) -> type[AbstractJobAttempt] | None:
         label = self.model.attempt_model

@@ -1,12 +1,62 @@
-"""SQLite statements: one pass of the claim, the enqueue's read of a lock holder. Needs SQLite
-3.35+ for RETURNING."""
+"""SQLite statements: one pass of the claim, the batched completion, the enqueue's read of a
+lock holder. Needs SQLite 3.35+ for RETURNING."""
 
 from typing import Any
+
+from django_leases.sql.merge import merge_keys
+from django_leases.sql.postgresql import LedgerNames
 
 Params = dict[str, Any]
 
 NOW = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
 """The database clock, in the text format Django stores datetimes in (UTC)."""
+
+
+def pairs_in(columns: str, pairs: dict[int, int]) -> tuple[str, Params]:
+    """Return `(a, b) IN (VALUES (...), ...)` for `pairs` ({pk: token}), two parameters each:
+    a row-value list, never a chain of ORs (SQLite refuses expressions deeper than 1000)."""
+    rows = ", ".join(f"(%(pk_{i})s, %(token_{i})s)" for i in range(len(pairs)))
+    params: Params = {}
+    for i, (pk, token) in enumerate(pairs.items()):
+        params[f"pk_{i}"], params[f"token_{i}"] = pk, token
+    return f"({columns}) IN (VALUES {rows})", params
+
+
+def complete_many(
+    table: str, *, owner: str, pairs: dict[int, int], processing: str, completed: str
+) -> tuple[str, Params]:
+    """Return the completion of a batch of jobs without a lock: one UPDATE, each row still
+    conditional on its own id, status, owner and fencing token, RETURNING the rows that won
+    (the caller closes their ledger rows in the same transaction)."""
+    held, params = pairs_in("id, lease_token", pairs)
+    sql = f"""
+        UPDATE {table}
+        SET status = %(completed)s, completed_at = {NOW}, last_error = ''
+        WHERE {held} AND status = %(processing)s AND lease_owner = %(owner)s AND "lock" = ''
+        RETURNING id, lease_token
+    """  # noqa: S608 - names quoted by the caller, values are parameters
+    return sql, {**params, "owner": owner, "processing": processing, "completed": completed}
+
+
+def close_attempts(
+    table: str, ledger: LedgerNames, *, owner: str, pairs: dict[int, int], outcome: str
+) -> tuple[str, Params]:
+    """Return the closing of the open ledger rows of `pairs` ({job id: token}) as `outcome`,
+    by `owner`, each keeping its job's checkpoint: one UPDATE for the whole batch."""
+    held, params = pairs_in(f"{ledger.job_ref}, {ledger.token}", pairs)
+    sql = f"""
+        UPDATE {ledger.table}
+        SET {ledger.outcome} = %(outcome)s,
+            {ledger.ended_at} = {NOW},
+            {ledger.ended_by} = %(owner)s,
+            {ledger.checkpoint} = (
+                SELECT checkpoint FROM {table} WHERE id = {ledger.table}.{ledger.job_ref}
+            ),
+            {ledger.error_class} = '',
+            {ledger.error_message} = ''
+        WHERE {held} AND {ledger.ended_at} IS NULL
+    """  # noqa: S608 - names quoted by the caller, values are parameters
+    return sql, {**params, "owner": owner, "outcome": outcome}
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
@@ -36,7 +86,7 @@ def claim_pass(
     the write lock at once (waiting up to the busy timeout) instead of failing to upgrade a read
     lock.
     """
-    kind_sql, kind_params = kinds
+    kind_params = kinds[1]
     guard_sql, guard_params = guard
     if takeover:
         predicate, order = f"status = %(processing)s AND lease_until < {NOW}", "lease_until"
@@ -44,6 +94,7 @@ def claim_pass(
         # `+run_at`: once ANALYZE has run, SQLite would rather range-scan run_at and sort every
         # due job; the unary plus keeps it walking the due index in claim order.
         predicate, order = f"status = %(pending)s AND +run_at <= {NOW}", "priority DESC, run_at, id"
+    picked = _picked(table, f"{predicate} AND attempts < max_attempts {guard_sql}", order, kinds)
     sql = f"""
         UPDATE {table}
         SET status = %(processing)s,
@@ -52,11 +103,7 @@ def claim_pass(
             heartbeat_at = {NOW},
             lease_token = lease_token + 1,
             attempts = attempts + 1
-        WHERE id IN (
-            SELECT id FROM {table}
-            WHERE {predicate} AND attempts < max_attempts {kind_sql} {guard_sql}
-            ORDER BY {order}
-            LIMIT %(limit)s
+        WHERE id IN ({picked}
         )
         RETURNING *
     """  # noqa: S608 - names quoted by the caller, values are parameters
@@ -70,3 +117,25 @@ def claim_pass(
         "processing": processing,
     }
     return sql, params
+
+
+def _picked(table: str, where: str, order: str, kinds: tuple[str, Params]) -> str:
+    """Return the ids of the first `limit` rows matching `where` and `kinds`, in `order`.
+
+    Every kind, or one: one ordered range of a partial index. Several kinds: SQLite would walk
+    the index led by `status` filtering on kind, past every other kind's backlog, so each kind's
+    first `limit` rows come from its own range of the index led by `kind` and the outer SELECT
+    orders and limits those (no row locks to skip here: one writer at a time).
+    """
+    kind_sql, kind_params = kinds
+    if len(kind_params) < 2:
+        return f"""
+            SELECT id FROM {table} WHERE {where} {kind_sql}
+            ORDER BY {order} LIMIT %(limit)s"""  # noqa: S608 - names quoted by the caller
+    keys, by_key = merge_keys(order.split(", "))
+    arms = " UNION ALL ".join(
+        f"SELECT * FROM (SELECT {keys} FROM {table} WHERE {where} AND kind = %({name})s"  # noqa: S608
+        f" ORDER BY {order} LIMIT %(limit)s)"
+        for name in kind_params
+    )
+    return f"SELECT key_id FROM ({arms}) ORDER BY {by_key} LIMIT %(limit)s"  # noqa: S608

@@ -215,3 +215,20 @@ def send_payout(job, lease):
     time.sleep(duration(job, lease))
     with lease.atomic():
         Charge.objects.create(job_ref=job.pk, token=lease.token, owner=f"payout:{lease.owner}")
+
+
+# ---- batched acknowledgements ----------------------------------------------------------------
+
+
+@job_handler("noop_batch", ack="batch")
+def noop_batch(job, lease):
+    """Return at once (the worker buffers the completion), or fail if the payload says so."""
+    if job.payload.get("fail"):
+        raise RuntimeError("psp 502")
+
+
+@job_handler("atomic_batch", ack="batch")
+def atomic_batch(job, lease):
+    """Record a charge and complete the job in one transaction: nothing left to batch."""
+    with lease.atomic():
+        Charge.objects.create(job_ref=job.pk, token=lease.token, owner=lease.owner)

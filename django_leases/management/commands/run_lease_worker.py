@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_leases.checks import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.exceptions import WorkerIdTaken
-from django_leases.limits import CONCURRENCY, MAX_JOBS
+from django_leases.limits import ACK_BATCH_SIZE, CONCURRENCY, MAX_JOBS
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
     add_metrics_arguments,
@@ -104,6 +104,20 @@ class Command(OneLineErrorsMixin, BaseCommand):
             help="seconds running jobs get to finish after SIGTERM "
             f"(default: DJANGO_LEASES['GRACE_PERIOD'], {leases_settings.GRACE_PERIOD})",
         )
+        parser.add_argument(
+            "--ack-batch-size",
+            type=whole_number(ACK_BATCH_SIZE),
+            default=None,
+            help='completions of ack="batch" kinds written in one statement at most '
+            f"(default: DJANGO_LEASES['ACK_BATCH_SIZE'], {leases_settings.ACK_BATCH_SIZE})",
+        )
+        parser.add_argument(
+            "--ack-flush-interval",
+            type=positive_seconds,
+            default=None,
+            help='seconds a completion of an ack="batch" kind waits at most for its batch '
+            f"(default: DJANGO_LEASES['ACK_FLUSH_INTERVAL'], {leases_settings.ACK_FLUSH_INTERVAL})",
+        )
         add_metrics_arguments(parser, "this process's counters and histograms per job kind")
 
     def handle(
@@ -118,6 +132,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
         worker_id: str | None,
         poll_interval: float | None,
         grace_period: float | None,
+        ack_batch_size: int | None,
+        ack_flush_interval: float | None,
         model: type[Any] | None,
         metrics_port: int | None,
         metrics_address: str,
@@ -138,6 +154,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
                 worker_id=worker_id,
                 poll_interval=poll_interval,
                 grace_period=grace_period,
+                ack_batch_size=ack_batch_size,
+                ack_flush_interval=ack_flush_interval,
                 recorder=recorder,
             )
         except ValueError as exc:

@@ -1,0 +1,299 @@
+"""Batched acknowledgements (`@job_handler(..., ack="batch")`): `complete_many()` on the real
+database, and real worker processes that buffer, flush, get killed and are stopped."""
+
+import os
+import re
+import signal
+import subprocess
+import threading
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_leases.checks import check_ack_batching
+from django_leases.exceptions import HandlerError, InvalidArgument
+from django_leases.handlers import get_handler, job_handler
+from django_leases.models import JobAttempt, PaymentJob
+from django_leases.worker import LeaseWorker
+from tests.testapp.models import Charge
+
+from .conftest import Processes, finish, read_until, wait_for
+from .leasing import claim_one, expire, ledger, statements
+
+Status = PaymentJob.Status
+FAST = ("--poll-interval", "0.1", "-v", "2")
+
+
+def closed_rows(pks: list[int]) -> dict[int, tuple[object, ...]]:
+    """The closed ledger rows of `pks`, every column that append-only keeps."""
+    rows = JobAttempt.objects.filter(job_ref__in=pks, ended_at__isnull=False)
+    fields = ("outcome", "ended_at", "ended_by", "owner", "error_class", "error_message")
+    return {row[0]: row[1:] for row in rows.values_list("pk", *fields)}
+
+
+# ---- the handler option ------------------------------------------------------------------------
+
+
+def test_job_handler__ack_is_each_by_default_and_batch_on_request() -> None:
+    assert get_handler("noop").ack == "each"
+    assert get_handler("noop_batch").ack == "batch"
+
+
+@pytest.mark.parametrize("ack", ["batched", "", None, 1, "BATCH"])
+def test_job_handler__refuses_an_unknown_ack(ack: object) -> None:
+    with pytest.raises(HandlerError, match=r"job kind 'x': ack must be one of 'each', 'batch'"):
+        job_handler("x", ack=ack)(lambda job, lease: None)  # type: ignore[arg-type]
+
+
+# ---- the settings ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "ids"),
+    [(100, []), (1, []), (1000, []), (0, ["E032"]), (1001, ["E032"]), (True, ["E032"]),
+     (2.5, ["E032"]), ("100", ["E032"])],
+)  # fmt: skip
+def test_check_ack_batching__batch_size(value: object, ids: list[str]) -> None:
+    with override_settings(DJANGO_LEASES={"ACK_BATCH_SIZE": value}):
+        assert [m.id for m in check_ack_batching()] == [f"django_leases.{i}" for i in ids]
+
+
+@pytest.mark.parametrize(
+    ("value", "ids"),
+    [(0.1, []), (5, []), (0, ["E033"]), (-1, ["E033"]), (float("nan"), ["E033"]),
+     ("0.1", ["E033"]), (None, ["E033"])],
+)  # fmt: skip
+def test_check_ack_batching__flush_interval(value: object, ids: list[str]) -> None:
+    with override_settings(DJANGO_LEASES={"ACK_FLUSH_INTERVAL": value}):
+        assert [m.id for m in check_ack_batching()] == [f"django_leases.{i}" for i in ids]
+
+
+# ---- the queryset ------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_complete_many__completes_exactly_the_rows_still_held() -> None:
+    jobs = [PaymentJob.objects.enqueue("noop_batch") for _ in range(6)]
+    locked = PaymentJob.objects.enqueue("noop_batch", lock="order:1")
+    held = PaymentJob.objects.claim("w1", ttl=60, limit=7)
+    tokens = {job.pk: job.lease_token for job in held}
+    ok1, ok2, taken, released, done, stale = jobs
+    expire(taken)
+    assert PaymentJob.objects.claim_job(taken.pk, "w2", ttl=60) is not None  # token bumped
+    PaymentJob.objects.release(released.pk, "w1", tokens[released.pk])
+    PaymentJob.objects.complete(done.pk, "w1", tokens[done.pk])
+    acks = {**tokens, stale.pk: tokens[stale.pk] + 5}  # a token this job never had
+    before = closed_rows(list(acks))
+    done_at = PaymentJob.objects.get(pk=done.pk).completed_at
+
+    won = PaymentJob.objects.complete_many("w1", acks)
+
+    assert won == {ok1.pk, ok2.pk}
+    rows = {job.pk: job for job in PaymentJob.objects.filter(pk__in=acks)}
+    assert {pk: rows[pk].status for pk in acks} == {
+        ok1.pk: Status.COMPLETED,
+        ok2.pk: Status.COMPLETED,
+        taken.pk: Status.PROCESSING,
+        released.pk: Status.PENDING,
+        done.pk: Status.COMPLETED,
+        stale.pk: Status.PROCESSING,
+        locked.pk: Status.PROCESSING,  # a job of a lock is completed by complete() only
+    }
+    assert rows[ok1.pk].completed_at is not None and rows[done.pk].completed_at == done_at
+    assert (rows[taken.pk].lease_owner, rows[taken.pk].lease_token) == ("w2", 2)
+    for job in (ok1, ok2, done):
+        assert ledger(job) == [(1, 1, "w1", "completed")]
+    assert ledger(taken) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
+    assert ledger(released) == [(1, 1, "w1", "released")]
+    assert ledger(stale) == ledger(locked) == [(1, 1, "w1", "running")]
+    # Closed rows never change (append-only); the refused acks are noted as fenced, except
+    # where the holder itself closed the row (its own release or completion).
+    assert {pk: row for pk, row in closed_rows(list(acks)).items() if pk in before} == before
+    fenced = set(JobAttempt.objects.filter(fenced_at__isnull=False).values_list("job_ref", "token"))
+    assert fenced == {(taken.pk, 1), (locked.pk, 1)}
+    assert PaymentJob.objects.complete_many("w1", {ok1.pk: tokens[ok1.pk]}) == set()
+    assert ledger(ok1) == [(1, 1, "w1", "completed")]
+
+
+@pytest.mark.django_db
+def test_complete_many__one_round_trip_whatever_the_batch_size() -> None:
+    """PostgreSQL: one statement; SQLite: the UPDATE and the ledger's UPDATE; MariaDB: the
+    row locks, the UPDATE and the ledger's UPDATE. Never a statement per job."""
+    for _ in range(22):
+        PaymentJob.objects.enqueue("noop_batch")
+    held = {job.pk: job.lease_token for job in PaymentJob.objects.claim("w1", ttl=60, limit=22)}
+    small, large = dict(list(held.items())[:2]), dict(list(held.items())[2:])
+    counts = []
+    for batch in (small, large):
+        with CaptureQueriesContext(connection) as ctx:
+            assert PaymentJob.objects.complete_many("w1", batch) == set(batch)
+        counts.append(len(statements(ctx)))
+    expected = {"postgresql": 1, "sqlite": 2}.get(connection.vendor, 3)
+    assert counts == [expected, expected]
+    assert JobAttempt.objects.filter(outcome="completed", ended_by="w1").count() == 22
+
+
+@pytest.mark.django_db
+def test_complete_many__refuses_bad_input_and_writes_nothing() -> None:
+    PaymentJob.objects.enqueue("noop_batch")
+    job = claim_one()
+    assert PaymentJob.objects.complete_many("w1", {}) == set()
+    for acks in ({job.pk: "1"}, {-1: 1}, {job.pk: True}):
+        with pytest.raises(InvalidArgument):
+            PaymentJob.objects.complete_many("w1", acks)  # type: ignore[dict-item]
+    with pytest.raises(InvalidArgument):
+        PaymentJob.objects.complete_many("", {job.pk: job.lease_token})
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING
+    assert ledger(job) == [(1, 1, "w1", "running")]
+
+
+# ---- the worker, in this process -----------------------------------------------------------
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__atomic_locked_and_failed_attempts_of_a_batch_kind_are_never_buffered() -> None:
+    plain = PaymentJob.objects.enqueue("noop_batch")
+    atomic = PaymentJob.objects.enqueue("atomic_batch")
+    locked = PaymentJob.objects.enqueue("noop_batch", lock="order:1")
+    failing = PaymentJob.objects.enqueue("noop_batch", {"fail": True}, max_attempts=1)
+    worker = LeaseWorker(
+        worker_id="w",
+        ttl=120,
+        heartbeat=10,
+        concurrency=2,
+        poll_interval=0.05,
+        ack_flush_interval=3600,
+        kinds=["noop_batch", "atomic_batch"],
+    )
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    try:
+        final = [Status.COMPLETED, Status.COMPLETED, Status.FAILED]
+        others = [atomic.pk, locked.pk, failing.pk]
+        statuses = PaymentJob.objects.filter(pk__in=others).order_by("pk")
+        wait_for(lambda: list(statuses.values_list("status", flat=True)) == final)
+        wait_for(lambda: len(worker._acks) == 1)
+        # Written at once, while the plain job's completion waits in the buffer (an hour).
+        assert PaymentJob.objects.get(pk=plain.pk).status == Status.PROCESSING
+        assert ledger(plain) == [(1, 1, "w", "running")]
+        assert ledger(atomic) == ledger(locked) == [(1, 1, "w", "completed")]
+        assert ledger(failing) == [(1, 1, "w", "failed")]
+        assert list(Charge.objects.values_list("job_ref", flat=True)) == [atomic.pk]
+    finally:
+        worker.stop()
+        runner.join(timeout=60)
+    assert not runner.is_alive()
+    # Stopping writes what was buffered.
+    assert ledger(plain) == [(1, 1, "w", "completed")]
+    assert (worker.stats.completed, worker.stats.failed, worker.stats.lost) == (3, 1, 0)
+
+
+# ---- worker processes --------------------------------------------------------------------------
+
+
+def worker(processes: Processes, name: str, *args: str) -> subprocess.Popen[str]:
+    return processes.manage("run_lease_worker", "--worker-id", name, *FAST, *args)
+
+
+def acknowledged(out: str) -> list[int]:
+    """The sizes of the batches the worker's log says it wrote."""
+    return [int(n) for n in re.findall(r"acknowledged completed=(\d+)", out)]
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__drains_a_batch_kind_and_closes_every_ledger_row_once(
+    processes: Processes,
+) -> None:
+    jobs = [PaymentJob.objects.enqueue("noop_batch") for _ in range(60)]
+    proc = worker(processes, "drain", "--burst", "--concurrency", "4", "--kind", "noop_batch")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert PaymentJob.objects.filter(status=Status.COMPLETED).count() == 60
+    rows = JobAttempt.objects.filter(job_ref__in=[job.pk for job in jobs])
+    assert sorted(rows.values_list("job_ref", "outcome", "ended_by")) == sorted(
+        (job.pk, "completed", "drain") for job in jobs
+    )
+    assert sum(acknowledged(out)) == 60
+    assert "claimed=60 completed=60" in out
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__a_full_batch_is_written_without_waiting_for_the_interval(
+    processes: Processes,
+) -> None:
+    for _ in range(10):
+        PaymentJob.objects.enqueue("noop_batch")
+    # An hour's interval and a lease of minutes: only a full batch makes the worker write.
+    proc = worker(
+        processes,
+        "sizer",
+        *("--ack-batch-size", "5", "--ack-flush-interval", "3600"),
+        *("--ttl", "300", "--heartbeat", "50"),
+    )
+    wait_for(lambda: PaymentJob.objects.filter(status=Status.COMPLETED).count() == 10)
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert acknowledged(out) == [5, 5]
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__sigterm_writes_the_buffered_acks_before_exit(processes: Processes) -> None:
+    jobs = [PaymentJob.objects.enqueue("noop_batch") for _ in range(4)]
+    proc = worker(
+        processes, "stopper", "--ack-flush-interval", "3600", "--ttl", "300", "--heartbeat", "50"
+    )
+    read_until(proc, *(f"ack buffered job_id={job.pk} " for job in jobs))
+    assert PaymentJob.objects.filter(status=Status.PROCESSING).count() == 4
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    for job in jobs:
+        assert ledger(job) == [(1, 1, "stopper", "completed")]
+    assert PaymentJob.objects.filter(status=Status.COMPLETED, attempts=1).count() == 4
+    assert acknowledged(out) == [4]
+    assert "completed=4" in out
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__max_jobs_exit_writes_the_buffered_acks(processes: Processes) -> None:
+    for _ in range(5):
+        PaymentJob.objects.enqueue("noop_batch")
+    proc = worker(processes, "capped", "--max-jobs", "3", "--ack-flush-interval", "3600")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert PaymentJob.objects.filter(status=Status.COMPLETED).count() == 3
+    assert PaymentJob.objects.filter(status=Status.PENDING).count() == 2
+    assert "completed=3" in out
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__sigkill_with_buffered_acks_runs_those_jobs_again(processes: Processes) -> None:
+    jobs = [PaymentJob.objects.enqueue("noop_batch") for _ in range(4)]
+    # Leases of 6 s, so the buffer is written at the latest a heartbeat (2 s) before they end:
+    # the kill lands in the ~4 s between the handlers' return and that write.
+    lease = ("--ttl", "6", "--heartbeat", "2")
+    first = worker(
+        processes, "doomed", "--ack-flush-interval", "3600", "--concurrency", "2", *lease
+    )
+    read_until(first, *(f"ack buffered job_id={job.pk} " for job in jobs))
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    assert PaymentJob.objects.filter(status=Status.PROCESSING, lease_owner="doomed").count() == 4
+
+    second = worker(processes, "rescuer", *lease)
+    wait_for(lambda: PaymentJob.objects.filter(status=Status.COMPLETED).count() == 4, timeout=60)
+    second.send_signal(signal.SIGTERM)
+    out = finish(second)
+    assert second.returncode == 0, out
+    for job in jobs:
+        assert ledger(job) == [(1, 1, "doomed", "lease_lost"), (2, 2, "rescuer", "completed")]
+    assert PaymentJob.objects.filter(status=Status.COMPLETED, attempts=2).count() == 4
