@@ -375,6 +375,20 @@ class Processes:
         else:
             shutil.rmtree(self.logs, ignore_errors=True)
 
+    def run(
+        self, argv: Sequence[str], env: dict[str, str], name: str, timeout: float = 300
+    ) -> None:
+        """Run the command `argv` to its end; raise ChildError if it fails or runs over."""
+        proc = self.spawn(argv, env, name, pipes=False)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop(proc)
+            raise ChildError(f"{name} ran over {timeout:.0f}s", proc) from None
+        self.stop(proc)
+        if proc.returncode:
+            raise ChildError(f"{name} failed", proc)
+
     def call(self, db: BenchDB, target: str, timeout: float = 1800, **kwargs: Any) -> Any:
         """Run `module:function(**kwargs)` in a Django child on `db` and return its result."""
         proc = self.spawn(child_command(target, **kwargs), child_env(db), target.split(":")[-1])
@@ -558,6 +572,26 @@ def print_table(
     for row in cells[1:]:
         print(line(row), file=out)
     out.flush()
+
+
+def print_markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print `rows` as a markdown table (numbers right-aligned)."""
+    numeric = [any(_numeric(str(row[i])) for row in rows) for i in range(len(headers))]
+    align = ["---:" if right else "---" for right in numeric]
+    for row in (headers, align, *rows):
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def commit() -> str:
+    """The checkout's commit (short hash, "-dirty" with uncommitted changes)."""
+    out = subprocess.run(
+        ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout.strip() or "unknown"
 
 
 def print_skipped(skipped: dict[str, str]) -> None:

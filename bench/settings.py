@@ -26,22 +26,34 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # off, so workers find new jobs by polling alone (wakeup_latency.py compares the two).
 DJANGO_LEASES = {**DJANGO_LEASES, "USE_NOTIFY": os.environ.get("BENCH_USE_NOTIFY", "1") != "0"}
 
-# App -> the module that must be importable for it to be installed. The peers are compared on
+# Completions of an ack="batch" kind a worker writes in one statement (throughput.py's --batch
+# for its django-leases-batch system); unset: the library's default.
+if "BENCH_ACK_BATCH" in os.environ:
+    DJANGO_LEASES["ACK_BATCH_SIZE"] = int(os.environ["BENCH_ACK_BATCH"])
+
+# App -> the modules that must be importable for it to be installed. The peers are compared on
 # PostgreSQL only (procrastinate's migrations need it), so they are left out on other databases.
+# The django-tasks database backend needs the django_tasks backport on Django 5.2 only (Django 6
+# has the Tasks framework in core).
 ON_POSTGRESQL = DATABASES["default"]["ENGINE"].endswith("postgresql")
 PEER_APPS = {
-    "procrastinate.contrib.django": "procrastinate",
-    "django_q": "django_q",
-    "django_tasks": "django_tasks_db",
-    "django_tasks_db": "django_tasks_db",
+    "procrastinate.contrib.django": ("procrastinate",),
+    "django_q": ("django_q",),
+    "django_tasks": ("django_tasks", "django_tasks_db"),
+    "django_tasks_db": ("django_tasks_db",),
 }
 INSTALLED_APPS = [
     *BASE_APPS,
-    *(app for app, module in PEER_APPS.items() if ON_POSTGRESQL and find_spec(module)),
+    *(
+        app
+        for app, modules in PEER_APPS.items()
+        if ON_POSTGRESQL and all(find_spec(module) for module in modules)
+    ),
     "bench",
 ]
 
-TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
+if find_spec("django_tasks_db"):
+    TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
 
 # django-q2 with its ORM broker: one cluster of WORKERS worker processes. save_limit=0 keeps
 # every success row (the drain is measured on them) instead of pruning to the last 250.

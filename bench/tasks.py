@@ -1,7 +1,7 @@
 """No-op tasks of the peer queues, each defined only when its library is installed.
 
 procrastinate discovers this module in every installed app; django-tasks and django-q2 import
-the functions by their dotted path.
+the functions by their dotted path. The pgqueuer entrypoint is in bench/pgq.py (no Django).
 """
 
 from importlib.util import find_spec
@@ -20,7 +20,10 @@ if find_spec("procrastinate"):
 
 
 if find_spec("django_tasks_db"):
-    from django_tasks import task
+    if find_spec("django.tasks"):
+        from django.tasks import task
+    else:
+        from django_tasks import task
 
     @task()
     def noop_task() -> None:

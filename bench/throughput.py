@@ -4,7 +4,8 @@ Every system drains the same number of jobs on the same throw-away PostgreSQL da
 same number of worker processes, each started with its own worker command as real processes.
 Enqueueing is not timed: the clock runs from the start of the workers until a poll of the
 database sees every job finished. Rounds are interleaved (each round rotates the order) and the
-median and spread over the rounds are reported, with each peer's ratio to django-leases.
+median and spread over the rounds are reported, with each peer's ratio to django-leases and
+django-leases' ratio to it; `--markdown` prints the table as markdown with the commit measured.
 
 While `run_lease_worker` is not available, django-leases is measured as the queryset-level loop
 (claim a batch, complete each job) in the same number of processes; the output says which.
@@ -41,25 +42,32 @@ class System:
     env: tuple[tuple[str, str], ...] = ()
     # Directory its workers start in (`python -m` imports from there first); None: this one.
     cwd: str | None = None
+    # The django-leases handler kind its workers run (its jobs are enqueued with it).
+    kind: str = "noop"
 
     def missing(self) -> list[str]:
         return [module for module in self.requires if find_spec(module) is None]
 
 
+def lease_worker_commands(args: argparse.Namespace, kind: str) -> list[list[str]]:
+    """`run_lease_worker --burst` of `kind`, once per worker process."""
+    return [
+        common.django_command(
+            "run_lease_worker",
+            f"--kind={kind}",
+            "--burst",
+            f"--concurrency={args.concurrency}",
+            f"--ttl={args.ttl}",
+            f"--worker-id=bench-{i}",
+            "--verbosity=0",
+        )
+        for i in range(args.workers)
+    ]
+
+
 def leases_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
     if has_command:
-        return [
-            common.django_command(
-                "run_lease_worker",
-                "--kind=noop",
-                "--burst",
-                f"--concurrency={args.concurrency}",
-                f"--ttl={args.ttl}",
-                f"--worker-id=bench-{i}",
-                "--verbosity=0",
-            )
-            for i in range(args.workers)
-        ]
+        return lease_worker_commands(args, "noop")
     loop = common.child_command(
         "bench.throughput:leases_loop", batch=args.batch, ttl=args.ttl, ledger=args.ledger
     )
@@ -70,8 +78,21 @@ def bare_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]
     return [common.child_command("bench.throughput:bare_loop", ttl=args.ttl)] * args.bare_processes
 
 
+def leases_batch_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    return lease_worker_commands(args, BATCH_KIND)
+
+
+def pgqueuer_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    # Drain mode exits once the queue is empty, as `--burst` does; acks are buffered up to the
+    # batch size (or 0.1 s), its default, and every fetched job runs as its own task.
+    argv = [sys.executable, "-m", "bench.pgq", str(args.batch)]
+    return [argv] * args.workers
+
+
 def procrastinate_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
-    argv = common.django_command("procrastinate", "worker", "--concurrency=1", "--one-shot")
+    argv = common.django_command(
+        "procrastinate", "worker", f"--concurrency={args.concurrency}", "--one-shot"
+    )
     return [argv] * args.workers
 
 
@@ -87,6 +108,7 @@ def q2_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
     return [common.django_command("qcluster")]
 
 
+BATCH_KIND = "noop_batch"
 LEASES_POLL = (
     f"SELECT count(*) FILTER (WHERE status = 'completed'), "
     f"count(*) FILTER (WHERE status IN ('completed', 'failed', 'review')) "
@@ -116,6 +138,24 @@ SYSTEMS = [
         bare_workers,
     ),
     System(
+        f"django-leases-batch (run_lease_worker, kind {BATCH_KIND}: ack=batch)",
+        ("django_leases",),
+        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_POLL,
+        leases_batch_workers,
+        kind=BATCH_KIND,
+    ),
+    System(
+        "pgqueuer",
+        ("pgqueuer", "psycopg"),
+        ("pgqueuer", "pgqueuer_log", "pgqueuer_statistics"),
+        # A finished job leaves the queue table and gets its final row in the log table.
+        "SELECT count(*) FILTER (WHERE status = 'successful'), "
+        "count(*) FILTER (WHERE status IN ('successful', 'exception', 'failed', 'canceled', "
+        "'deleted')) FROM pgqueuer_log",
+        pgqueuer_workers,
+    ),
+    System(
         "procrastinate",
         ("procrastinate",),
         ("procrastinate_jobs", "procrastinate_events", "procrastinate_workers"),
@@ -126,7 +166,7 @@ SYSTEMS = [
     ),
     System(
         "django-tasks (database)",
-        ("django_tasks", "django_tasks_db"),
+        ("django_tasks_db",),
         ("django_tasks_database_dbtaskresult",),
         "SELECT count(*) FILTER (WHERE status = 'SUCCESSFUL'), "
         "count(*) FILTER (WHERE status IN ('SUCCESSFUL', 'FAILED')) "
@@ -146,14 +186,19 @@ SYSTEMS = [
 # ---- Django side -------------------------------------------------------------------------------
 
 
-def enqueue(system: str, jobs: int, tables: list[str]) -> dict[str, Any]:
-    """Empty `system`'s tables, enqueue `jobs` no-op jobs through its API, refresh statistics."""
+def enqueue(system: str, jobs: int, tables: list[str], kind: str) -> dict[str, Any]:
+    """Empty `system`'s tables, enqueue `jobs` no-op jobs through its API (django-leases' of
+    `kind`), refresh statistics."""
     from django.db import transaction
 
     common.empty_tables(*tables)
     start = time.perf_counter()
     if system.startswith(("django-leases", "leases-", "bare")):
-        common.seed_pending(jobs)
+        common.seed_pending(jobs, kind)
+    elif system == "pgqueuer":
+        from bench.pgq import enqueue as pgq_enqueue
+
+        pgq_enqueue(jobs)
     elif system == "procrastinate":
         from bench.tasks import noop_procrastinate
 
@@ -252,6 +297,14 @@ def has_worker_command() -> dict[str, Any]:
     return {"found": "run_lease_worker" in get_commands()}
 
 
+def registered_kinds() -> list[str]:
+    """The handler kinds `run_lease_worker` finds (bench/jobs.py's, once discovered)."""
+    from django_leases.handlers import autodiscover, registered_kinds
+
+    autodiscover()
+    return registered_kinds()
+
+
 # ---- orchestration ---------------------------------------------------------------------------
 
 
@@ -273,6 +326,9 @@ def drain(
 ) -> Drain:
     """Start `system`'s workers and time them until every job is finished or the timeout."""
     extra = {"BENCH_WORKERS": str(args.workers), "BENCH_CONN_MAX_AGE": args.conn_max_age}
+    if system.kind == BATCH_KIND:
+        # --batch is the ack batch of its workers (bench/settings.py maps it to the setting).
+        extra["BENCH_ACK_BATCH"] = str(args.batch)
     env = common.child_env(db, **{**extra, **dict(system.env)})
     conn = db.connect()
     workers: list[subprocess.Popen[str]] = []
@@ -347,7 +403,6 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
     wanted = [s for s in SYSTEMS if s.name.split()[0] in args.systems]
     skipped = {s.name: f"not installed ({', '.join(s.missing())})" for s in wanted if s.missing()}
     systems = [s for s in wanted if s.name not in skipped] + checkouts(args.checkout)
-    results: dict[str, list[Drain]] = {s.name: [] for s in systems}
     with common.temp_database("postgresql", args.pg_url, "throughput") as db:
         common.note(f"migrating {db.name} ...")
         procs.call(db, "bench._common:migrate")
@@ -360,6 +415,8 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
         )
         if has_command and not args.ledger:
             raise SystemExit("--no-ledger only applies to the queryset loop")
+        systems = prepare(systems, db, procs, has_command, skipped)
+        results: dict[str, list[Drain]] = {s.name: [] for s in systems}
         for round_no in range(args.rounds):
             order = systems[round_no % len(systems) :] + systems[: round_no % len(systems)]
             for system in order:
@@ -370,6 +427,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
                     system=system.name,
                     jobs=args.jobs,
                     tables=list(system.tables),
+                    kind=system.kind,
                 )
                 result = drain(system, args, db, procs, has_command)
                 results[system.name].append(result)
@@ -381,6 +439,43 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
     report(args, systems, results, skipped, mode)
 
 
+def prepare(
+    systems: list[System],
+    db: common.BenchDB,
+    procs: common.Processes,
+    has_command: bool,
+    skipped: dict[str, str],
+) -> list[System]:
+    """Install what `systems` need beyond the migrations (pgqueuer's schema); move a system
+    that cannot run here to `skipped`, with why. Return the ones to measure."""
+    kinds = procs.call(db, "bench.throughput:registered_kinds")
+    ready = []
+    for system in systems:
+        if system.kind not in kinds:
+            skipped[system.name] = (
+                f"handler kind {system.kind!r} is not registered in bench/jobs.py"
+            )
+        elif system.kind != "noop" and not has_command:
+            skipped[system.name] = "needs run_lease_worker"
+        else:
+            ready.append(system)
+        if system.name == "pgqueuer":
+            # Its own CLI creates its tables, types and triggers (durability "durable").
+            install = [sys.executable, "-m", "pgqueuer", f"--pg-dsn={db.url}", "install"]
+            procs.run(install, common.child_env(db), "pgqueuer-install")
+    return ready
+
+
+def rates(args: argparse.Namespace, drains: list[Drain]) -> tuple[list[float], list[float]]:
+    """Jobs/s of each finished round: from the workers' start, and after the first job."""
+    done = [d for d in drains if not d.timed_out]
+    return [args.jobs / d.seconds for d in done], [d.steady_rate for d in done]
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
 def report(
     args: argparse.Namespace,
     systems: list[System],
@@ -388,55 +483,73 @@ def report(
     skipped: dict[str, str],
     mode: str,
 ) -> None:
-    print(
-        f"\nthroughput: {args.jobs} no-op jobs, {args.workers} worker processes, "
-        f"{args.rounds} interleaved rounds, PostgreSQL, workers' CONN_MAX_AGE={args.conn_max_age}"
-    )
-    print(f"django-leases measured as: {mode}")
-    base: dict[str, float] = {}
+    medians = {
+        s.name.split()[0]: statistics.median(rates(args, results[s.name])[0])
+        for s in systems
+        if rates(args, results[s.name])[0]
+    }
+    base = medians.get("django-leases")
     rows = []
     for system in systems:
+        wall, steady = rates(args, results[system.name])
         drains = results[system.name]
-        wall = [args.jobs / d.seconds for d in drains if not d.timed_out]
-        steady = [d.steady_rate for d in drains if not d.timed_out]
         failures = sum(d.finished - d.succeeded for d in drains)
         timeouts = sum(d.timed_out for d in drains)
         if not wall:
             rows.append([system.name, "timed out", "", "", "", "", "", ""])
             continue
-        median, steady_median = statistics.median(wall), statistics.median(steady)
-        if system.name == "django-leases":
-            base = {"wall": median, "steady": steady_median}
+        median = statistics.median(wall)
         rows.append(
             [
                 system.name,
                 f"{median:.0f}",
                 common.spread(wall),
                 f"{min(wall):.0f}-{max(wall):.0f}",
-                f"{median / base['wall']:.2f}x" if base else "-",
-                f"{steady_median:.0f}",
-                f"{steady_median / base['steady']:.2f}x" if base else "-",
+                ratio(median, base),
+                ratio(base, median),
+                f"{statistics.median(steady):.0f}",
                 f"{failures} failed, {timeouts} timeouts" if failures or timeouts else "ok",
             ]
         )
-    common.print_table(
-        "jobs/s from worker start to last job done (median of rounds), and after the first job",
-        [
-            "system",
-            "jobs/s",
-            "spread",
-            "min-max",
-            "vs leases",
-            "steady jobs/s",
-            "vs leases",
-            "status",
-        ],
-        rows,
+    headers = [
+        "system",
+        "jobs/s",
+        "spread",
+        "min-max",
+        "vs leases",
+        "leases vs it",
+        "steady jobs/s",
+        "status",
+    ]
+    title = (
+        f"throughput: {args.jobs} no-op jobs, {args.workers} worker processes, "
+        f"{args.rounds} interleaved rounds, batch {args.batch}, PostgreSQL, workers' "
+        f"CONN_MAX_AGE={args.conn_max_age}; django-leases measured as: {mode}"
     )
+    if args.markdown:
+        print(f"\n{title}; commit {common.commit()}\n")
+        common.print_markdown(headers, rows)
+    else:
+        print(f"\n{title}")
+        common.print_table(
+            "jobs/s from worker start to last job done (median of rounds), and after the first job",
+            headers,
+            rows,
+        )
+    print()
+    for label, a, b in (
+        ("django-leases / bare psycopg loop", "django-leases", "bare"),
+        ("django-leases / django-tasks (database)", "django-leases", "django-tasks"),
+        ("CONN_MAX_AGE=0 / persistent (django-leases)", "leases-cma0", "django-leases"),
+        ("django-leases-batch / pgqueuer", "django-leases-batch", "pgqueuer"),
+    ):
+        if a in medians and b in medians:
+            print(f"{label}: {ratio(medians[a], medians[b])}")
     common.print_skipped(skipped)
     print(
-        "\n'vs leases' = peer / django-leases (above 1.00x: the peer is faster). "
-        "'steady' leaves out worker start-up (clock from the first finished job)."
+        "\n'vs leases' = system / django-leases (above 1.00x: it is faster); 'leases vs it' = "
+        "django-leases / system. 'steady' leaves out worker start-up (clock from the first "
+        "finished job)."
     )
 
 
@@ -449,18 +562,21 @@ def conn_max_age(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(__doc__)
     parser.add_argument(
-        "--jobs", type=common.positive_int, default=5000, help="jobs per run (default: %(default)r)"
+        "--jobs",
+        type=common.positive_int,
+        default=20_000,
+        help="jobs per run (default: %(default)r)",
     )
     parser.add_argument(
         "--workers",
         type=common.positive_int,
-        default=4,
+        default=2,
         help="worker processes per system (default: %(default)r)",
     )
     parser.add_argument(
         "--rounds",
         type=common.positive_int,
-        default=3,
+        default=2,
         help="interleaved rounds per system (default: %(default)r)",
     )
     parser.add_argument(
@@ -473,8 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency",
         type=common.positive_int,
-        default=1,
-        help="run_lease_worker --concurrency of each django-leases worker (default: %(default)r)",
+        default=4,
+        help="run_lease_worker --concurrency of each django-leases worker, and procrastinate's "
+        "(default: %(default)r)",
     )
     parser.add_argument(
         "--checkout",
@@ -494,8 +611,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch",
         type=common.positive_int,
-        default=1,
-        help="claim(limit=...) of the django-leases queryset loop (default: %(default)r)",
+        default=10,
+        help="pgqueuer's --batch-size, the ack batch of django-leases-batch (ACK_BATCH_SIZE) "
+        "and the claim(limit=...) of the queryset loop (default: %(default)r, pgqueuer's)",
+    )
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the table as markdown, with the commit measured (for bench/README.md)",
     )
     parser.add_argument(
         "--no-ledger",
@@ -510,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         help="CONN_MAX_AGE of every worker: 'none' (persistent connections) or seconds; 0 is "
         "Django's default, a new connection each worker round (default: %(default)s)",
     )
-    common.add_common_arguments(parser, databases=None, timeout=300)
+    common.add_common_arguments(parser, databases=None, timeout=900)
     args = parser.parse_args(argv)
     return common.run_main(run, args)
 
