@@ -226,6 +226,12 @@ def test_commands__start_on_a_utc_session(processes: Processes) -> None:
     assert "E013" not in out, out
 
 
+def current_setting(name: str) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting(%s)", [name])
+        return cursor.fetchone()[0]
+
+
 @contextmanager
 def server_setting(name: str, value: str) -> Iterator[None]:
     """Set a reloadable PostgreSQL setting server-wide (ALTER SYSTEM), then reset it."""
@@ -236,9 +242,7 @@ def server_setting(name: str, value: str) -> Iterator[None]:
         with admin.connection.cursor() as cursor:
             cursor.execute(f"ALTER SYSTEM SET {name} = {value}")
             cursor.execute("SELECT pg_reload_conf()")
-        with connection.cursor() as cursor:
-            query = f"SELECT current_setting('{name}') = '{value}'"
-            wait_for(lambda: cursor.execute(query) or cursor.fetchone()[0], timeout=10)
+        wait_for(lambda: current_setting(name) == value, timeout=10)
         yield
     finally:
         with admin.connection.cursor() as cursor:
