@@ -27,10 +27,12 @@ from django.db import (
 )
 
 from django_leases.backoff import retry_delay
+from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
 from django_leases.handlers import ACK_BATCH, Handler, get_handler
 from django_leases.lease import Lease
+from django_leases.limits import ACK_BATCH_SIZE
 from django_leases.querysets import LeaseQuerySet
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
@@ -108,6 +110,17 @@ class AckBuffer:
         self._ready = threading.Condition()
         self._closed = False
 
+    @classmethod
+    def configured(cls, size: int | None, interval: float | None, *, margin: float) -> AckBuffer:
+        """Return a buffer of `size` and `interval`, the ACK_* settings where None."""
+        size = size if size is not None else leases_settings.ACK_BATCH_SIZE
+        low, high = ACK_BATCH_SIZE
+        if not low <= size <= high:
+            raise ValueError(f"ack batch size must be from {low} to {high}, got {size}")
+        if interval is None:
+            interval = leases_settings.ACK_FLUSH_INTERVAL
+        return cls(size=size, interval=to_seconds(interval, "ack_flush_interval"), margin=margin)
+
     def __len__(self) -> int:
         with self._ready:
             return len(self._leases)
@@ -161,7 +174,9 @@ class RunsAttempts:
     using: str
     ttl: float
     worker_id: str
+    kinds: list[str]
     _acks: AckBuffer
+    _ack_writer: threading.Thread | None
     _stopped: threading.Event
 
     def _jobs(self) -> LeaseQuerySet[Any]:
@@ -249,6 +264,31 @@ class RunsAttempts:
                             self._record(lease, AttemptOutcome.COMPLETED, lease.complete)
         finally:
             connections.close_all()
+
+    def _start_ack_writer(self) -> None:
+        """Start the thread that writes buffered completions, if a claimed kind batches them."""
+        if not any(get_handler(kind).ack == ACK_BATCH for kind in self.kinds):
+            self._acks.close()
+            return
+        self._ack_writer = self._started(self._ack_loop, "lease-acks")
+
+    @staticmethod
+    def _started(target: Callable[[], None], name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _write_buffered_acks(self) -> None:
+        """Write every buffered completion before the worker exits.
+
+        The writer gives up on a lease once the database was unreachable for its whole TTL, so
+        waiting one TTL (plus a network timeout's worth) is enough.
+        """
+        self._acks.close()
+        if self._ack_writer is not None:
+            self._ack_writer.join(timeout=self.ttl * 2)
+            if self._ack_writer.is_alive():
+                logger.warning("buffered completions not written: %s left", len(self._acks))
 
     def _flush(self, batch: list[Lease]) -> None:
         """Complete `batch` in one statement, retrying while the database is down.

@@ -22,7 +22,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any, TypeVar
 
 from django.db import (
@@ -39,9 +39,8 @@ from django_leases.exceptions import (
     LeaseLost,
     WorkerIdTaken,
 )
-from django_leases.handlers import ACK_BATCH, get_handler, registered_kinds
+from django_leases.handlers import get_handler, registered_kinds
 from django_leases.lease import Lease
-from django_leases.limits import ACK_BATCH_SIZE
 from django_leases.listener import Listener
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet, leased_jobs, registered_workers
 from django_leases.redaction import error_text
@@ -144,21 +143,10 @@ class LeaseWorker(RunsAttempts):
         self.grace_period = (
             grace_period if grace_period is not None else leases_settings.GRACE_PERIOD
         )
-        size = ack_batch_size if ack_batch_size is not None else leases_settings.ACK_BATCH_SIZE
-        low, high = ACK_BATCH_SIZE
-        if not low <= size <= high:
-            raise ValueError(f"ack batch size must be from {low} to {high}, got {size}")
-        # A buffered completion's lease is no longer renewed: write it at the latest one
+        # A buffered completion's lease is no longer renewed: it is written at the latest one
         # heartbeat interval before the worker would have to take that lease as lost.
-        self._acks = AckBuffer(
-            size=size,
-            interval=to_seconds(
-                ack_flush_interval
-                if ack_flush_interval is not None
-                else leases_settings.ACK_FLUSH_INTERVAL,
-                "ack_flush_interval",
-            ),
-            margin=self.heartbeat_interval,
+        self._acks = AckBuffer.configured(
+            ack_batch_size, ack_flush_interval, margin=self.heartbeat_interval
         )
         self._ack_writer: threading.Thread | None = None
         self.using = jobs.db
@@ -268,19 +256,6 @@ class LeaseWorker(RunsAttempts):
         self._slot_free.set()
 
     # ---- the loop ---------------------------------------------------------------------------
-
-    def _start_ack_writer(self) -> None:
-        """Start the thread that writes buffered completions, if a claimed kind batches them."""
-        if not any(get_handler(kind).ack == ACK_BATCH for kind in self.kinds):
-            self._acks.close()
-            return
-        self._ack_writer = self._started(self._ack_loop, "lease-acks")
-
-    @staticmethod
-    def _started(target: Callable[[], None], name: str) -> threading.Thread:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-        return thread
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         return leased_jobs(self.model, self.using)
@@ -673,18 +648,6 @@ class LeaseWorker(RunsAttempts):
             pass
         finally:
             connections.close_all()
-
-    def _write_buffered_acks(self) -> None:
-        """Write every buffered completion before the worker exits.
-
-        The writer gives up on a lease once the database was unreachable for its whole TTL, so
-        waiting one TTL (plus a network timeout's worth) is enough.
-        """
-        self._acks.close()
-        if self._ack_writer is not None:
-            self._ack_writer.join(timeout=self.ttl * 2)
-            if self._ack_writer.is_alive():
-                logger.warning("buffered completions not written: %s left", len(self._acks))
 
     def _release_unstarted(self, lease: Lease) -> None:
         try:

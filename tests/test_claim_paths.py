@@ -15,7 +15,7 @@ from django.db import connection, transaction
 from django.db.models.functions import Now
 
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets.leases import ClaimPath
+from django_leases.querysets.base import ClaimPath
 
 pytestmark = pytest.mark.django_db
 

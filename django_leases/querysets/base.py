@@ -7,11 +7,12 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from django.db import OperationalError, connections, models
 from django.db.models.functions import Now
 
+from django_leases.limits import OWNER_LENGTH, check_text
 from django_leases.sql import deadlocked
 
 DEADLOCK_RETRIES = 5
@@ -53,3 +54,14 @@ def retry_deadlocks(method: F_) -> F_:
             attempt += 1
 
     return wrapper  # type: ignore[return-value]
+
+
+ClaimPath = Literal["postgresql+ledger", "postgresql", "sqlite", "orm"]
+"""How a claim runs: PostgreSQL's one statement (with the ledger's CTEs, or the ledger written
+after it), SQLite's UPDATE ... RETURNING passes, or the ORM's SELECT ... FOR UPDATE SKIP LOCKED
+then conditional UPDATE (MariaDB/MySQL, and the specification the others are tested against)."""
+
+
+def check_owner(owner: str) -> None:
+    """Refuse an owner (a worker id) that does not fit the lease_owner column."""
+    check_text(owner, "owner", OWNER_LENGTH)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 from datetime import timedelta
 from functools import reduce
 from operator import or_
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 from django.db import connections, transaction
 from django.db.models import Case, F, Q, Value, When
@@ -26,12 +26,11 @@ from django_leases.limits import (
     CLAIM_LIMIT,
     JOB_ID,
     KIND_LENGTH,
-    OWNER_LENGTH,
     check_int,
     check_text,
 )
-from django_leases.querysets.base import after, retry_deadlocks
-from django_leases.querysets.enqueue import Enqueueing
+from django_leases.querysets.acks import Acknowledgements
+from django_leases.querysets.base import ClaimPath, after, check_owner, retry_deadlocks
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
 from django_leases.querysets.reads import takeover_guard
 from django_leases.sql import postgresql, sqlite
@@ -46,17 +45,8 @@ from django_leases.status import (
     AttemptOutcome,
 )
 
-if TYPE_CHECKING:
-    pass
 
-
-ClaimPath = Literal["postgresql+ledger", "postgresql", "sqlite", "orm"]
-"""How a claim runs: PostgreSQL's one statement (with the ledger's CTEs, or the ledger written
-after it), SQLite's UPDATE ... RETURNING passes, or the ORM's SELECT ... FOR UPDATE SKIP LOCKED
-then conditional UPDATE (MariaDB/MySQL, and the specification the others are tested against)."""
-
-
-class LeaseQuerySet(Enqueueing[J]):
+class LeaseQuerySet(Acknowledgements[J]):
     """Reads and lease transitions of any `AbstractLeasedJob` table.
 
     Built up in layers, one module each: reads (`reads`), ledger writes (`ledger`), pruning
@@ -83,7 +73,7 @@ class LeaseQuerySet(Enqueueing[J]):
         attempt ledger in the same transaction.
         """
         seconds = to_seconds(ttl, "ttl")
-        _check_owner(owner)
+        check_owner(owner)
         check_int(limit, "limit", CLAIM_LIMIT)
         if kinds is not None:
             kinds = [check_text(kind, "kinds", KIND_LENGTH) for kind in kinds]
@@ -210,15 +200,12 @@ class LeaseQuerySet(Enqueueing[J]):
             "attempts": F("attempts") + 1,
         }
 
-    def _table(self) -> str:
-        return connections[self.db].ops.quote_name(self.model._meta.db_table)
-
     @retry_deadlocks
     def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
         """Claim the job `pk` for `owner` if it is claimable; return it, or None if not."""
         check_int(pk, "pk", JOB_ID)
         seconds = to_seconds(ttl, "ttl")
-        _check_owner(owner)
+        check_owner(owner)
         with transaction.atomic(using=self.db):
             # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or
             # processing with an expired lease). Its row count is the decision.
@@ -312,84 +299,6 @@ class LeaseQuerySet(Enqueueing[J]):
             cursor.execute(*statement)
             (won,) = cursor.fetchone()
         return bool(won)
-
-    @retry_deadlocks
-    def complete_many(self, owner: str, leases: Mapping[int, int]) -> set[int]:
-        """Complete every job of `leases` ({pk: token}) that `owner` still holds under that
-        token; return the pks completed.
-
-        One statement on PostgreSQL, one transaction of set-based statements elsewhere. Each row
-        is still conditional on its own id, `processing`, owner and token: a job lost, taken
-        over, released or finished meanwhile is left alone (and its ledger row noted as fenced),
-        the others complete, with their open ledger rows closed in the same transaction. A job
-        with a lock is never completed here: `complete()` passes its lock on.
-        """
-        _check_owner(owner)
-        leases = {
-            check_int(pk, "pk", JOB_ID): check_int(token, "token", JOB_ID)
-            for pk, token in leases.items()
-        }
-        if not leases:
-            return set()
-        won = self._complete_many(owner, leases, self._complete_many_path())
-        lost = {pk: token for pk, token in leases.items() if pk not in won}
-        if lost:
-            self._record_fenced(lost)
-        return won
-
-    def _complete_many_path(self) -> ClaimPath:
-        """The raw statements need the stock ledger (for their ledger UPDATE); else the ORM."""
-        vendor = connections[self.db].vendor
-        if self._ledger_names() is None or vendor not in ("postgresql", "sqlite"):
-            return "orm"
-        return "postgresql+ledger" if vendor == "postgresql" else "sqlite"
-
-    def _complete_many(self, owner: str, leases: dict[int, int], path: ClaimPath) -> set[int]:
-        ledger = self._ledger_names()
-        if path == "postgresql+ledger" and ledger is not None:
-            # One statement: atomic without a transaction block.
-            statement = postgresql.complete_many(
-                self._table(),
-                ledger,
-                owner=owner,
-                pks=list(leases),
-                tokens=list(leases.values()),
-                processing=PROCESSING,
-                completed=COMPLETED,
-            )
-            with connections[self.db].cursor() as cursor:
-                cursor.execute(*statement)
-                return {pk for (pk,) in cursor.fetchall()}
-        # One transaction: the jobs' completions and their ledger rows commit together.
-        with transaction.atomic(using=self.db):
-            if path == "sqlite" and ledger is not None:
-                with connections[self.db].cursor() as cursor:
-                    cursor.execute(
-                        *sqlite.complete_many(
-                            self._table(),
-                            owner=owner,
-                            pairs=leases,
-                            processing=PROCESSING,
-                            completed=COMPLETED,
-                        )
-                    )
-                    won = dict(cursor.fetchall())
-                    if won:
-                        cursor.execute(
-                            *sqlite.close_attempts(
-                                self._table(), ledger, owner=owner, pairs=won, outcome=COMPLETED
-                            )
-                        )
-                return set(won)
-            # The specification (and MariaDB/MySQL's path): lock the rows still held, then
-            # complete exactly those; the row locks keep the read true until commit.
-            pairs = reduce(or_, (Q(pk=pk, lease_token=token) for pk, token in leases.items()))
-            held = self.filter(pairs, status=PROCESSING, lease_owner=owner, lock="")
-            won = dict(held.select_for_update().values_list("pk", "lease_token"))
-            if won:
-                held.filter(pk__in=won).update(status=COMPLETED, completed_at=Now(), last_error="")
-                self._close_attempts(won, AttemptOutcome.COMPLETED, by=owner)
-        return set(won)
 
     @retry_deadlocks
     def fail(
@@ -551,7 +460,3 @@ class LeaseQuerySet(Enqueueing[J]):
             return False
         self._pass_lock(pk)
         return True
-
-
-def _check_owner(owner: str) -> None:
-    check_text(owner, "owner", OWNER_LENGTH)

@@ -1,0 +1,106 @@
+"""Acknowledgements: completing a batch of held jobs in one round trip (`ack="batch"` kinds).
+
+A layer of `LeaseQuerySet`, like the others: each row of a batch is still conditional on its own
+id, `processing`, owner and fencing token, and the ledger rows of exactly the rows that won are
+closed in the same statement or transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import reduce
+from operator import or_
+
+from django.db import connections, transaction
+from django.db.models import Q
+from django.db.models.functions import Now
+
+from django_leases.limits import JOB_ID, check_int
+from django_leases.querysets.base import ClaimPath, check_owner, retry_deadlocks
+from django_leases.querysets.enqueue import Enqueueing
+from django_leases.querysets.ledger import J
+from django_leases.sql import postgresql, sqlite
+from django_leases.status import COMPLETED, PROCESSING, AttemptOutcome
+
+
+class Acknowledgements(Enqueueing[J]):
+    def _table(self) -> str:
+        return connections[self.db].ops.quote_name(self.model._meta.db_table)
+
+    @retry_deadlocks
+    def complete_many(self, owner: str, leases: Mapping[int, int]) -> set[int]:
+        """Complete every job of `leases` ({pk: token}) that `owner` still holds under that
+        token; return the pks completed.
+
+        One statement on PostgreSQL, one transaction of set-based statements elsewhere. Each row
+        is still conditional on its own id, `processing`, owner and token: a job lost, taken
+        over, released or finished meanwhile is left alone (and its ledger row noted as fenced),
+        the others complete, with their open ledger rows closed in the same transaction. A job
+        with a lock is never completed here: `complete()` passes its lock on.
+        """
+        check_owner(owner)
+        leases = {
+            check_int(pk, "pk", JOB_ID): check_int(token, "token", JOB_ID)
+            for pk, token in leases.items()
+        }
+        if not leases:
+            return set()
+        won = self._complete_many(owner, leases, self._complete_many_path())
+        lost = {pk: token for pk, token in leases.items() if pk not in won}
+        if lost:
+            self._record_fenced(lost)
+        return won
+
+    def _complete_many_path(self) -> ClaimPath:
+        """The raw statements need the stock ledger (for their ledger UPDATE); else the ORM."""
+        vendor = connections[self.db].vendor
+        if self._ledger_names() is None or vendor not in ("postgresql", "sqlite"):
+            return "orm"
+        return "postgresql+ledger" if vendor == "postgresql" else "sqlite"
+
+    def _complete_many(self, owner: str, leases: dict[int, int], path: ClaimPath) -> set[int]:
+        ledger = self._ledger_names()
+        if path == "postgresql+ledger" and ledger is not None:
+            # One statement: atomic without a transaction block.
+            statement = postgresql.complete_many(
+                self._table(),
+                ledger,
+                owner=owner,
+                pks=list(leases),
+                tokens=list(leases.values()),
+                processing=PROCESSING,
+                completed=COMPLETED,
+            )
+            with connections[self.db].cursor() as cursor:
+                cursor.execute(*statement)
+                return {pk for (pk,) in cursor.fetchall()}
+        # One transaction: the jobs' completions and their ledger rows commit together.
+        with transaction.atomic(using=self.db):
+            if path == "sqlite" and ledger is not None:
+                with connections[self.db].cursor() as cursor:
+                    cursor.execute(
+                        *sqlite.complete_many(
+                            self._table(),
+                            owner=owner,
+                            pairs=leases,
+                            processing=PROCESSING,
+                            completed=COMPLETED,
+                        )
+                    )
+                    won = dict(cursor.fetchall())
+                    if won:
+                        cursor.execute(
+                            *sqlite.close_attempts(
+                                self._table(), ledger, owner=owner, pairs=won, outcome=COMPLETED
+                            )
+                        )
+                return set(won)
+            # The specification (and MariaDB/MySQL's path): lock the rows still held, then
+            # complete exactly those; the row locks keep the read true until commit.
+            pairs = reduce(or_, (Q(pk=pk, lease_token=token) for pk, token in leases.items()))
+            held = self.filter(pairs, status=PROCESSING, lease_owner=owner, lock="")
+            won = dict(held.select_for_update().values_list("pk", "lease_token"))
+            if won:
+                held.filter(pk__in=won).update(status=COMPLETED, completed_at=Now(), last_error="")
+                self._close_attempts(won, AttemptOutcome.COMPLETED, by=owner)
+        return set(won)
