@@ -13,12 +13,13 @@ class LeasesConfig(AppConfig):
 
         from django_leases import checks as lease_checks
         from django_leases import conf, handlers
+        from django_leases.checks import databases as database_checks
 
         checks.register(lease_checks.check_settings)
-        checks.register(lease_checks.check_sqlite_transaction_mode)
+        checks.register(database_checks.check_sqlite_transaction_mode)
         # Asks the database itself: runs under `manage.py check --database ALIAS` (and migrate).
-        checks.register(lease_checks.check_database_clock, checks.Tags.database)
-        checks.register(lease_checks.check_autovacuum, checks.Tags.database)
+        checks.register(database_checks.check_database_clock, checks.Tags.database)
+        checks.register(database_checks.check_autovacuum, checks.Tags.database)
         checks.register(lease_checks.check_tasks_framework)
         checks.register(lease_checks.check_worker_retention)
         checks.register(lease_checks.check_job_model)

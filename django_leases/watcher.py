@@ -21,7 +21,7 @@ from django.db import InterfaceError, OperationalError, close_old_connections, c
 from django.db.models import F
 from django.db.models.functions import Now
 
-from django_leases.checks import database_clock_problems
+from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.db import harden
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
@@ -85,7 +85,7 @@ class StuckWatcher:
         `on_pass` gets each pass's actions, `on_outage` the reason a pass failed on a database
         connection error (the next pass tries again: a watcher never exits for an outage).
         Raises `ImproperlyConfigured` before the first pass where the database session clock
-        would make every expiry wrong (see `checks.database_clock_problems`).
+        would make every expiry wrong (see `checks.databases.database_clock_problems`).
         """
         problems = database_clock_problems(self.using)
         if problems:

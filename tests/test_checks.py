@@ -13,15 +13,17 @@ from django.db import connection, connections
 from django.test import override_settings
 
 from django_leases.checks import (
-    autovacuum_problems,
-    check_autovacuum,
-    check_database_clock,
     check_job_model,
     check_ledgers,
     check_schedules,
     check_settings,
-    check_sqlite_transaction_mode,
     check_tasks_framework,
+)
+from django_leases.checks.databases import (
+    autovacuum_problems,
+    check_autovacuum,
+    check_database_clock,
+    check_sqlite_transaction_mode,
     database_clock_problems,
     sqlite_without_immediate,
 )

@@ -25,7 +25,7 @@ SESSION_CLOCK = (
     "SELECT @@session.time_zone, @@system_time_zone, TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())"
 )
 """The session's time zone, the server's, and how far the session's NOW() is from UTC: what
-`checks.database_clock_problems` reads, since lease times are compared with NOW()."""
+`checks.databases.database_clock_problems` reads, since lease times are compared with NOW()."""
 
 
 def row_estimate(

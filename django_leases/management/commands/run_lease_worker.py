@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_leases.checks import database_clock_problems
+from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.exceptions import WorkerIdTaken
 from django_leases.limits import ACK_BATCH_SIZE, CONCURRENCY, MAX_JOBS

@@ -2,14 +2,12 @@
 renumber or reuse one."""
 
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import django
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
 from django.utils.module_loading import import_string
 
 from django_leases.conf import DEFAULTS, to_seconds
@@ -32,7 +30,6 @@ from django_leases.limits import (
 )
 from django_leases.querysets import job_model, leased_job_models, ledger_model
 from django_leases.schedules import MIN_EVERY, SCHEDULE_KEYS, SCHEDULE_NAME_LENGTH
-from django_leases.sql import mysql, postgresql
 from django_leases.status import COMPLETED, FINAL_STATUSES, StuckPolicy
 
 DURATIONS = (
@@ -261,115 +258,6 @@ def _check_redactor(path: Any) -> list[CheckMessage]:
             "error's text, e.g. the default 'django_leases.redaction.redact_database_values'.",
             id="django_leases.E012",
         )
-    ]
-
-
-# The names MariaDB/MySQL report for a UTC session zone (named zones need the zone tables).
-UTC_ZONES = {"+00:00", "-00:00", "utc", "etc/utc", "gmt", "etc/gmt", "universal", "zulu"}
-
-
-def database_clock_problems(alias: str) -> list[str]:
-    """Return what is wrong with the clock of database `alias`'s session, one line each.
-
-    Lease times are written and compared with the database's `NOW()`. On MariaDB/MySQL, `NOW()`
-    is in the session's time zone while Django stores UTC: with any other zone every lease
-    comparison is off by the offset (and a DST change looks like mass expiry). PostgreSQL's
-    `now()` is a `timestamptz` and SQLite's is UTC, whatever the session says: nothing to check.
-    """
-    connection = connections[alias]
-    if connection.vendor != "mysql":
-        return []
-    with connection.cursor() as cursor:
-        cursor.execute(mysql.SESSION_CLOCK)
-        session_zone, system_zone, offset = cursor.fetchone()
-    zone = system_zone if session_zone == "SYSTEM" else session_zone
-    if offset == 0 and str(zone).lower() in UTC_ZONES:
-        return []
-    shown = f"SYSTEM ({system_zone})" if session_zone == "SYSTEM" else session_zone
-    return [
-        f"database {alias!r}: the session time zone is {shown!r} (NOW() is {offset:+d} s from "
-        'UTC), not UTC; lease times would be off by that offset. Add "OPTIONS": '
-        '{"init_command": "SET time_zone = \'+00:00\'"} to its DATABASES entry.'
-    ]
-
-
-def check_database_clock(
-    app_configs: Any = None, databases: Iterable[str] | None = None, **kwargs: Any
-) -> list[CheckMessage]:
-    """Report a MariaDB/MySQL session whose time zone is not UTC (`check --database ALIAS`)."""
-    return [
-        Error(
-            problem,
-            hint="django-leases compares lease times with the database's NOW(), which must be "
-            "UTC like the times Django stores.",
-            id="django_leases.E013",
-        )
-        for alias in databases or ()
-        for problem in database_clock_problems(alias)
-    ]
-
-
-def autovacuum_problems(alias: str) -> list[str]:
-    """Return what keeps database `alias` from vacuuming the job table, one line each.
-
-    No update of a job row is HOT (each changes an indexed column), so every claim, heartbeat
-    and completion leaves a dead entry in a partial index right where the next claim starts
-    reading; only a vacuum removes it. Without autovacuum a claim reads further with every job
-    processed since the last manual VACUUM (bench/README.md: about one index page per 95 jobs).
-    """
-    connection = connections[alias]
-    if connection.vendor != "postgresql":
-        return []
-    with connection.cursor() as cursor:
-        cursor.execute(postgresql.AUTOVACUUM)
-        (running,) = cursor.fetchone()
-    if running:
-        return []
-    return [
-        f"database {alias!r}: autovacuum is off; claims slow down with every job processed "
-        "until a VACUUM of the job table."
-    ]
-
-
-def check_autovacuum(
-    app_configs: Any = None, databases: Iterable[str] | None = None, **kwargs: Any
-) -> list[CheckMessage]:
-    """Warn about a PostgreSQL server without autovacuum (`check --database ALIAS`)."""
-    return [
-        Warning(
-            problem,
-            hint="Turn autovacuum on (postgresql.conf: autovacuum = on), or VACUUM the job and "
-            "ledger tables every few minutes; see the Autovacuum section of docs/operations.md.",
-            id="django_leases.W008",
-        )
-        for alias in databases or ()
-        for problem in autovacuum_problems(alias)
-    ]
-
-
-def sqlite_without_immediate(databases: dict[str, Any]) -> list[str]:
-    """Return the aliases of SQLite databases in `databases` (a DATABASES setting) whose
-    transactions do not take the write lock when they start."""
-    return [
-        alias
-        for alias, config in databases.items()
-        if str(config.get("ENGINE", "")).endswith("sqlite3")
-        and str((config.get("OPTIONS") or {}).get("transaction_mode", "")).upper() != "IMMEDIATE"
-    ]
-
-
-def check_sqlite_transaction_mode(**kwargs: Any) -> list[CheckMessage]:
-    """Warn about SQLite databases whose transactions do not take the write lock at once."""
-    return [
-        Warning(
-            f'SQLite database {alias!r} has no "OPTIONS": {{"transaction_mode": '
-            '"IMMEDIATE"}}: an operator action reads before it writes, and another process\'s '
-            "write in between makes it fail with 'database is locked' instead of waiting.",
-            hint='Add "transaction_mode": "IMMEDIATE" to the OPTIONS of this database '
-            "(Django 5.1+).",
-            id="django_leases.W003",
-        )
-        for alias in sqlite_without_immediate(settings.DATABASES)
     ]
 
 
