@@ -22,6 +22,16 @@ _max_age = os.environ.get("BENCH_CONN_MAX_AGE", "none")
 DATABASES["default"]["CONN_MAX_AGE"] = None if _max_age.lower() == "none" else int(_max_age)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
+# Prepared statements (PostgreSQL with psycopg 3): Django leaves them off unless OPTIONS has a
+# "prepare_threshold"; BENCH_PREPARE_THRESHOLD (executions of a statement before psycopg
+# prepares it, e.g. 5) sets it for every Django-based system alike.
+if os.environ.get("BENCH_PREPARE_THRESHOLD") and DATABASES["default"]["ENGINE"].endswith(
+    "postgresql"
+):
+    DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = int(
+        os.environ["BENCH_PREPARE_THRESHOLD"]
+    )
+
 # LISTEN/NOTIFY wake-ups of idle workers (PostgreSQL only); BENCH_USE_NOTIFY=0 switches them
 # off, so workers find new jobs by polling alone (wakeup_latency.py compares the two).
 DJANGO_LEASES = {**DJANGO_LEASES, "USE_NOTIFY": os.environ.get("BENCH_USE_NOTIFY", "1") != "0"}

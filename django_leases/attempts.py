@@ -30,6 +30,7 @@ from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
+from django_leases.group_commit import GroupCommit
 from django_leases.handlers import ACK_BATCH, Handler, get_handler
 from django_leases.lease import Lease
 from django_leases.limits import ACK_BATCH_SIZE
@@ -167,6 +168,20 @@ class AckBuffer:
         return min(self._buffered_at[0] + self.interval, self._expiry) - time.monotonic()
 
 
+@dataclass(frozen=True)
+class GroupCompletion:
+    """What `_complete_group()` did for one lease."""
+
+    written: bool
+    """False: nothing was written; the slot writes the completion on its own."""
+    won: bool = False
+    """The completion won (else the lease was lost before it)."""
+    following: Lease | None = None
+    """The slot's next job, claimed in the same statement."""
+    outage: bool = False
+    """The statement was lost to an outage, and may have committed."""
+
+
 class RunsAttempts:
     """The attempt half of `LeaseWorker` (its base class): what happens on a slot thread."""
 
@@ -175,6 +190,9 @@ class RunsAttempts:
     ttl: float
     worker_id: str
     kinds: list[str]
+    max_jobs: int | None
+    _stopping: threading.Event
+    _completions: GroupCommit[Lease | None, GroupCompletion]
     _acks: AckBuffer
     _ack_writer: threading.Thread | None
     _stopped: threading.Event
@@ -188,7 +206,9 @@ class RunsAttempts:
     def _abandon(self, lease: Lease, why: str) -> None:
         raise NotImplementedError
 
-    def _execute(self, lease: Lease) -> None:
+    def _execute(self, lease: Lease) -> Lease | None:
+        """Run `lease`'s attempt, record its outcome and return the slot's next lease, claimed
+        with the outcome or right after it (`_complete_group()`), if there was one to claim."""
         job = lease.job
         handler = get_handler(job.kind)
         started = time.monotonic()
@@ -206,7 +226,7 @@ class RunsAttempts:
         if error is None and left_open:
             error = HandlerError(left_open)
         if lease.outcome == TIMED_OUT:
-            return  # the loop ended this attempt at its timeout; the handler came back late
+            return None  # the loop ended this attempt at its timeout; the handler came back late
         if isinstance(error, LeaseLost):
             self._fenced_out(lease, str(error))
         elif isinstance(error, HandlerTimeout):
@@ -238,7 +258,91 @@ class RunsAttempts:
         elif lease.lost:
             self._fenced_out(lease, "the lease was lost while the handler ran; result discarded")
         elif not self._defer_ack(lease, handler):
+            return self._complete(lease)
+        return self._claim_next()
+
+    def _complete(self, lease: Lease) -> Lease | None:
+        """Write the completion and claim the slot's next job in the same statement, with what
+        other slots need at the same moment (`_complete_group()`); return the next job's lease.
+
+        A job with a lock is completed on its own (its completion passes the lock on), and so is
+        a job whose group statement failed: `_record()` retries it, or records why it cannot.
+        """
+        if lease.job.lock:
             self._record(lease, AttemptOutcome.COMPLETED, lease.complete)
+            return self._claim_next()
+        group = self._group(lease)
+        if group is None or not group.written:
+            outage = group is not None and group.outage
+            self._record(lease, AttemptOutcome.COMPLETED, lease.complete, had_outage=outage)
+        elif group.won:
+            lease.mark_completed()
+            self._count(lease, AttemptOutcome.COMPLETED, AttemptOutcome.COMPLETED, None)
+        else:
+            self._fenced_out(lease, "lease lost before its completion", recorded=True)
+        return None if group is None else group.following
+
+    def _claim_next(self) -> Lease | None:
+        """Claim the slot's next job with the group write; return its lease, if one was due."""
+        group = self._group(None)
+        return None if group is None else group.following
+
+    def _group(self, lease: Lease | None) -> GroupCompletion | None:
+        """Submit `lease`'s completion (None: nothing to complete) and the claim of the slot's
+        next job to the group write, and return what it did; None at once, writing nothing,
+        once the worker stops claiming or counts its claims (`max_jobs`): its loop claims then.
+        """
+        if self._stopping.is_set() or self.max_jobs is not None:
+            return None
+        return self._completions.submit(lease)
+
+    def _complete_group(self, items: list[Lease | None]) -> list[GroupCompletion]:
+        """Complete the leases of `items` and claim a next job for each item, in one statement
+        where the database allows it (`complete_and_claim()`): one commit for the jobs finished
+        and the next ones, however many slots asked at the same moment.
+
+        A statement refused, or lost to an outage, leaves each completion to its slot. A claim of
+        it that committed unseen expires and is taken over, as any claim whose answer was lost.
+        """
+        if self._stopping.is_set():
+            return [GroupCompletion(written=False) for _ in items]
+        started = time.monotonic()
+        try:
+            won, jobs = self._jobs().complete_and_claim(
+                self.worker_id,
+                {lease.pk: lease.token for lease in items if lease is not None},
+                ttl=self.ttl,
+                limit=len(items),
+                kinds=self.kinds,
+            )
+        except Exception:  # noqa: BLE001 - each slot's _record() retries, or records why not
+            outage = not connections[self.using].is_usable()
+            return [GroupCompletion(written=False, outage=outage) for _ in items]
+        self._note_claimed(jobs)
+        following: list[Lease | None] = [
+            Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs
+        ]
+        following += [None] * (len(items) - len(jobs))
+        return [
+            GroupCompletion(
+                written=True, won=lease is not None and lease.pk in won, following=next_lease
+            )
+            for lease, next_lease in zip(items, following, strict=True)
+        ]
+
+    def _note_claimed(self, jobs: list[Any]) -> None:
+        """Count and log the jobs a claim took."""
+        for job in jobs:
+            self.stats.add("claimed", kind=job.kind)
+            self.stats.claimed_after_wait(job)
+            logger.debug(
+                "claimed job_id=%s kind=%s attempt=%s token=%s owner=%s",
+                job.pk,
+                job.kind,
+                job.attempts,
+                job.lease_token,
+                self.worker_id,
+            )
 
     def _defer_ack(self, lease: Lease, handler: Handler) -> bool:
         """Buffer the completion of a job of an ack="batch" kind; False: write it now.
@@ -371,9 +475,13 @@ class RunsAttempts:
         outcome: str,
         write: Callable[[], object],
         error: BaseException | None = None,
+        *,
+        had_outage: bool = False,
     ) -> None:
-        """Write a job's outcome, retrying while the database is down and the lease may be live."""
-        had_outage = False
+        """Write a job's outcome, retrying while the database is down and the lease may be live.
+
+        `had_outage`: an earlier write of it was lost to an outage, and may have committed.
+        """
         while True:
             try:
                 result = write()

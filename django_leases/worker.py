@@ -39,6 +39,7 @@ from django_leases.exceptions import (
     LeaseLost,
     WorkerIdTaken,
 )
+from django_leases.group_commit import GroupCommit
 from django_leases.handlers import get_handler, registered_kinds
 from django_leases.lease import Lease
 from django_leases.listener import Listener
@@ -149,6 +150,7 @@ class LeaseWorker(RunsAttempts):
             ack_batch_size, ack_flush_interval, margin=self.heartbeat_interval
         )
         self._ack_writer: threading.Thread | None = None
+        self._completions = GroupCommit(self._complete_group)
         self.using = jobs.db
         self.stats = WorkerStats(recorder=recorder)
         self.failure: str | None = None
@@ -237,17 +239,7 @@ class LeaseWorker(RunsAttempts):
             for slot, lease in zip(self._idle_slots(), leases, strict=False):
                 slot.lease = lease
                 slot.wake.notify()
-        for job in jobs:
-            self.stats.add("claimed", kind=job.kind)
-            self.stats.claimed_after_wait(job)
-            logger.debug(
-                "claimed job_id=%s kind=%s attempt=%s token=%s owner=%s",
-                job.pk,
-                job.kind,
-                job.attempts,
-                job.lease_token,
-                self.worker_id,
-            )
+        self._note_claimed(jobs)
         return len(jobs)
 
     def stop(self) -> None:
@@ -483,12 +475,20 @@ class LeaseWorker(RunsAttempts):
                     slot.started = time.monotonic()
                     slot.deadline = self._deadline(lease, slot.started)
                 harden(connections[self.using], self.ttl)  # per job: a dropped wrapper is new
-                self._execute(lease)
+                following = self._execute(lease)
                 with self._lock:
                     mine = slot.thread is me
                     if mine and slot.lease is lease:
                         slot.lease, slot.started, slot.deadline = None, None, None
-                self._slot_free.set()
+                        if following is not None and not self._closing:
+                            # The completion claimed this slot's next job: it starts at once
+                            # (a shutdown releases the unstarted leases it finds in slots).
+                            slot.lease, following = following, None
+                    free = slot.lease is None
+                if following is not None:
+                    self._release_unstarted(following)  # its slot was taken from this thread
+                if free:
+                    self._slot_free.set()
                 if not mine:
                     return  # abandoned past its timeout: the slot has a new thread
         except BaseException:  # noqa: BLE001 - a bug of ours; the loop abandons the slot's lease

@@ -16,7 +16,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from django_leases.limits import JOB_ID, check_int
-from django_leases.querysets.base import ClaimPath, check_owner, retry_deadlocks
+from django_leases.querysets.base import ClaimPath, bound_cursor, check_owner, retry_deadlocks
 from django_leases.querysets.enqueue import Enqueueing
 from django_leases.querysets.ledger import J
 from django_leases.sql import postgresql, sqlite
@@ -71,7 +71,7 @@ class Acknowledgements(Enqueueing[J]):
                 processing=PROCESSING,
                 completed=COMPLETED,
             )
-            with connections[self.db].cursor() as cursor:
+            with bound_cursor(self.db) as cursor:
                 cursor.execute(*statement)
                 return {pk for (pk,) in cursor.fetchall()}
         # One transaction: the jobs' completions and their ledger rows commit together.

@@ -10,7 +10,10 @@ from functools import wraps
 from typing import Any, Literal, TypeVar
 
 from django.db import OperationalError, connections, models
+from django.db.backends.utils import CursorWrapper
 from django.db.models.functions import Now
+from django.db.models.query import RawQuerySet
+from django.db.models.sql.query import RawQuery
 
 from django_leases.limits import OWNER_LENGTH, check_text
 from django_leases.sql import deadlocked
@@ -18,6 +21,50 @@ from django_leases.sql import deadlocked
 DEADLOCK_RETRIES = 5
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
+M = TypeVar("M", bound=models.Model)
+
+
+def bound_cursor(using: str) -> CursorWrapper:
+    """Return a cursor of `using` that sends parameters apart from the statement's text.
+
+    On PostgreSQL with psycopg 3 the text is then the same at every call, so psycopg prepares
+    it once the project allows prepared statements (`"prepare_threshold"` in the database's
+    OPTIONS, Django's switch, off by default for connection poolers): the server then parses
+    and plans the lease layer's statements once per connection, not once per job. Elsewhere,
+    or with psycopg 2, Django's usual cursor. Either way through Django's cursor wrapper, so the
+    execute wrappers (the outage watchdog) and query logging apply.
+    """
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        return connection.cursor()
+    try:  # only with psycopg 3
+        from django.db.backends.postgresql.base import ServerBindingCursor
+    except ImportError:
+        return connection.cursor()
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    with connection.wrap_database_errors:
+        cursor: Any = ServerBindingCursor(connection.connection)  # type: ignore[call-arg]
+    if connection.queries_logged:
+        return connection.make_debug_cursor(cursor)
+    return connection.make_cursor(cursor)
+
+
+class BoundRawQuery(RawQuery):
+    """A raw query run on `bound_cursor()`."""
+
+    def _execute_query(self) -> None:
+        self.cursor = bound_cursor(self.using)
+        self.cursor.execute(self.sql, self.params)
+
+
+def bound_raw(queryset: models.QuerySet[M], statement: tuple[str, Any]) -> list[M]:
+    """Run `statement` on `bound_cursor()` and return its rows as models, as `raw()` does."""
+    sql, params = statement
+    query = BoundRawQuery(sql, queryset.db, params)
+    rows = RawQuerySet(sql, model=queryset.model, query=query, using=queryset.db)  # type: ignore[arg-type]
+    return list(rows)
 
 
 def after(seconds: float) -> Any:

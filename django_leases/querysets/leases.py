@@ -30,7 +30,14 @@ from django_leases.limits import (
     check_text,
 )
 from django_leases.querysets.acks import Acknowledgements
-from django_leases.querysets.base import ClaimPath, after, check_owner, retry_deadlocks
+from django_leases.querysets.base import (
+    ClaimPath,
+    after,
+    bound_cursor,
+    bound_raw,
+    check_owner,
+    retry_deadlocks,
+)
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
 from django_leases.querysets.reads import takeover_guard
 from django_leases.sql import postgresql, sqlite
@@ -72,14 +79,79 @@ class LeaseQuerySet(Acknowledgements[J]):
         from the database clock, in the statement that decides ownership, and an open row in the
         attempt ledger in the same transaction.
         """
+        seconds, kinds = self._claim_args(owner, ttl, limit, kinds)
+        if kinds == []:
+            return []
+        return self._claim(owner, seconds, limit, kinds, self._claim_path())
+
+    def complete_and_claim(
+        self,
+        owner: str,
+        leases: Mapping[int, int],
+        *,
+        ttl: float | timedelta,
+        limit: int = 1,
+        kinds: Collection[str] | None = None,
+    ) -> tuple[set[int], list[J]]:
+        """`complete_many(owner, leases)`, then `claim(owner, ...)`: return the pks completed
+        and the jobs claimed.
+
+        On PostgreSQL with the stock ledger this is one statement, so a holder's finished job
+        and its next one cost one commit, not two; every row is still conditional as in the two
+        methods. Elsewhere it is those two transactions, the completions committed first.
+        """
+        seconds, kinds = self._claim_args(owner, ttl, limit, kinds)
+        if self._claim_path() != "postgresql+ledger" or kinds == []:
+            return self.complete_many(owner, leases), self.claim(
+                owner, ttl=seconds, limit=limit, kinds=kinds
+            )
+        leases = {
+            check_int(pk, "pk", JOB_ID): check_int(token, "token", JOB_ID)
+            for pk, token in leases.items()
+        }
+        won, jobs = self._complete_and_claim_postgresql(owner, leases, seconds, limit, kinds)
+        lost = {pk: token for pk, token in leases.items() if pk not in won}
+        if lost:
+            self._record_fenced(lost)
+        return won, jobs
+
+    @retry_deadlocks
+    def _complete_and_claim_postgresql(
+        self,
+        owner: str,
+        leases: dict[int, int],
+        seconds: float,
+        limit: int,
+        kinds: list[str] | None,
+    ) -> tuple[set[int], list[J]]:
+        rows = self._claim_postgresql(
+            owner,
+            seconds,
+            limit,
+            kinds,
+            ledger=self._ledger_names(),
+            completing=(list(leases), list(leases.values()), COMPLETED),
+        )
+        won = set(rows[0].completed_ids)  # type: ignore[attr-defined]
+        return won, self._in_claim_order([job for job in rows if job.pk is not None])
+
+    @staticmethod
+    def _in_claim_order(jobs: list[J]) -> list[J]:
+        """RETURNING gives no order: hand jobs out in claim order."""
+        jobs.sort(key=lambda job: (not job.taken_over, -job.priority, job.run_at, job.pk))  # type: ignore[attr-defined]
+        return jobs
+
+    @staticmethod
+    def _claim_args(
+        owner: str, ttl: float | timedelta, limit: int, kinds: Collection[str] | None
+    ) -> tuple[float, list[str] | None]:
+        """Check a claim's arguments; return the TTL in seconds and the kinds as a list."""
         seconds = to_seconds(ttl, "ttl")
         check_owner(owner)
         check_int(limit, "limit", CLAIM_LIMIT)
-        if kinds is not None:
-            kinds = [check_text(kind, "kinds", KIND_LENGTH) for kind in kinds]
-            if not kinds:
-                return []
-        return self._claim(owner, seconds, limit, kinds, self._claim_path())
+        if kinds is None:
+            return seconds, None
+        return seconds, [check_text(kind, "kinds", KIND_LENGTH) for kind in kinds]
 
     def _claim_path(self) -> ClaimPath:
         """Pick the claim's path: the ONE vendor switch. Every path claims the same jobs in the
@@ -104,9 +176,7 @@ class LeaseQuerySet(Acknowledgements[J]):
                 else:
                     jobs = self._claim_passes(owner, seconds, limit, kinds, sqlite=path == "sqlite")
                 self._open_attempts(jobs, owner)
-        # RETURNING gives no order: hand jobs out in claim order.
-        jobs.sort(key=lambda job: (not job.taken_over, -job.priority, job.run_at, job.pk))  # type: ignore[attr-defined]
-        return jobs
+        return self._in_claim_order(jobs)
 
     def _claim_postgresql(
         self,
@@ -116,6 +186,7 @@ class LeaseQuerySet(Acknowledgements[J]):
         kinds: list[str] | None,
         *,
         ledger: LedgerNames | None = None,
+        completing: tuple[list[int], list[int], str] | None = None,
     ) -> list[J]:
         statement = postgresql.claim(
             self._table(),
@@ -129,8 +200,9 @@ class LeaseQuerySet(Acknowledgements[J]):
             processing=PROCESSING,
             running=AttemptOutcome.RUNNING,
             lease_lost=AttemptOutcome.LEASE_LOST,
+            completing=completing,
         )
-        return list(self.raw(*statement))
+        return bound_raw(self, statement)
 
     def _claim_passes(
         self, owner: str, seconds: float, limit: int, kinds: list[str] | None, *, sqlite: bool
@@ -295,7 +367,7 @@ class LeaseQuerySet(Acknowledgements[J]):
             processing=PROCESSING,
             completed=COMPLETED,
         )
-        with connections[self.db].cursor() as cursor:
+        with bound_cursor(self.db) as cursor:
             cursor.execute(*statement)
             (won,) = cursor.fetchone()
         return bool(won)

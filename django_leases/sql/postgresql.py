@@ -2,6 +2,7 @@
 enqueue's share lock on a lock holder, and NOTIFY. Tested on 15."""
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,28 @@ LEDGER_INSERT = ("job", "job_ref", "attempt", "token", "owner", "claimed_at", "l
 """The ledger columns an opening row sets; every other column keeps its default."""
 
 
+STATUS_PARAMETERS = ("pending", "processing", "completed", "running", "lease_lost")
+"""The parameters that carry status words: `constants()` writes them into the text."""
+
+
+def constants(statement: tuple[str, Params]) -> tuple[str, Params]:
+    """Write the status words of `statement` into its text as literals.
+
+    A prepared statement is planned once for any parameters (a generic plan), and a status
+    given as a parameter cannot prove the partial indexes' predicates (`status = 'pending'`): the
+    plan would read the whole table. The words are our own (`status.py`), checked here.
+    """
+    sql, params = statement
+    params = dict(params)
+    for name in STATUS_PARAMETERS:
+        if name in params:
+            word = params.pop(name)
+            if not re.fullmatch(r"[a-z_]+", word):
+                raise ValueError(f"not a status word: {word!r}")
+            sql = sql.replace(f"%({name})s", f"'{word}'")
+    return sql, params
+
+
 DUE = "status = %(pending)s AND run_at <= STATEMENT_TIMESTAMP() AND attempts < max_attempts"
 """The claim's predicate of a due job."""
 
@@ -59,6 +82,7 @@ def claim(
     processing: str,
     running: str,
     lease_lost: str,
+    completing: tuple[list[int], list[int], str] | None = None,
 ) -> tuple[str, Params]:
     """Return the statement that claims up to `limit` jobs for `owner`, with their ledger rows.
 
@@ -77,6 +101,12 @@ def claim(
     claim took over. All parts run on one snapshot, so the UPDATE cannot see (and close) the
     rows the INSERT adds. Without it the caller writes the ledger in the same transaction.
     The rows come back with a `taken_over` column, in no particular order.
+
+    With `completing` (pks, tokens, the completed status) and `ledger`, the statement first
+    completes those jobs as `complete_many()` does, so that a holder's finished job and its next
+    claim share one commit; an expired lease among them is never taken over by the same
+    statement. It then returns the claimed rows, or one row of NULLs if none, each with
+    `completed_ids`: the pks whose completion won.
     """
     kind_params = kinds[1]
     guard_sql, guard_params = guard
@@ -115,10 +145,23 @@ def claim(
         )
         SELECT * FROM claimed
         """  # noqa: S608 - names quoted by the caller, values are parameters
-    expired = _locked(table, f"{EXPIRED} {guard_sql}", ["lease_until"], kinds)
+    takeover = f"{EXPIRED} {guard_sql}"
+    before, completing_params = "", {}
+    if completing is not None and ledger is not None:
+        pks, tokens, completed = completing
+        before = f"{_done(table)}, closed AS ({_close_done(ledger)}),"
+        takeover += " AND id <> ALL(%(pks)s::bigint[])"
+        main = main.replace(
+            "SELECT * FROM claimed",
+            "SELECT claimed.*, finished.completed_ids FROM "
+            "(SELECT coalesce(array_agg(id), '{}') AS completed_ids FROM done) AS finished "
+            "LEFT JOIN claimed ON TRUE",
+        )
+        completing_params = {"pks": pks, "tokens": tokens, "completed": completed}
+    expired = _locked(table, takeover, ["lease_until"], kinds)
     due = _locked(table, DUE, ["priority DESC", "run_at", "id"], kinds)
     sql = f"""
-        WITH expired AS MATERIALIZED ({expired}
+        WITH {before} expired AS MATERIALIZED ({expired}
         ), due AS MATERIALIZED ({due}
         ), picked AS MATERIALIZED (
             SELECT id, TRUE AS taken_over FROM expired
@@ -138,8 +181,25 @@ def claim(
         "running": running,
         "lease_lost": lease_lost,
         "candidates": limit + CANDIDATE_SLACK,
+        **completing_params,
     }
-    return sql, params
+    return constants((sql, params))
+
+
+def _done(table: str) -> str:
+    """Return the `acked` and `done` CTEs: the completion of every (pk, token) pair of the
+    `%(pks)s` and `%(tokens)s` arrays whose job `%(owner)s` still holds under that token, unnested
+    side by side: two parameters whatever the batch size, so the text (and plan) does not vary."""
+    return f"""acked AS (
+            SELECT * FROM unnest(%(pks)s::bigint[], %(tokens)s::bigint[]) AS acked (id, token)
+        ), done AS (
+            UPDATE {table} AS job
+            SET status = %(completed)s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
+            FROM acked
+            WHERE job.id = acked.id AND job.lease_token = acked.token
+              AND job.status = %(processing)s AND job.lease_owner = %(owner)s AND job."lock" = ''
+            RETURNING job.id, job.lease_token, job.checkpoint
+        )"""  # noqa: S608 - names quoted by the caller, values are parameters
 
 
 def _close_done(ledger: LedgerNames) -> str:
@@ -223,7 +283,7 @@ def complete(
         "processing": processing,
         "completed": completed,
     }
-    return sql, params
+    return constants((sql, params))
 
 
 def complete_many(
@@ -239,19 +299,9 @@ def complete_many(
     """Return the completion of a batch of jobs without a lock in one statement: `complete()`
     for every (pk, token) pair at once, each row still conditional on its own id, status,
     owner and token. Only the ledger rows of the jobs whose UPDATE won are closed; the
-    statement returns their ids. The pairs arrive as two arrays, unnested side by side: two
-    parameters whatever the batch size, so the statement's text (and plan) does not vary."""
+    statement returns their ids."""
     sql = f"""
-        WITH acked AS (
-            SELECT * FROM unnest(%(pks)s::bigint[], %(tokens)s::bigint[]) AS acked (id, token)
-        ), done AS (
-            UPDATE {table} AS job
-            SET status = %(completed)s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
-            FROM acked
-            WHERE job.id = acked.id AND job.lease_token = acked.token
-              AND job.status = %(processing)s AND job.lease_owner = %(owner)s AND job."lock" = ''
-            RETURNING job.id, job.lease_token, job.checkpoint
-        ), closed AS ({_close_done(ledger)})
+        WITH {_done(table)}, closed AS ({_close_done(ledger)})
         SELECT id FROM done
     """  # noqa: S608 - names quoted by the caller, values are parameters
     params = {
@@ -261,7 +311,7 @@ def complete_many(
         "processing": processing,
         "completed": completed,
     }
-    return sql, params
+    return constants((sql, params))
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
