@@ -49,14 +49,16 @@ class System:
         return [module for module in self.requires if find_spec(module) is None]
 
 
-def lease_worker_commands(args: argparse.Namespace, kind: str) -> list[list[str]]:
+def lease_worker_commands(
+    args: argparse.Namespace, kind: str, concurrency: int | None = None
+) -> list[list[str]]:
     """`run_lease_worker --burst` of `kind`, once per worker process."""
     return [
         common.django_command(
             "run_lease_worker",
             f"--kind={kind}",
             "--burst",
-            f"--concurrency={args.concurrency}",
+            f"--concurrency={concurrency or args.concurrency}",
             f"--ttl={args.ttl}",
             f"--worker-id=bench-{i}",
             "--verbosity=0",
@@ -79,7 +81,8 @@ def bare_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]
 
 
 def leases_batch_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
-    return lease_worker_commands(args, BATCH_KIND)
+    # As many jobs in flight per process as pgqueuer's batch: the same batch size both ways.
+    return lease_worker_commands(args, BATCH_KIND, concurrency=args.batch)
 
 
 def pgqueuer_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
@@ -138,7 +141,8 @@ SYSTEMS = [
         bare_workers,
     ),
     System(
-        f"django-leases-batch (run_lease_worker, kind {BATCH_KIND}: ack=batch)",
+        f"django-leases-batch (run_lease_worker --concurrency=--batch, kind {BATCH_KIND}: "
+        "ack=batch)",
         ("django_leases",),
         (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
         LEASES_POLL,
@@ -612,8 +616,9 @@ def main(argv: list[str] | None = None) -> int:
         "--batch",
         type=common.positive_int,
         default=10,
-        help="pgqueuer's --batch-size, the ack batch of django-leases-batch (ACK_BATCH_SIZE) "
-        "and the claim(limit=...) of the queryset loop (default: %(default)r, pgqueuer's)",
+        help="pgqueuer's --batch-size, the ack batch (ACK_BATCH_SIZE) and --concurrency of "
+        "django-leases-batch, and the claim(limit=...) of the queryset loop (default: "
+        "%(default)r, pgqueuer's)",
     )
     parser.add_argument(
         "--markdown",

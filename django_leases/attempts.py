@@ -8,7 +8,6 @@ lease may still be live, and an outcome the database refuses still ends the atte
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -26,14 +25,13 @@ from django.db import (
     connections,
 )
 
+from django_leases.ack_buffer import AckBuffer
 from django_leases.backoff import retry_delay
-from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
 from django_leases.group_commit import GroupCommit
 from django_leases.handlers import ACK_BATCH, Handler, get_handler
 from django_leases.lease import Lease
-from django_leases.limits import ACK_BATCH_SIZE
 from django_leases.querysets import LeaseQuerySet
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
@@ -93,81 +91,6 @@ class WorkerStats:
         return " ".join(f"{name}={getattr(self, name)}" for name in names)
 
 
-class AckBuffer:
-    """Completions of ack="batch" kinds waiting to be written together. Thread-safe.
-
-    A batch is due when it holds `size` leases, when the oldest has waited `interval` seconds,
-    or when a buffered lease comes within `margin` seconds of the time it must be taken as lost
-    (the heartbeat no longer renews it: its handler is done), and at once after `close()`.
-    """
-
-    def __init__(self, *, size: int, interval: float, margin: float) -> None:
-        self.size = size
-        self.interval = interval
-        self.margin = margin
-        self._leases: list[Lease] = []
-        self._buffered_at: list[float] = []
-        self._expiry = math.inf
-        self._ready = threading.Condition()
-        self._closed = False
-
-    @classmethod
-    def configured(cls, size: int | None, interval: float | None, *, margin: float) -> AckBuffer:
-        """Return a buffer of `size` and `interval`, the ACK_* settings where None."""
-        size = size if size is not None else leases_settings.ACK_BATCH_SIZE
-        low, high = ACK_BATCH_SIZE
-        if not low <= size <= high:
-            raise ValueError(f"ack batch size must be from {low} to {high}, got {size}")
-        if interval is None:
-            interval = leases_settings.ACK_FLUSH_INTERVAL
-        return cls(size=size, interval=to_seconds(interval, "ack_flush_interval"), margin=margin)
-
-    def __len__(self) -> int:
-        with self._ready:
-            return len(self._leases)
-
-    def add(self, lease: Lease) -> bool:
-        """Buffer `lease`'s completion; False once closed (the caller writes it at once)."""
-        with self._ready:
-            if self._closed:
-                return False
-            self._leases.append(lease)
-            self._buffered_at.append(time.monotonic())
-            self._expiry = min(self._expiry, lease.valid_until - self.margin)
-            # Wake the writer only when its deadline moved: a first lease, or a batch now due.
-            if len(self._leases) == 1 or self._due_in() <= 0:
-                self._ready.notify()
-            return True
-
-    def take(self) -> list[Lease] | None:
-        """Wait for a due batch and return it, oldest first; None once closed and empty."""
-        with self._ready:
-            while (due := self._due_in()) > 0:
-                if self._closed and not self._leases:
-                    return None
-                self._ready.wait(None if due == math.inf else due)
-            batch, self._leases = self._leases[: self.size], self._leases[self.size :]
-            del self._buffered_at[: self.size]
-            self._expiry = min(
-                (lease.valid_until - self.margin for lease in self._leases), default=math.inf
-            )
-            return batch
-
-    def close(self) -> None:
-        """Make everything buffered due now and refuse more."""
-        with self._ready:
-            self._closed = True
-            self._ready.notify_all()
-
-    def _due_in(self) -> float:
-        """Seconds until the buffered batch is due (<= 0: now; infinite: nothing buffered)."""
-        if not self._leases:
-            return math.inf
-        if self._closed or len(self._leases) >= self.size:
-            return 0.0
-        return min(self._buffered_at[0] + self.interval, self._expiry) - time.monotonic()
-
-
 @dataclass(frozen=True)
 class GroupCompletion:
     """What `_complete_group()` did for one lease."""
@@ -178,8 +101,8 @@ class GroupCompletion:
     """The completion won (else the lease was lost before it)."""
     following: Lease | None = None
     """The slot's next job, claimed in the same statement."""
-    outage: bool = False
-    """The statement was lost to an outage, and may have committed."""
+    failed: bool = False
+    """The statement was sent and failed: part of it may have committed."""
 
 
 class RunsAttempts:
@@ -273,8 +196,9 @@ class RunsAttempts:
             return self._claim_next()
         group = self._group(lease)
         if group is None or not group.written:
-            outage = group is not None and group.outage
-            self._record(lease, AttemptOutcome.COMPLETED, lease.complete, had_outage=outage)
+            # After a failed group statement a completion found done may be our own.
+            failed = group is not None and group.failed
+            self._record(lease, AttemptOutcome.COMPLETED, lease.complete, maybe_written=failed)
         elif group.won:
             lease.mark_completed()
             self._count(lease, AttemptOutcome.COMPLETED, AttemptOutcome.COMPLETED, None)
@@ -301,7 +225,8 @@ class RunsAttempts:
         where the database allows it (`complete_and_claim()`): one commit for the jobs finished
         and the next ones, however many slots asked at the same moment.
 
-        A statement refused, or lost to an outage, leaves each completion to its slot. A claim of
+        A statement refused, or lost to an outage, leaves each completion to its slot (elsewhere
+        than PostgreSQL its completions may have committed before its claim failed). A claim of
         it that committed unseen expires and is taken over, as any claim whose answer was lost.
         """
         if self._stopping.is_set():
@@ -316,8 +241,7 @@ class RunsAttempts:
                 kinds=self.kinds,
             )
         except Exception:  # noqa: BLE001 - each slot's _record() retries, or records why not
-            outage = not connections[self.using].is_usable()
-            return [GroupCompletion(written=False, outage=outage) for _ in items]
+            return [GroupCompletion(written=False, failed=True) for _ in items]
         self._note_claimed(jobs)
         following: list[Lease | None] = [
             Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs
@@ -476,12 +400,13 @@ class RunsAttempts:
         write: Callable[[], object],
         error: BaseException | None = None,
         *,
-        had_outage: bool = False,
+        maybe_written: bool = False,
     ) -> None:
         """Write a job's outcome, retrying while the database is down and the lease may be live.
 
-        `had_outage`: an earlier write of it was lost to an outage, and may have committed.
+        `maybe_written`: an earlier write of it failed, and may have committed.
         """
+        had_outage = maybe_written
         while True:
             try:
                 result = write()

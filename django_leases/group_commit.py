@@ -3,13 +3,15 @@
 Flat combining, as PostgreSQL's own group commit: each thread submits its item and waits for
 its result. A thread that finds no write under way writes every item waiting, its own included,
 in one call; items submitted meanwhile wait for the next write, which one of their threads makes
-once this one is done. Nothing waits for a batch to fill: a lone item is written at once, and a
-batch forms only from items whose threads would otherwise have queued for the database.
+once this one is done. Nothing waits for a batch to fill: a lone item is written after one
+scheduler turn, and a batch forms only from items whose threads would otherwise have queued for
+the database.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -56,12 +58,18 @@ class GroupCommit(Generic[T, R]):
 
     def _write_waiting(self) -> None:
         """Write every waiting item; called, and returns, with the condition's lock held."""
-        batch, self._waiting = self._waiting, []
         self._writing = True
+        batch: list[_Pending[T, R]] = []
         results: list[R] | None = None
         error: BaseException | None = None
         self._ready.release()
         try:
+            # One scheduler turn first (it lets go of the GIL): threads about to submit, such as
+            # a slot whose handler is returning right now, join this write instead of waiting
+            # for the next one, as with PostgreSQL's commit_delay.
+            time.sleep(0)
+            with self._ready:
+                batch, self._waiting = self._waiting, []
             results = self._write([pending.item for pending in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"{len(results)} results for {len(batch)} items")

@@ -31,7 +31,8 @@ from django.db import (
     connections,
 )
 
-from django_leases.attempts import TRANSIENT, AckBuffer, Recorder, RunsAttempts, WorkerStats
+from django_leases.ack_buffer import AckBuffer
+from django_leases.attempts import TRANSIENT, Recorder, RunsAttempts, WorkerStats
 from django_leases.backoff import retry_delay
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable

@@ -5,6 +5,7 @@ twice. Real worker processes (or a real in-process `LeaseWorker`) on the real te
 import threading
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 from django.db import DataError
@@ -13,6 +14,7 @@ from django.db.models.functions import Now
 from django_leases import job_handler
 from django_leases.handlers import unregister
 from django_leases.models import JobAttempt, PaymentJob, Worker
+from django_leases.querysets import LeaseQuerySet
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
 
@@ -223,15 +225,32 @@ def test_worker__a_dead_acknowledgement_thread_is_restarted(run_in_thread) -> No
 
 @pytest.fixture
 def unrecordable_kind() -> Iterator[str]:
-    def sabotage(job, lease):
-        def refused(*args, **kwargs):
+    """A kind whose completion the database refuses, whichever statement writes it: the slots'
+    group write (`complete_and_claim`) and a completion of its own (`complete`)."""
+    kind = "unrecordable"
+    real_complete, real_group = LeaseQuerySet.complete, LeaseQuerySet.complete_and_claim
+
+    def refuse_if_ours(pks: object) -> None:
+        if PaymentJob.objects.filter(pk__in=pks, kind=kind).exists():  # type: ignore[misc]
             raise DataError("injected: value too long for type character varying(255)")
 
-        lease.complete = refused  # the worker's own completion write is refused
+    def complete(self: LeaseQuerySet, pk: int, *args: object, **kwargs: object) -> None:
+        refuse_if_ours([pk])
+        return real_complete(self, pk, *args, **kwargs)  # type: ignore[arg-type]
 
-    job_handler("unrecordable")(sabotage)
-    yield "unrecordable"
-    unregister("unrecordable")
+    def complete_and_claim(
+        self: LeaseQuerySet, owner: str, leases: dict[int, int], **kwargs: object
+    ) -> object:
+        refuse_if_ours(list(leases))
+        return real_group(self, owner, leases, **kwargs)  # type: ignore[arg-type]
+
+    job_handler(kind)(lambda job, lease: None)
+    with (
+        mock.patch.object(LeaseQuerySet, "complete", complete),
+        mock.patch.object(LeaseQuerySet, "complete_and_claim", complete_and_claim),
+    ):
+        yield kind
+    unregister(kind)
 
 
 def test_worker__an_outcome_the_database_refuses_still_ends_the_attempt(

@@ -8,7 +8,7 @@ cannot touch a job that someone else now owns. Every lease time comes from the d
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from functools import reduce
 from operator import or_
@@ -18,29 +18,21 @@ from django.db import connections, transaction
 from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Now
 
-from django_leases import sql
 from django_leases.conf import to_seconds
 from django_leases.exceptions import LeaseError, LeaseLost
 from django_leases.limits import (
     CHECKPOINT_LENGTH,
-    CLAIM_LIMIT,
-    JOB_ID,
-    KIND_LENGTH,
-    check_int,
     check_text,
 )
-from django_leases.querysets.acks import Acknowledgements
 from django_leases.querysets.base import (
-    ClaimPath,
     after,
     bound_cursor,
-    bound_raw,
-    check_owner,
     retry_deadlocks,
 )
+from django_leases.querysets.claims import Claims
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
 from django_leases.querysets.reads import takeover_guard
-from django_leases.sql import postgresql, sqlite
+from django_leases.sql import postgresql
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import (
     COMPLETED,
@@ -53,243 +45,13 @@ from django_leases.status import (
 )
 
 
-class LeaseQuerySet(Acknowledgements[J]):
+class LeaseQuerySet(Claims[J]):
     """Reads and lease transitions of any `AbstractLeasedJob` table.
 
     Built up in layers, one module each: reads (`reads`), ledger writes (`ledger`), pruning
-    (`prune`), operator actions (`operators`), enqueueing (`enqueue`); the claim, the holder's
-    writes and the watcher's rescue are here.
+    (`prune`), operator actions (`operators`), enqueueing (`enqueue`), batched completions
+    (`acks`), claims (`claims`); the holder's writes and the watcher's rescue are here.
     """
-
-    # ---- acquisition -------------------------------------------------------------------------
-
-    @retry_deadlocks
-    def claim(
-        self,
-        owner: str,
-        *,
-        ttl: float | timedelta,
-        limit: int = 1,
-        kinds: Collection[str] | None = None,
-    ) -> list[J]:
-        """Claim up to `limit` claimable jobs for `owner`, oldest expired lease first, then by
-        priority (highest first), `run_at` and id.
-
-        Each claimed row gets `attempts + 1`, a new fencing token and a lease of `ttl` seconds
-        from the database clock, in the statement that decides ownership, and an open row in the
-        attempt ledger in the same transaction.
-        """
-        seconds, kinds = self._claim_args(owner, ttl, limit, kinds)
-        if kinds == []:
-            return []
-        return self._claim(owner, seconds, limit, kinds, self._claim_path())
-
-    def complete_and_claim(
-        self,
-        owner: str,
-        leases: Mapping[int, int],
-        *,
-        ttl: float | timedelta,
-        limit: int = 1,
-        kinds: Collection[str] | None = None,
-    ) -> tuple[set[int], list[J]]:
-        """`complete_many(owner, leases)`, then `claim(owner, ...)`: return the pks completed
-        and the jobs claimed.
-
-        On PostgreSQL with the stock ledger this is one statement, so a holder's finished job
-        and its next one cost one commit, not two; every row is still conditional as in the two
-        methods. Elsewhere it is those two transactions, the completions committed first.
-        """
-        seconds, kinds = self._claim_args(owner, ttl, limit, kinds)
-        if self._claim_path() != "postgresql+ledger" or kinds == []:
-            return self.complete_many(owner, leases), self.claim(
-                owner, ttl=seconds, limit=limit, kinds=kinds
-            )
-        leases = {
-            check_int(pk, "pk", JOB_ID): check_int(token, "token", JOB_ID)
-            for pk, token in leases.items()
-        }
-        won, jobs = self._complete_and_claim_postgresql(owner, leases, seconds, limit, kinds)
-        lost = {pk: token for pk, token in leases.items() if pk not in won}
-        if lost:
-            self._record_fenced(lost)
-        return won, jobs
-
-    @retry_deadlocks
-    def _complete_and_claim_postgresql(
-        self,
-        owner: str,
-        leases: dict[int, int],
-        seconds: float,
-        limit: int,
-        kinds: list[str] | None,
-    ) -> tuple[set[int], list[J]]:
-        rows = self._claim_postgresql(
-            owner,
-            seconds,
-            limit,
-            kinds,
-            ledger=self._ledger_names(),
-            completing=(list(leases), list(leases.values()), COMPLETED),
-        )
-        won = set(rows[0].completed_ids)  # type: ignore[attr-defined]
-        return won, self._in_claim_order([job for job in rows if job.pk is not None])
-
-    @staticmethod
-    def _in_claim_order(jobs: list[J]) -> list[J]:
-        """RETURNING gives no order: hand jobs out in claim order."""
-        jobs.sort(key=lambda job: (not job.taken_over, -job.priority, job.run_at, job.pk))  # type: ignore[attr-defined]
-        return jobs
-
-    @staticmethod
-    def _claim_args(
-        owner: str, ttl: float | timedelta, limit: int, kinds: Collection[str] | None
-    ) -> tuple[float, list[str] | None]:
-        """Check a claim's arguments; return the TTL in seconds and the kinds as a list."""
-        seconds = to_seconds(ttl, "ttl")
-        check_owner(owner)
-        check_int(limit, "limit", CLAIM_LIMIT)
-        if kinds is None:
-            return seconds, None
-        return seconds, [check_text(kind, "kinds", KIND_LENGTH) for kind in kinds]
-
-    def _claim_path(self) -> ClaimPath:
-        """Pick the claim's path: the ONE vendor switch. Every path claims the same jobs in the
-        same order with the same ledger rows (tests/test_claim_paths.py holds them to the ORM
-        path, which is the readable specification)."""
-        vendor = connections[self.db].vendor
-        if vendor == "postgresql":
-            return "postgresql+ledger" if self._ledger_names() is not None else "postgresql"
-        return "sqlite" if vendor == "sqlite" else "orm"
-
-    def _claim(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, path: ClaimPath
-    ) -> list[J]:
-        ledger = self._ledger_names() if path == "postgresql+ledger" else None
-        if ledger is not None:
-            # One statement claims and writes the ledger: atomic without a transaction block.
-            jobs = self._claim_postgresql(owner, seconds, limit, kinds, ledger=ledger)
-        else:
-            with transaction.atomic(using=self.db):
-                if path.startswith("postgresql"):
-                    jobs = self._claim_postgresql(owner, seconds, limit, kinds)
-                else:
-                    jobs = self._claim_passes(owner, seconds, limit, kinds, sqlite=path == "sqlite")
-                self._open_attempts(jobs, owner)
-        return self._in_claim_order(jobs)
-
-    def _claim_postgresql(
-        self,
-        owner: str,
-        seconds: float,
-        limit: int,
-        kinds: list[str] | None,
-        *,
-        ledger: LedgerNames | None = None,
-        completing: tuple[list[int], list[int], str] | None = None,
-    ) -> list[J]:
-        statement = postgresql.claim(
-            self._table(),
-            owner=owner,
-            seconds=seconds,
-            limit=limit,
-            kinds=sql.kinds_filter(kinds),
-            guard=takeover_guard()[1],
-            ledger=ledger,
-            pending=PENDING,
-            processing=PROCESSING,
-            running=AttemptOutcome.RUNNING,
-            lease_lost=AttemptOutcome.LEASE_LOST,
-            completing=completing,
-        )
-        return bound_raw(self, statement)
-
-    def _claim_passes(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, *, sqlite: bool
-    ) -> list[J]:
-        # Two passes, expired leases first (rare; the pass is one cheap index probe), then due
-        # jobs. Each pass's UPDATE restates the full claimable predicate.
-        jobs: list[J] = []
-        for takeover in (True, False):
-            remaining = limit - len(jobs)
-            if remaining <= 0:
-                break
-            if sqlite:
-                batch = self._claim_pass_sqlite(owner, seconds, remaining, kinds, takeover)
-            else:
-                batch = self._claim_pass_locking(owner, seconds, remaining, kinds, takeover)
-            for job in batch:
-                job.taken_over = takeover  # type: ignore[attr-defined]
-            jobs.extend(batch)
-        return jobs
-
-    def _claim_pass_sqlite(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
-    ) -> list[J]:
-        statement = sqlite.claim_pass(
-            self._table(),
-            owner=owner,
-            seconds=seconds,
-            limit=limit,
-            takeover=takeover,
-            kinds=sql.kinds_filter(kinds),
-            guard=takeover_guard()[1] if takeover else ("", {}),
-            pending=PENDING,
-            processing=PROCESSING,
-        )
-        return list(self.raw(*statement))
-
-    def _claim_pass_locking(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
-    ) -> list[J]:
-        # MariaDB/MySQL have no UPDATE ... RETURNING and refuse a LIMIT in an IN subquery on
-        # the table being updated. So: lock candidates with FOR UPDATE SKIP LOCKED (MariaDB
-        # 10.6+, MySQL 8+), then the conditional UPDATE restating the predicate decides, then
-        # read back the rows we now own. The row locks, held to commit, make the read exact.
-        # Tested on MariaDB 10.11.
-        base = self._claimable_pass(kinds, takeover)
-        order = ("lease_until",) if takeover else ("-priority", "run_at", "id")
-        ids = list(
-            base.select_for_update(skip_locked=True)
-            .order_by(*order)
-            .values_list("pk", flat=True)[:limit]
-        )
-        if not ids:
-            return []
-        won = base.filter(pk__in=ids).update(**self._claim_values(owner, seconds))
-        if won == 0:
-            return []
-        return list(self.filter(pk__in=ids, status=PROCESSING, lease_owner=owner).order_by(*order))
-
-    @staticmethod
-    def _claim_values(owner: str, seconds: float) -> dict[str, Any]:
-        return {
-            "status": PROCESSING,
-            "lease_owner": owner,
-            "lease_until": after(seconds),
-            "heartbeat_at": Now(),
-            "lease_token": F("lease_token") + 1,
-            "attempts": F("attempts") + 1,
-        }
-
-    @retry_deadlocks
-    def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
-        """Claim the job `pk` for `owner` if it is claimable; return it, or None if not."""
-        check_int(pk, "pk", JOB_ID)
-        seconds = to_seconds(ttl, "ttl")
-        check_owner(owner)
-        with transaction.atomic(using=self.db):
-            # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or
-            # processing with an expired lease). Its row count is the decision.
-            won = self.claimable().filter(pk=pk).update(**self._claim_values(owner, seconds))
-            if not won:
-                return None
-            # We hold the row lock until commit (and SQLite's write lock), so this read is ours.
-            job = self.get(pk=pk)
-            # attempts > 1: a ledger row of an earlier holder may still be open; close it.
-            job.taken_over = job.attempts > 1  # type: ignore[attr-defined]
-            self._open_attempts([job], owner)
-        return job
 
     # ---- holder writes ----------------------------------------------------------------------
 
