@@ -13,6 +13,7 @@ from typing import Any
 from django.db import connections
 
 from django_leases.conf import leases_settings
+from django_leases.db import CLIENT_SLACK, network_timeout, watchdog
 from django_leases.querysets.enqueue import notify_channel
 from django_leases.redaction import error_text
 from django_leases.sql import postgresql as statements
@@ -24,16 +25,24 @@ DJANGO_ONLY_PARAMS = {"context", "cursor_factory", "prepare_threshold", "server_
 
 
 class Listener:
-    """A dedicated autocommit connection that LISTENs on the enqueue channel of one table."""
+    """A dedicated autocommit connection that LISTENs on the enqueue channel of one table.
 
-    def __init__(self, params: dict[str, Any], channel: str) -> None:
+    Every wait on it is bounded: the connection by the `connect_timeout` of its (hardened)
+    parameters, the LISTEN by `deadline` seconds of the watchdog, the wait for a notification
+    by its own timeout. A path that swallows packets (a proxy or a firewall that still
+    acknowledges them) would otherwise keep the worker's loop waiting for a reply forever.
+    """
+
+    def __init__(self, params: dict[str, Any], channel: str, *, deadline: float | None) -> None:
         self._params = params
         self._channel = channel
+        self._deadline = deadline
         self._conn: Any = None
 
     @classmethod
-    def for_model(cls, model: type[Any], using: str) -> Listener | None:
-        """Return a listener for `model`'s table, or None where NOTIFY is not available."""
+    def for_model(cls, model: type[Any], using: str, ttl: float | None = None) -> Listener | None:
+        """Return a listener for `model`'s table, or None where NOTIFY is not available; its
+        LISTEN is bounded by the network timeout for leases of `ttl` seconds."""
         connection = connections[using]
         if connection.vendor != "postgresql" or not leases_settings.USE_NOTIFY:
             return None
@@ -42,7 +51,9 @@ class Listener:
             for key, value in connection.get_connection_params().items()
             if key not in DJANGO_ONLY_PARAMS
         }
-        return cls(params, notify_channel(model))
+        timeout = network_timeout(ttl)
+        deadline = None if timeout is None else timeout + CLIENT_SLACK
+        return cls(params, notify_channel(model), deadline=deadline)
 
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for an enqueue notification; return whether one came."""
@@ -51,7 +62,7 @@ class Listener:
         try:
             if self._conn is None:
                 self._conn = psycopg.connect(autocommit=True, **self._params)
-                self._conn.execute(statements.listen(self._channel))
+                self._listen(self._conn)
             for _ in self._conn.notifies(timeout=timeout, stop_after=1):
                 return True
         except psycopg.Error as exc:
@@ -61,6 +72,14 @@ class Listener:
             self.close()
             time.sleep(timeout)
         return False
+
+    def _listen(self, conn: Any) -> None:
+        """LISTEN on `conn`, its socket shut down by the watchdog past the deadline."""
+        if self._deadline is None:
+            conn.execute(statements.listen(self._channel))
+            return
+        with watchdog.guard(conn.fileno(), self._deadline):
+            conn.execute(statements.listen(self._channel))
 
     def close(self) -> None:
         if self._conn is not None:

@@ -190,7 +190,7 @@ class LeaseWorker(RunsAttempts):
             "once per claim loop pass and poll interval"
         )
         harden(connections[self.using], self.ttl)
-        listener = Listener.for_model(self.model, self.using)
+        listener = Listener.for_model(self.model, self.using, self.ttl)
         try:
             self._start_ack_writer()
             self._register()

@@ -1,10 +1,13 @@
 """`Listener`: enqueue notifications on PostgreSQL; nothing (polling) elsewhere."""
 
+import psycopg
 import pytest
 from django.db import connection
 
-from django_leases.listener import Listener
+from django_leases.listener import DJANGO_ONLY_PARAMS, Listener
 from django_leases.models import PaymentJob
+
+from .proxy import Proxy
 
 needs_postgresql = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="LISTEN/NOTIFY is PostgreSQL's"
@@ -32,3 +35,28 @@ def test_listener__wakes_on_a_committed_enqueue_and_reconnects_after_close() -> 
         assert listener.wait(10) is True
     finally:
         listener.close()
+
+
+@needs_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_listener__a_listen_the_network_swallows_is_cut_off_at_its_deadline() -> None:
+    """Connected, then the path turns into a black hole (a proxy that acknowledges packets and
+    forwards nothing) before the LISTEN: the watchdog shuts the socket down at the deadline, so
+    the worker's loop falls back to polling instead of waiting for the reply forever (it did,
+    and a partitioned worker never claimed again once the path was back)."""
+    params = {
+        key: value
+        for key, value in connection.get_connection_params().items()
+        if key not in DJANGO_ONLY_PARAMS
+    }
+    with Proxy(int(params.get("port") or 5432)) as proxy:
+        proxied = {**params, "host": "127.0.0.1", "port": proxy.port}
+        listener = Listener(proxied, "leases_test_channel", deadline=1.0)
+        conn = psycopg.connect(autocommit=True, **proxied)
+        try:
+            proxy.blackhole()
+            with pytest.raises(psycopg.OperationalError):
+                listener._listen(conn)
+            assert proxy.dropped > 0  # the LISTEN went into the black hole
+        finally:
+            conn.close()
