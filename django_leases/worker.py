@@ -5,12 +5,13 @@ drives it, and tests or other programs can embed it. Every lease write goes thro
 `LeaseQuerySet`.
 
 One lock protocol holds it together. Each slot runs one job at a time on its own thread (and
-database connection); the claim loop hands a claimed lease straight to an idle slot, so a lease
-is only ever held by a slot whose thread is alive. Whatever a handler raises ends that attempt,
-never the thread. The loop supervises every turn: a slot thread that died (a bug of ours) is
-replaced and its lease abandoned; a handler past its kind's `timeout` is timed out and its
-thread abandoned to finish (fenced) on its own. The heartbeat renews only leases that a live
-slot runs within their time limit.
+database connection); the claim loop hands a claimed lease straight to an idle slot, and a slot
+that finishes a job claims its next one itself, with its completion (`_complete_group`): a
+lease is only ever held by a slot whose thread is alive. Whatever a handler raises ends that
+attempt, never the thread. The loop supervises every turn: a slot thread that died (a bug of
+ours) is replaced and its lease abandoned; a handler past its kind's `timeout` is timed out and
+its thread abandoned to finish (fenced) on its own. The heartbeat (`heartbeat.py`) renews only
+leases that a live slot runs within their time limit.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from django_leases.exceptions import (
 )
 from django_leases.group_commit import GroupCommit
 from django_leases.handlers import get_handler, registered_kinds
+from django_leases.heartbeat import RenewsLeases
 from django_leases.lease import Lease
 from django_leases.listener import Listener
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet, leased_jobs, registered_workers
@@ -81,7 +83,7 @@ class Slot:
         return self.lease is not None and self.started is not None
 
 
-class LeaseWorker(RunsAttempts):
+class LeaseWorker(RunsAttempts, RenewsLeases):
     """Claim jobs of the registered kinds and run them, `concurrency` at a time."""
 
     def __init__(
@@ -507,112 +509,6 @@ class LeaseWorker(RunsAttempts):
             return None
         slack = ASYNC_TIMEOUT_SLACK if handler.is_async else 0.0
         return started + handler.timeout + slack
-
-    # ---- heartbeat --------------------------------------------------------------------------
-
-    def _heartbeat_loop(self) -> None:
-        harden(connections[self.using], self.ttl)
-        clock = threading.Thread(
-            target=self._lease_clock, args=(threading.current_thread(),), daemon=True
-        )
-        clock.start()
-        try:
-            while not self._stopped.wait(timeout=self.heartbeat_interval):
-                try:
-                    keep_usable(health_check=True)
-                    self._renew()
-                    self._beat()
-                except BaseException:  # noqa: BLE001 - the next beat tries again
-                    logger.exception("heartbeat failed")
-                    connections[self.using].close()
-        finally:
-            connections.close_all()
-
-    def _beat(self) -> None:
-        """Refresh this worker's registry row, so the watcher and the admin know it is alive."""
-        try:
-            if self._workers().beat(self.worker_id, self._instance):
-                return
-            # Our row was pruned, or taken by another process after we looked gone for longer
-            # than WORKER_GONE_AFTER (a partition): take it back, unless that process is live.
-            if not self._workers().register(self.worker_id, **self._registry_fields()):
-                self.failure = (
-                    f"worker id {self.worker_id!r} was taken by another live worker process"
-                )
-                logger.error("%s; stopping", self.failure)
-                self.stop()
-        except TRANSIENT:
-            close_old_connections()
-
-    def _held(self) -> list[Lease]:
-        """The leases to renew: handed to a live slot, not lost, within their time limit."""
-        now = time.monotonic()
-        with self._lock:
-            return [
-                slot.lease
-                for slot in self._slots
-                if slot.lease is not None
-                and slot.thread is not None
-                and slot.thread.is_alive()
-                and (slot.deadline is None or now < slot.deadline)
-                and not slot.lease.finished
-            ]
-
-    def _lease_clock(self, heartbeat: threading.Thread) -> None:
-        """Report each held lease lost at its deadline, with no database access: the heartbeat
-        thread may be blocked on a silent connection right then, for up to NETWORK_TIMEOUT."""
-        while heartbeat.is_alive() and not self._stopped.wait(timeout=self._until_deadline()):
-            self._live(self._held())
-
-    def _until_deadline(self) -> float:
-        """Seconds until the first held lease runs out, at most one heartbeat interval."""
-        deadlines = [lease.valid_until for lease in self._held() if not lease.lost]
-        first = min(deadlines, default=time.monotonic() + self.heartbeat_interval)
-        return max(0.01, min(self.heartbeat_interval, first - time.monotonic()))
-
-    def _live(self, leases: list[Lease]) -> list[Lease]:
-        """Return the leases of `leases` not lost; log each lost one once."""
-        live = []
-        for lease in leases:
-            if not lease.lost:
-                live.append(lease)
-                continue
-            with self._lock:
-                first = lease.key not in self._reported_lost
-                self._reported_lost.add(lease.key)
-            if first:
-                self._report_lost(lease)
-        return live
-
-    def _renew(self) -> None:
-        leases = self._live(self._held())
-        if not leases:
-            return
-        started = time.monotonic()
-        try:
-            renewed = self._jobs().heartbeat(
-                self.worker_id, {lease.pk: lease.token for lease in leases}, ttl=self.ttl
-            )
-        except TRANSIENT as exc:
-            logger.warning("heartbeat failed: %s", error_text(exc))
-            close_old_connections()
-            connections[self.using].close()
-            return
-        for lease in leases:
-            if lease.pk in renewed:
-                lease.renewed(started)
-            elif not lease.finished:
-                lease.mark_lost("heartbeat refused: the lease expired or was taken over")
-                self._live([lease])
-        logger.debug("heartbeat renewed=%s of %s", len(renewed), len(leases))
-
-    def _report_lost(self, lease: Lease) -> None:
-        """Log a lease this worker found lost, and count it; `_live()` calls it once per lease."""
-        if self.stats.recorder is not None:
-            self.stats.recorder.count(AttemptOutcome.LEASE_LOST, lease.job.kind, 1)
-        logger.warning(
-            "lease lost job_id=%s token=%s: %s", lease.pk, lease.token, lease.lost_reason
-        )
 
     # ---- shutdown ---------------------------------------------------------------------------
 
