@@ -116,34 +116,39 @@ def test_group_commit__a_write_with_the_wrong_number_of_results_raises() -> None
 
 @pytest.mark.django_db
 def test_complete_and_claim__completes_the_rows_still_held_and_claims_the_next() -> None:
-    held_jobs = [PaymentJob.objects.enqueue("noop") for _ in range(4)]
-    held = {job.pk: job.lease_token for job in PaymentJob.objects.claim("w1", ttl=60, limit=4)}
-    ok, taken, stale, mine_expired = held_jobs
+    held_jobs = [PaymentJob.objects.enqueue("noop") for _ in range(5)]
+    held = {job.pk: job.lease_token for job in PaymentJob.objects.claim("w1", ttl=60, limit=5)}
+    ok, taken, stale, mine_expired, stale_expired = held_jobs
     expire(taken)
     assert PaymentJob.objects.claim_job(taken.pk, "w2", ttl=60) is not None
     expire(mine_expired)  # expired, not taken over: the holder's completion still wins
-    acks = {**held, stale.pk: held[stale.pk] + 5}
+    expire(stale_expired)  # and acknowledged under a token it never had: refused, claimable
+    acks = {**held, stale.pk: held[stale.pk] + 5, stale_expired.pk: held[stale_expired.pk] + 5}
     due = [PaymentJob.objects.enqueue("noop", priority=p) for p in (0, 5, 0)]
     other_kind = PaymentJob.objects.enqueue("noop_batch", priority=9)
 
     won, claimed = PaymentJob.objects.complete_and_claim(
-        "w1", acks, ttl=60, limit=2, kinds=["noop"]
+        "w1", acks, ttl=60, limit=3, kinds=["noop"]
     )
 
     assert won == {ok.pk, mine_expired.pk}
-    # Claim order: priority first; never the holder's own expired job, nor another kind.
-    assert [job.pk for job in claimed] == [due[1].pk, due[0].pk]
+    # Claim order: expired leases first, then priority; never a job this call completed (on
+    # PostgreSQL the same statement), nor another kind. A refused one is taken over, as after
+    # complete_many() then claim().
+    assert [job.pk for job in claimed] == [stale_expired.pk, due[1].pk, due[0].pk]
     assert all(job.lease_owner == "w1" and job.status == Status.PROCESSING for job in claimed)
     rows = {job.pk: job for job in PaymentJob.objects.all()}
     assert rows[ok.pk].status == rows[mine_expired.pk].status == Status.COMPLETED
     assert (rows[taken.pk].lease_owner, rows[stale.pk].status) == ("w2", Status.PROCESSING)
+    assert (rows[stale_expired.pk].lease_token, rows[stale_expired.pk].attempts) == (2, 2)
     assert rows[due[2].pk].status == rows[other_kind.pk].status == Status.PENDING
     assert ledger(ok) == ledger(mine_expired) == [(1, 1, "w1", "completed")]
     assert ledger(taken) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
     assert ledger(stale) == [(1, 1, "w1", "running")]
+    assert ledger(stale_expired) == [(1, 1, "w1", "lease_lost"), (2, 2, "w1", "running")]
     assert ledger(due[1]) == ledger(due[0]) == [(1, 1, "w1", "running")]
     fenced = set(JobAttempt.objects.filter(fenced_at__isnull=False).values_list("job_ref", "token"))
-    assert fenced == {(taken.pk, 1)}
+    assert fenced == {(taken.pk, 1)}  # no attempt ever had the stale tokens
 
 
 @pytest.mark.django_db

@@ -517,6 +517,48 @@ class LeaseMachine(RuleBasedStateMachine):
             else:
                 assert new == old, f"a batched completion changed ledger row {pk}"
 
+    @rule(
+        target=leases,
+        owner=st.sampled_from(OWNERS),
+        limit=st.integers(1, 3),
+        kinds=st.sampled_from([None, [RETRY_KIND], [REVIEW_KIND]]),
+    )
+    def worker_completes_and_claims_its_next(
+        self, owner: str, limit: int, kinds: list[str] | None
+    ) -> Any:
+        """A worker's group write (`complete_and_claim`, one statement on PostgreSQL): it
+        completes every job it ever held and claims up to `limit` next ones. Exactly the
+        completions `complete_many()` would make win (older leases lost, finished or of a lock
+        are refused or left alone), then exactly the claims `claim()` would make after them."""
+        acks = {
+            row["job_ref"]: row["token"]
+            for row in JobAttempt.objects.filter(owner=owner).order_by("token").values()
+        }
+        before = job_rows()
+        won, claimed = PaymentJob.objects.complete_and_claim(
+            owner, acks, ttl=TTL, limit=limit, kinds=kinds
+        )
+        assert won == {
+            pk
+            for pk, token in acks.items()
+            if before[pk]["status"] == PROCESSING
+            and (before[pk]["lease_owner"], before[pk]["lease_token"]) == (owner, token)
+            and not before[pk]["lock"]
+        }
+        after = job_rows()
+        for pk in won:
+            assert (after[pk]["status"], after[pk]["lock_holder"]) == (COMPLETED, None)
+            self.finished_by_holder.add((pk, acks[pk]))
+        wanted = [
+            pk
+            for pk, row in before.items()
+            if pk not in won and claimable(row) and (kinds is None or row["kind"] in kinds)
+        ]
+        assert len(claimed) == min(limit, len(wanted))
+        assert {job.pk for job in claimed} <= set(wanted)
+        self._acquired(claimed, owner, before)
+        return multiple(*claimed)
+
     @rule(lease=leases, permanent=st.booleans())
     def fail(self, lease: PaymentJob, permanent: bool) -> None:
         """A handler raised: retried after the worker's backoff, or failed for good."""

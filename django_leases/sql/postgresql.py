@@ -104,9 +104,9 @@ def claim(
 
     With `completing` (pks, tokens, the completed status) and `ledger`, the statement first
     completes those jobs as `complete_many()` does, so that a holder's finished job and its next
-    claim share one commit; an expired lease among them is never taken over by the same
-    statement. It then returns the claimed rows, or one row of NULLs if none, each with
-    `completed_ids`: the pks whose completion won.
+    claim share one commit; a job it completes is never taken over by it (the others may be, as
+    after `complete_many()` then `claim()`). It then returns the claimed rows, or one row of
+    NULLs if none, each with `completed_ids`: the pks whose completion won.
     """
     kind_params = kinds[1]
     guard_sql, guard_params = guard
@@ -150,7 +150,10 @@ def claim(
     if completing is not None and ledger is not None:
         pks, tokens, completed = completing
         before = f"{_done(table)}, closed AS ({_close_done(ledger)}),"
-        takeover += " AND id <> ALL(%(pks)s::bigint[])"
+        # A row cannot be updated twice by one statement (which update wins is undefined):
+        # the rows this statement completes are not taken over by it, the others may be, as
+        # after `complete_many()` then `claim()`.
+        takeover += " AND id NOT IN (SELECT id FROM done)"
         main = main.replace(
             "SELECT * FROM claimed",
             "SELECT claimed.*, finished.completed_ids FROM "
