@@ -1,6 +1,5 @@
 """`Listener`: enqueue notifications on PostgreSQL; nothing (polling) elsewhere."""
 
-import psycopg
 import pytest
 from django.db import connection
 
@@ -44,6 +43,8 @@ def test_listener__a_listen_the_network_swallows_is_cut_off_at_its_deadline() ->
     forwards nothing) before the LISTEN: the watchdog shuts the socket down at the deadline, so
     the worker's loop falls back to polling instead of waiting for the reply forever (it did,
     and a partitioned worker never claimed again once the path was back)."""
+    import psycopg  # PostgreSQL's driver: not installed where the suite runs on SQLite alone
+
     params = {
         key: value
         for key, value in connection.get_connection_params().items()
