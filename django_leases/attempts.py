@@ -240,7 +240,9 @@ class RunsAttempts:
                 limit=len(items),
                 kinds=self.kinds,
             )
-        except Exception:  # noqa: BLE001 - each slot's _record() retries, or records why not
+        except Exception as exc:  # noqa: BLE001 - each slot's _record() retries, or records why
+            if not isinstance(exc, DatabaseError):  # a database's refusal _record() logs itself
+                logger.exception("group write failed; each slot writes its completion alone")
             return [GroupCompletion(written=False, failed=True) for _ in items]
         self._note_claimed(jobs)
         following: list[Lease | None] = [
