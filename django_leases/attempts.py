@@ -216,9 +216,12 @@ class RunsAttempts:
         next job to the group write, and return what it did; None at once, writing nothing,
         once the worker stops claiming or counts its claims (`max_jobs`): its loop claims then.
         """
-        if self._stopping.is_set() or self.max_jobs is not None:
-            return None
-        return self._completions.submit(lease)
+        return self._completions.submit(lease) if self._grouped() else None
+
+    def _grouped(self) -> bool:
+        """Whether slots claim their next jobs with the group write (`_group()`): not once the
+        worker stops claiming, nor while it counts its claims (`max_jobs`): its loop claims."""
+        return not self._stopping.is_set() and self.max_jobs is None
 
     def _complete_group(self, items: list[Lease | None]) -> list[GroupCompletion]:
         """Complete the leases of `items` and claim a next job for each item, in one statement
@@ -273,9 +276,14 @@ class RunsAttempts:
     def _defer_ack(self, lease: Lease, handler: Handler) -> bool:
         """Buffer the completion of a job of an ack="batch" kind; False: write it now.
 
-        A job with a lock is completed at once: its completion passes the lock on.
+        Only where it would cost a statement of its own: while slots claim with the group write
+        (`_grouped()`), that statement carries the completion with the slot's next claim, which
+        is cheaper than a buffered batch and leaves no job to run again after a crash. A job with
+        a lock is completed at once: its completion passes the lock on.
         """
-        if handler.ack != ACK_BATCH or lease.job.lock or not self._acks.add(lease):
+        if handler.ack != ACK_BATCH or lease.job.lock or self._grouped():
+            return False
+        if not self._acks.add(lease):  # closed: the worker is writing its last batch
             return False
         logger.debug("ack buffered job_id=%s token=%s", lease.pk, lease.token)
         return True

@@ -167,6 +167,9 @@ def test_worker__atomic_locked_and_failed_attempts_of_a_batch_kind_are_never_buf
         poll_interval=0.05,
         ack_flush_interval=3600,
         kinds=["noop_batch", "atomic_batch"],
+        # Its loop claims for the slots (it counts its claims): a batch kind's completion would
+        # cost a statement of its own, so it is buffered.
+        max_jobs=100,
     )
     runner = threading.Thread(target=worker.run)
     runner.start()
@@ -205,11 +208,15 @@ def acknowledged(out: str) -> list[int]:
 
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("capped", [False, True], ids=["group-write", "max-jobs"])
 def test_worker__drains_a_batch_kind_and_closes_every_ledger_row_once(
-    processes: Processes,
+    processes: Processes, capped: bool
 ) -> None:
+    """Slots that claim with the group write complete a batch kind in that statement: nothing is
+    buffered. A worker that counts its claims (its loop claims) buffers them."""
     jobs = [PaymentJob.objects.enqueue("noop_batch") for _ in range(60)]
-    proc = worker(processes, "drain", "--burst", "--concurrency", "4", "--kind", "noop_batch")
+    cap = ("--max-jobs", "1000") if capped else ()
+    proc = worker(processes, "drain", "--burst", "--concurrency", "4", "--kind", "noop_batch", *cap)
     out = finish(proc)
     assert proc.returncode == 0, out
     assert PaymentJob.objects.filter(status=Status.COMPLETED).count() == 60
@@ -217,7 +224,8 @@ def test_worker__drains_a_batch_kind_and_closes_every_ledger_row_once(
     assert sorted(rows.values_list("job_ref", "outcome", "ended_by")) == sorted(
         (job.pk, "completed", "drain") for job in jobs
     )
-    assert sum(acknowledged(out)) == 60
+    assert sum(acknowledged(out)) == (60 if capped else 0)
+    assert ("ack buffered" in out) is capped
     assert "claimed=60 completed=60" in out
 
 
@@ -234,6 +242,7 @@ def test_worker__a_full_batch_is_written_without_waiting_for_the_interval(
         "sizer",
         *("--ack-batch-size", "5", "--ack-flush-interval", "3600"),
         *("--ttl", "300", "--heartbeat", "50"),
+        *("--max-jobs", "100"),  # its loop claims: completions are buffered
     )
     wait_for(lambda: PaymentJob.objects.filter(status=Status.COMPLETED).count() == 10)
     proc.send_signal(signal.SIGTERM)
@@ -247,7 +256,10 @@ def test_worker__a_full_batch_is_written_without_waiting_for_the_interval(
 def test_worker__sigterm_writes_the_buffered_acks_before_exit(processes: Processes) -> None:
     jobs = [PaymentJob.objects.enqueue("noop_batch") for _ in range(4)]
     proc = worker(
-        processes, "stopper", "--ack-flush-interval", "3600", "--ttl", "300", "--heartbeat", "50"
+        processes,
+        "stopper",
+        *("--ack-flush-interval", "3600", "--ttl", "300", "--heartbeat", "50"),
+        *("--max-jobs", "100"),  # its loop claims: completions are buffered
     )
     read_until(proc, *(f"ack buffered job_id={job.pk} " for job in jobs))
     assert PaymentJob.objects.filter(status=Status.PROCESSING).count() == 4
@@ -282,7 +294,10 @@ def test_worker__sigkill_with_buffered_acks_runs_those_jobs_again(processes: Pro
     # the kill lands in the ~4 s between the handlers' return and that write.
     lease = ("--ttl", "6", "--heartbeat", "2")
     first = worker(
-        processes, "doomed", "--ack-flush-interval", "3600", "--concurrency", "2", *lease
+        processes,
+        "doomed",
+        *("--ack-flush-interval", "3600", "--concurrency", "2", *lease),
+        *("--max-jobs", "100"),  # its loop claims: completions are buffered
     )
     read_until(first, *(f"ack buffered job_id={job.pk} " for job in jobs))
     os.killpg(first.pid, signal.SIGKILL)
