@@ -214,10 +214,11 @@ def harden(connection: BaseDatabaseWrapper, ttl: float | None = None) -> None:
     Idempotent. An open connection outside a transaction is closed, so that the next use
     reconnects with the new options; inside a transaction they apply from the next connection.
     """
+    # Cheapest first: a worker calls this once per job, and almost always finds it done.
+    if any(isinstance(wrapper, Deadline) for wrapper in connection.execute_wrappers):
+        return
     timeout = network_timeout(ttl)
     if timeout is None or connection.vendor not in ("postgresql", "mysql"):
-        return
-    if any(isinstance(wrapper, Deadline) for wrapper in connection.execute_wrappers):
         return
     settings = connection.settings_dict
     # A copy: the dict is shared by every thread's connection to this alias.

@@ -16,7 +16,13 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from django_leases.limits import JOB_ID, check_int
-from django_leases.querysets.base import ClaimPath, bound_cursor, check_owner, retry_deadlocks
+from django_leases.querysets.base import (
+    ClaimPath,
+    bound_cursor,
+    check_owner,
+    quoted_table,
+    retry_deadlocks,
+)
 from django_leases.querysets.enqueue import Enqueueing
 from django_leases.querysets.ledger import J
 from django_leases.sql import postgresql, sqlite
@@ -25,7 +31,7 @@ from django_leases.status import COMPLETED, PROCESSING, AttemptOutcome
 
 class Acknowledgements(Enqueueing[J]):
     def _table(self) -> str:
-        return connections[self.db].ops.quote_name(self.model._meta.db_table)
+        return quoted_table(self.model, self.db)
 
     @retry_deadlocks
     def complete_many(self, owner: str, leases: Mapping[int, int]) -> set[int]:

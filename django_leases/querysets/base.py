@@ -6,7 +6,7 @@ import random
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from functools import wraps
+from functools import cache, wraps
 from typing import Any, Literal, TypeVar
 
 from django.db import OperationalError, connections, models
@@ -49,6 +49,13 @@ def bound_cursor(using: str) -> CursorWrapper:
     if connection.queries_logged:
         return connection.make_debug_cursor(cursor)
     return connection.make_cursor(cursor)
+
+
+@cache
+def quoted_table(model: type[models.Model], alias: str) -> str:
+    """Return `model`'s table name quoted for `alias`'s database, built once per process: the
+    raw statements of claims and completions need it every time."""
+    return connections[alias].ops.quote_name(model._meta.db_table)
 
 
 class BoundRawQuery(RawQuery):

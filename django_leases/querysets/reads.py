@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from datetime import timedelta
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from django.apps import apps
@@ -218,7 +219,16 @@ def takeover_guard() -> tuple[Q, tuple[str, sql.Params]]:
     by_kind: dict[str, str] = leases_settings.STUCK_POLICY_BY_KIND
     review_by_default = leases_settings.STUCK_POLICY == StuckPolicy.REVIEW
     other = StuckPolicy.RETRY if review_by_default else StuckPolicy.REVIEW
-    exceptions = sorted(kind for kind, policy in by_kind.items() if policy == other)
+    exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
+    guard, (fragment, params) = _takeover_guard(review_by_default, exceptions)
+    return guard, (fragment, dict(params))
+
+
+@lru_cache(maxsize=16)
+def _takeover_guard(
+    review_by_default: bool, exceptions: tuple[str, ...]
+) -> tuple[Q, tuple[str, sql.Params]]:
+    """Build `takeover_guard()` once per policy: every claim needs it."""
     fragment = sql.takeover_guard(review_by_default=review_by_default, exceptions=exceptions)
     if review_by_default:
         guard = Q(kind__in=exceptions) | Q(checkpoint="") if exceptions else Q(checkpoint="")

@@ -4,6 +4,7 @@ enqueue's share lock on a lock holder, and NOTIFY. Tested on 15."""
 import json
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from django_leases.sql.merge import merge_keys
@@ -14,9 +15,12 @@ DEADLOCK_SQLSTATES = ("40001", "40P01")
 """serialization_failure, deadlock_detected: the transaction was rolled back."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LedgerNames:
-    """Quoted names of the attempt ledger's table and columns, for statements that write it."""
+    """Quoted names of the attempt ledger's table and columns, for statements that write it.
+
+    Built once per job model and database (`querysets.ledger.ledger_names`), so compared, and
+    hashed as a cache key, by identity."""
 
     table: str
     columns: dict[str, str]
@@ -108,8 +112,47 @@ def claim(
     after `complete_many()` then `claim()`). It then returns the claimed rows, or one row of
     NULLs if none, each with `completed_ids`: the pks whose completion won.
     """
-    kind_params = kinds[1]
+    kind_sql, kind_params = kinds
     guard_sql, guard_params = guard
+    completed = completing[2] if completing is not None and ledger is not None else None
+    text = _claim_text(
+        table,
+        kind_sql,
+        tuple(kind_params),
+        guard_sql,
+        ledger,
+        (pending, processing, running, lease_lost, completed),
+    )
+    params = {
+        **kind_params,
+        **guard_params,
+        "owner": owner,
+        "seconds": seconds,
+        "limit": limit,
+        "candidates": limit + CANDIDATE_SLACK,
+    }
+    if completing is not None and completed is not None:
+        params.update(pks=completing[0], tokens=completing[1])
+    return text, params
+
+
+@lru_cache(maxsize=64)
+def _claim_text(
+    table: str,
+    kind_sql: str,
+    kind_names: tuple[str, ...],
+    guard_sql: str,
+    ledger: LedgerNames | None,
+    words: tuple[str, str, str, str, str | None],
+) -> str:
+    """Return the text of `claim()`, status words written in: the same for every call of a
+    worker, so it is built once (rebuilding it per claim was several per cent of a busy
+    worker's Python time).
+
+    `words`: the pending, processing, running, lease-lost and (when completing) completed words.
+    """
+    pending, processing, running, lease_lost, completed = words
+    kinds: tuple[str, Params] = (kind_sql, dict.fromkeys(kind_names))
     update = f"""
         UPDATE {table} AS job
         SET status = %(processing)s,
@@ -147,8 +190,7 @@ def claim(
         """  # noqa: S608 - names quoted by the caller, values are parameters
     takeover = f"{EXPIRED} {guard_sql}"
     before, completing_params = "", {}
-    if completing is not None and ledger is not None:
-        pks, tokens, completed = completing
+    if completed is not None and ledger is not None:
         before = f"{_done(table)}, closed AS ({_close_done(ledger)}),"
         # A row cannot be updated twice by one statement (which update wins is undefined):
         # the rows this statement completes are not taken over by it, the others may be, as
@@ -160,7 +202,7 @@ def claim(
             "(SELECT coalesce(array_agg(id), '{}') AS completed_ids FROM done) AS finished "
             "LEFT JOIN claimed ON TRUE",
         )
-        completing_params = {"pks": pks, "tokens": tokens, "completed": completed}
+        completing_params = {"completed": completed}
     expired = _locked(table, takeover, ["lease_until"], kinds)
     due = _locked(table, DUE, ["priority DESC", "run_at", "id"], kinds)
     sql = f"""
@@ -173,20 +215,14 @@ def claim(
             LIMIT %(limit)s
         ){main}
     """  # noqa: S608 - names quoted by the caller, values are parameters
-    params = {
-        **kind_params,
-        **guard_params,
-        "owner": owner,
-        "seconds": seconds,
-        "limit": limit,
+    words_used = {
         "pending": pending,
         "processing": processing,
         "running": running,
         "lease_lost": lease_lost,
-        "candidates": limit + CANDIDATE_SLACK,
         **completing_params,
     }
-    return constants((sql, params))
+    return constants((sql, words_used))[0]
 
 
 def _done(table: str) -> str:
