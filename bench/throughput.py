@@ -7,6 +7,15 @@ database sees every job finished. Rounds are interleaved (each round rotates the
 median and spread over the rounds are reported, with each peer's ratio to django-leases and
 django-leases' ratio to it; `--markdown` prints the table as markdown with the commit measured.
 
+Beside the rates, the CPU each job cost, which the machine's noise (another tenant, the
+scheduler) hardly moves while it moves wall time a lot: the worker processes' own CPU
+(`getrusage` of the reaped children, so not a worker's own children that outlive it, such as
+django-q2's cluster), start-up and exit included, divided by the jobs; and the whole machine's
+CPU from `/proc/stat` (user, nice, system, irq and softirq; not idle, I/O wait or stolen time)
+in the steady part, from the poll that saw the first finished job to the one that saw the last,
+divided by the jobs finished in between. The machine's figure includes PostgreSQL (its backends,
+WAL writer, autovacuum) and this script's polls; without `/proc/stat` it is left out.
+
 While `run_lease_worker` is not available, django-leases is measured as the queryset-level loop
 (claim a batch, complete each job) in the same number of processes; the output says which.
 """
@@ -14,6 +23,8 @@ While `run_lease_worker` is not available, django-leases is measured as the quer
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -21,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.util import find_spec
+from pathlib import Path
 from typing import Any
 
 from bench import _common as common
@@ -319,6 +331,26 @@ class Drain:
     succeeded: int
     finished: int
     timed_out: bool
+    worker_cpu: float  # seconds of CPU of the worker processes
+    # Seconds of CPU of the whole machine in the steady part; None without /proc/stat.
+    machine_cpu: float | None
+
+
+def children_cpu() -> float:
+    """Seconds of CPU (user and system) of this process's reaped children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_cpu() -> float | None:
+    """Seconds of CPU the whole machine has used so far, all cores, from `/proc/stat`: user,
+    nice, system, irq and softirq time (not idle, I/O wait or stolen); None without it."""
+    try:
+        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = (int(n) for n in first[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def drain(
@@ -336,6 +368,8 @@ def drain(
     env = common.child_env(db, **{**extra, **dict(system.env)})
     conn = db.connect()
     workers: list[subprocess.Popen[str]] = []
+    cpu_at_start = children_cpu()
+    machine_at: list[float | None] = [None, None]  # at the first finished job, at the last
     try:
         started = time.monotonic()
         workers = [
@@ -348,7 +382,9 @@ def drain(
             succeeded, finished = db.row(conn, system.poll_sql)
             if finished and first is None:
                 first = (now, finished)
+                machine_at[0] = machine_cpu()
             if finished >= args.jobs:
+                machine_at[1] = machine_cpu()
                 break
             if all(w.poll() is not None for w in workers) and finished < args.jobs:
                 raise common.ChildError(f"{system.name} workers exited early", workers[0])
@@ -366,6 +402,12 @@ def drain(
         succeeded=succeeded,
         finished=finished,
         timed_out=finished < args.jobs,
+        worker_cpu=children_cpu() - cpu_at_start,
+        machine_cpu=(
+            None
+            if machine_at[0] is None or machine_at[1] is None or finished == first_count
+            else (machine_at[1] - machine_at[0]) * (args.jobs / (finished - first_count))
+        ),
     )
 
 
@@ -476,6 +518,15 @@ def rates(args: argparse.Namespace, drains: list[Drain]) -> tuple[list[float], l
     return [args.jobs / d.seconds for d in done], [d.steady_rate for d in done]
 
 
+def cpu_per_job(args: argparse.Namespace, drains: list[Drain]) -> tuple[float, float | None]:
+    """Median milliseconds of CPU a job cost over the finished rounds: the worker processes',
+    and the whole machine's (None without /proc/stat)."""
+    done = [d for d in drains if not d.timed_out]
+    workers = statistics.median(d.worker_cpu * 1000 / args.jobs for d in done)
+    machine = [d.machine_cpu * 1000 / args.jobs for d in done if d.machine_cpu is not None]
+    return workers, statistics.median(machine) if machine else None
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
@@ -493,6 +544,11 @@ def report(
         if rates(args, results[s.name])[0]
     }
     base = medians.get("django-leases")
+    cpu = {
+        s.name.split()[0]: cpu_per_job(args, results[s.name])
+        for s in systems
+        if rates(args, results[s.name])[0]
+    }
     rows = []
     for system in systems:
         wall, steady = rates(args, results[system.name])
@@ -500,9 +556,10 @@ def report(
         failures = sum(d.finished - d.succeeded for d in drains)
         timeouts = sum(d.timed_out for d in drains)
         if not wall:
-            rows.append([system.name, "timed out", "", "", "", "", "", ""])
+            rows.append([system.name, "timed out", "", "", "", "", "", "", "", ""])
             continue
         median = statistics.median(wall)
+        workers_cpu, whole_cpu = cpu[system.name.split()[0]]
         rows.append(
             [
                 system.name,
@@ -512,6 +569,8 @@ def report(
                 ratio(median, base),
                 ratio(base, median),
                 f"{statistics.median(steady):.0f}",
+                f"{workers_cpu:.3f}",
+                "-" if whole_cpu is None else f"{whole_cpu:.3f}",
                 f"{failures} failed, {timeouts} timeouts" if failures or timeouts else "ok",
             ]
         )
@@ -523,6 +582,8 @@ def report(
         "vs leases",
         "leases vs it",
         "steady jobs/s",
+        "worker CPU ms/job",
+        "steady machine CPU ms/job",
         "status",
     ]
     title = (
@@ -548,12 +609,16 @@ def report(
         ("django-leases-batch / pgqueuer", "django-leases-batch", "pgqueuer"),
     ):
         if a in medians and b in medians:
-            print(f"{label}: {ratio(medians[a], medians[b])}")
+            whole = f"; steady machine CPU a job: {ratio(cpu[a][1], cpu[b][1])}"
+            print(f"{label}: {ratio(medians[a], medians[b])}{whole}")
     common.print_skipped(skipped)
     print(
         "\n'vs leases' = system / django-leases (above 1.00x: it is faster); 'leases vs it' = "
         "django-leases / system. 'steady' leaves out worker start-up (clock from the first "
         "finished job)."
+        " CPU ms/job (median of rounds; lower is better, less noisy than jobs/s): the worker"
+        " processes' CPU with start-up, and the whole machine's (PostgreSQL included) in the"
+        " steady part."
     )
 
 
