@@ -14,8 +14,12 @@ import pytest
 from django.db import connection, transaction
 from django.db.models.functions import Now
 
+from django_leases import sql
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets.base import ClaimPath
+from django_leases.querysets.ledger import ledger_names
+from django_leases.sql import postgresql
+from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
 pytestmark = pytest.mark.django_db
 
@@ -165,3 +169,58 @@ def test_complete_many_paths__complete_what_the_orm_path_completes(seed: int) ->
     assert expected[0] != set(acks), "some acks are refused"
     for path in completion_paths():
         assert completion_of(path, "w", acks) == expected, path
+
+
+# ---- the PostgreSQL statement's text ------------------------------------------------------------
+
+STATUS_WORDS = (PENDING, PROCESSING, COMPLETED, AttemptOutcome.RUNNING, AttemptOutcome.LEASE_LOST)
+
+
+def claim_statement(
+    kinds: list[str] | None,
+    completing: tuple[list[int], list[int]] | None,
+    review: tuple[str, ...] = (),
+    *,
+    owner: str = "w",
+    limit: int = 4,
+    pending: str = PENDING,
+) -> tuple[str, dict[str, Any]]:
+    return postgresql.claim(
+        '"job"',
+        owner=owner,
+        seconds=60.0,
+        limit=limit,
+        kinds=sql.kinds_filter(kinds),
+        guard=sql.takeover_guard(review_by_default=False, exceptions=review),
+        ledger=ledger_names(PaymentJob, connection.alias),
+        pending=pending,
+        processing=PROCESSING,
+        running=AttemptOutcome.RUNNING,
+        lease_lost=AttemptOutcome.LEASE_LOST,
+        completing=None if completing is None else (*completing, COMPLETED),
+    )
+
+
+def test_postgresql_claim__one_text_per_shape_with_the_status_words_written_in() -> None:
+    """The text is built once per shape and the values travel as parameters, so psycopg can
+    prepare it; the status words are literals, so a generic plan still proves the partial
+    indexes' predicates."""
+    text, params = claim_statement(["capture"], ([1, 2], [7, 8]))
+    again, other = claim_statement(["refund"], ([5], [1]), owner="x", limit=2)
+    assert again is text
+    assert (other["owner"], other["limit"], other["kind_0"]) == ("x", 2, "refund")
+    assert (other["pks"], other["tokens"]) == ([5], [1])
+    assert (params["pks"], params["tokens"]) == ([1, 2], [7, 8])
+    for word in STATUS_WORDS:
+        assert f"'{word}'" in text
+    assert not set(params) & set(postgresql.STATUS_PARAMETERS)
+    assert "%(" + "pks)s" in text and "%(" + "pks)s" not in claim_statement(["capture"], None)[0]
+    shapes = {
+        claim_statement(kinds, completing, review)[0]
+        for kinds in (None, ["capture"], ["capture", "refund"])
+        for completing in (None, ([1], [1]))
+        for review in ((), ("refund",))
+    }
+    assert len(shapes) == 12
+    with pytest.raises(ValueError, match="not a status word"):
+        claim_statement(["capture"], None, pending="pending' OR '1")
