@@ -70,17 +70,23 @@ def generate(seed: int) -> None:
 def outcome_of(path: ClaimPath, owner: str, limit: int, kinds: list[str] | None) -> Any:
     """Claim with `path`, return what it did, and roll every write back."""
     with transaction.atomic():
-        jobs = PaymentJob.objects.all()._claim(owner, 60.0, limit, kinds, path)
-        claimed = [(job.pk, job.attempts, job.lease_token, job.lease_owner) for job in jobs]
-        rows = sorted(
-            JobAttempt.objects.values_list(
-                "job_ref", "attempt", "token", "owner", "outcome", "ended_by"
-            )
-        )
-        states = sorted(
-            PaymentJob.objects.values_list("pk", "status", "attempts", "lease_token", "lock_holder")
-        )
+        outcome = claim_outcome(PaymentJob.objects.all()._claim(owner, 60.0, limit, kinds, path))
         transaction.set_rollback(True)
+    return outcome
+
+
+def claim_outcome(jobs: list[Any]) -> Any:
+    """What a claim that returned `jobs` did: the jobs in claim order, every ledger row and every
+    job's lease state."""
+    claimed = [(job.pk, job.attempts, job.lease_token, job.lease_owner) for job in jobs]
+    rows = sorted(
+        JobAttempt.objects.values_list(
+            "job_ref", "attempt", "token", "owner", "outcome", "ended_by"
+        )
+    )
+    states = sorted(
+        PaymentJob.objects.values_list("pk", "status", "attempts", "lease_token", "lock_holder")
+    )
     return claimed, rows, states
 
 
@@ -224,3 +230,42 @@ def test_postgresql_claim__one_text_per_shape_with_the_status_words_written_in()
     assert len(shapes) == 12
     with pytest.raises(ValueError, match="not a status word"):
         claim_statement(["capture"], None, pending="pending' OR '1")
+
+
+def test_prepared_claim__is_named_by_a_digest_of_its_text_with_its_window_written_in() -> None:
+    statement = claim_statement(["capture"], ([1, 2], [3, 4]), limit=3)
+    prepared, params = postgresql.prepared_claim(statement)
+    assert prepared.name.startswith(postgresql.PREPARED_PREFIX) and len(prepared.name) <= 63
+    assert "LIMIT 4" in prepared.prepare and "%(" not in prepared.prepare  # window 4 for limit 3
+    assert params == {k: v for k, v in statement[1].items() if k not in ("window", "candidates")}
+    assert params["limit"] == 3  # the claim still takes 3
+    arguments = ", ".join(f"%({name})s" for name in params)
+    assert prepared.execute == f"EXECUTE {prepared.name} ({arguments})"
+    # The same text, window and types: the very same statement, whatever the values.
+    same, _ = postgresql.prepared_claim(claim_statement(["refund"], ([5], [6]), owner="x", limit=4))
+    assert same is prepared
+    # Another window, or another number of kinds: another text, so another name.
+    for other in [
+        claim_statement(["capture"], ([1], [2]), limit=5),
+        claim_statement(["capture", "refund"], ([1], [2]), limit=3),
+        claim_statement(["capture"], None, limit=3),
+    ]:
+        assert postgresql.prepared_claim(other)[0].name != prepared.name
+
+
+def test_prepared__types_its_parameters_and_refuses_what_it_cannot_type_or_write_in() -> None:
+    statement = ("SELECT %(a)s || '%%', %(b)s, %(c)s, %(d)s LIMIT %(n)s", {
+        "a": "x", "b": True, "c": 1.5, "d": [1, 2], "n": 3
+    })  # fmt: skip
+    prepared, values = postgresql.prepared(statement, written_in={"n": 3})
+    assert prepared.prepare == (
+        f"PREPARE {prepared.name} (text, boolean, double precision, bigint[]) AS "
+        "SELECT $1 || '%', $2, $3, $4 LIMIT 3"
+    )
+    assert values == {"a": "x", "b": True, "c": 1.5, "d": [1, 2]}
+    with pytest.raises(TypeError, match="no type"):
+        postgresql.prepared(("SELECT %(a)s", {"a": None}), written_in={})
+    with pytest.raises(TypeError, match="no type"):
+        postgresql.prepared(("SELECT %(a)s", {"a": [1, "x"]}), written_in={})
+    with pytest.raises(TypeError, match="only integers"):
+        postgresql.prepared(("SELECT 1 LIMIT %(n)s", {"n": 2.5}), written_in={"n": 2.5})  # type: ignore[dict-item]

@@ -34,21 +34,7 @@ def bound_cursor(using: str) -> CursorWrapper:
     or with psycopg 2, Django's usual cursor. Either way through Django's cursor wrapper, so the
     execute wrappers (the outage watchdog) and query logging apply.
     """
-    connection = connections[using]
-    if connection.vendor != "postgresql":
-        return connection.cursor()
-    try:  # only with psycopg 3
-        from django.db.backends.postgresql.base import ServerBindingCursor
-    except ImportError:
-        return connection.cursor()
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    connection.validate_thread_sharing()
-    with connection.wrap_database_errors:
-        cursor: Any = ServerBindingCursor(connection.connection)  # type: ignore[call-arg]
-    if connection.queries_logged:
-        return connection.make_debug_cursor(cursor)
-    return connection.make_cursor(cursor)
+    return _driver_cursor(using, "ServerBindingCursor")
 
 
 @cache
@@ -58,18 +44,68 @@ def quoted_table(model: type[models.Model], alias: str) -> str:
     return connections[alias].ops.quote_name(model._meta.db_table)
 
 
+def literal_cursor(using: str) -> CursorWrapper:
+    """Return a cursor of `using` that writes the parameters into the statement as literals.
+
+    What an EXECUTE of a prepared statement needs on PostgreSQL, which takes no bind parameters
+    there, whatever Django's `server_side_binding` option says. Through Django's cursor wrapper,
+    as `bound_cursor()`.
+    """
+    return _driver_cursor(using, "Cursor")
+
+
+def _driver_cursor(using: str, cursor_class: str) -> CursorWrapper:
+    """Return a cursor of Django's psycopg 3 class `cursor_class` on `using`, through Django's
+    cursor wrapper; elsewhere, or with psycopg2, Django's usual cursor."""
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        return connection.cursor()
+    from django.db.backends.postgresql import base
+
+    factory = getattr(base, cursor_class, None)  # defined with psycopg 3 only
+    if factory is None:
+        return connection.cursor()
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    with connection.wrap_database_errors:
+        cursor: Any = factory(connection.connection)
+    if connection.queries_logged:
+        return connection.make_debug_cursor(cursor)
+    return connection.make_cursor(cursor)
+
+
 class BoundRawQuery(RawQuery):
     """A raw query run on `bound_cursor()`."""
 
+    cursor_for: Callable[[str], CursorWrapper] = staticmethod(bound_cursor)
+
     def _execute_query(self) -> None:
-        self.cursor = bound_cursor(self.using)
+        self.cursor = self.cursor_for(self.using)
         self.cursor.execute(self.sql, self.params)
+
+
+class LiteralRawQuery(BoundRawQuery):
+    """A raw query run on `literal_cursor()`."""
+
+    cursor_for = staticmethod(literal_cursor)
 
 
 def bound_raw(queryset: models.QuerySet[M], statement: tuple[str, Any]) -> list[M]:
     """Run `statement` on `bound_cursor()` and return its rows as models, as `raw()` does."""
+    return _raw(queryset, statement, BoundRawQuery)
+
+
+def literal_raw(queryset: models.QuerySet[M], statement: tuple[str, Any]) -> list[M]:
+    """Run `statement` on `literal_cursor()` and return its rows as models, as `raw()` does."""
+    return _raw(queryset, statement, LiteralRawQuery)
+
+
+def _raw(
+    queryset: models.QuerySet[M], statement: tuple[str, Any], query_class: type[BoundRawQuery]
+) -> list[M]:
     sql, params = statement
-    query = BoundRawQuery(sql, queryset.db, params)
+    query = query_class(sql, queryset.db, params)
     rows = RawQuerySet(sql, model=queryset.model, query=query, using=queryset.db)  # type: ignore[arg-type]
     return list(rows)
 

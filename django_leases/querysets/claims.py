@@ -23,11 +23,11 @@ from django_leases.querysets.acks import Acknowledgements
 from django_leases.querysets.base import (
     ClaimPath,
     after,
-    bound_raw,
     check_owner,
     retry_deadlocks,
 )
 from django_leases.querysets.ledger import J
+from django_leases.querysets.prepared import prepared_claim_raw
 from django_leases.querysets.reads import takeover_guard
 from django_leases.sql import postgresql, sqlite
 from django_leases.sql.postgresql import LedgerNames
@@ -176,7 +176,7 @@ class Claims(Acknowledgements[J]):
             lease_lost=AttemptOutcome.LEASE_LOST,
             completing=completing,
         )
-        return bound_raw(self, statement)
+        return prepared_claim_raw(self, statement)
 
     def _claim_passes(
         self, owner: str, seconds: float, limit: int, kinds: list[str] | None, *, sqlite: bool

@@ -1,8 +1,10 @@
 """PostgreSQL statements: the one-statement claim and completion (of one job or a batch), the
 enqueue's share lock on a lock holder, and NOTIFY. Tested on 15."""
 
+import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -129,6 +131,7 @@ def claim(
         "owner": owner,
         "seconds": seconds,
         "limit": limit,
+        "window": limit,
         "candidates": limit + CANDIDATE_SLACK,
     }
     if completing is not None and completed is not None:
@@ -225,6 +228,100 @@ def _claim_text(
     return constants((sql, words_used))[0]
 
 
+def prepared_claim(statement: tuple[str, Params]) -> tuple["Prepared", Params]:
+    """Return a `claim()` statement as a prepared statement (`prepared()`), its read window
+    written in, rounded up to a power of two: PostgreSQL then plans it once per window (at most
+    15 of them) and keeps that generic plan, where a LIMIT given as a parameter would have it
+    plan every execution anew (its generic plan's estimate assumes 10% of the rows)."""
+    window = 1 << (statement[1]["limit"] - 1).bit_length()
+    return prepared(
+        statement, written_in={"window": window, "candidates": window + CANDIDATE_SLACK}
+    )
+
+
+PREPARED_PREFIX = "django_leases_"
+"""The names of `prepared()` statements begin with it; the rest is a digest of the text."""
+
+_TYPES: dict[type, str] = {bool: "boolean", int: "bigint", float: "double precision", str: "text"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A statement as a named prepared statement of the database session (`prepared()`)."""
+
+    name: str
+    prepare: str
+    """The PREPARE: the statement's text, its parameters numbered and typed."""
+    execute: str
+    """The EXECUTE, its values as named parameters that the client writes in as literals:
+    PostgreSQL takes no bind parameters in an EXECUTE."""
+
+    @property
+    def deallocate(self) -> str:
+        return f"DEALLOCATE {self.name}"
+
+
+def prepared(
+    statement: tuple[str, Params], *, written_in: Mapping[str, int]
+) -> tuple[Prepared, Params]:
+    """Return `statement` as a named prepared statement, and the parameters of its EXECUTE.
+
+    The name is a digest of the PREPARE's text, so a statement found under that name in a
+    session is this very statement, whichever client prepared it: no name can meet another
+    statement's, even where a pooler hands one server session to several clients (psycopg's
+    own names, `_pg3_0` and on, are numbered per client connection).
+
+    `written_in`: integer parameters written into the text (the planner then knows them).
+    """
+    sql, params = statement
+    for name, value in written_in.items():
+        if type(value) is not int:
+            raise TypeError(f"only integers are written in, got {name}={value!r}")
+    values = {name: value for name, value in params.items() if name not in written_in}
+    types = tuple((name, _type(name, value)) for name, value in values.items())
+    return _prepared(sql, tuple(sorted(written_in.items())), types), values
+
+
+def _type(name: str, value: Any) -> str:
+    """Return the PostgreSQL type a PREPARE declares for the parameter `name` of `value`."""
+    if type(value) is list and all(type(item) is int for item in value):
+        return "bigint[]"
+    if type(value) not in _TYPES:
+        raise TypeError(f"no type to prepare parameter {name} of {value!r} with")
+    return _TYPES[type(value)]
+
+
+@lru_cache(maxsize=256)
+def _prepared(
+    sql: str, written_in: tuple[tuple[str, int], ...], types: tuple[tuple[str, str], ...]
+) -> Prepared:
+    """Build `prepared()`'s statement once per text, written-in values and parameter types."""
+    for name, value in written_in:
+        sql = sql.replace(f"%({name})s", str(value))
+    numbers = {name: n for n, (name, _) in enumerate(types, start=1)}
+    body = re.sub(r"%\((\w+)\)s", lambda match: f"${numbers[match.group(1)]}", sql)
+    body = body.replace("%%", "%")
+    declared = ", ".join(sql_type for _, sql_type in types)
+    digest = hashlib.blake2b(f"({declared}) {body}".encode(), digest_size=12).hexdigest()
+    name = PREPARED_PREFIX + digest
+    if not types:
+        return Prepared(name, f"PREPARE {name} AS {body}", f"EXECUTE {name}")
+    arguments = ", ".join(f"%({param})s" for param, _ in types)
+    return Prepared(name, f"PREPARE {name} ({declared}) AS {body}", f"EXECUTE {name} ({arguments})")
+
+
+PREPARED_GONE = "26000"
+"""invalid_sql_statement_name: no prepared statement of that name in the session (a new server
+session, a pooler's, or one reset with DISCARD ALL)."""
+
+PREPARED_TAKEN = "42P05"
+"""duplicate_prepared_statement: the session has one of that name already."""
+
+PREPARED_STALE = "0A000"
+"""feature_not_supported, as "cached plan must not change result type": the table's columns
+changed since the PREPARE (a migration while the worker runs)."""
+
+
 def _done(table: str) -> str:
     """Return the `acked` and `done` CTEs: the completion of every (pk, token) pair of the
     `%(pks)s` and `%(tokens)s` arrays whose job `%(owner)s` still holds under that token, unnested
@@ -259,13 +356,17 @@ def _close_done(ledger: LedgerNames) -> str:
 
 
 def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params]) -> str:
-    """Return a claim CTE: at most `limit` rows matching `where` and `kinds`, in `order`, locked.
+    """Return a claim CTE: at most `window` rows matching `where` and `kinds`, in `order`, locked.
+
+    `window` is the claim's `limit`, or more in a prepared statement (`prepared()`): PostgreSQL
+    reads a WITH query only as far as its reader fetches, and `picked` stops at `limit`, so no
+    more than `limit` rows are locked either way.
 
     Every kind, or one (`kind IN (%(kind_0)s)` is `kind = ...`): one ordered range of a partial
     index, walked with SKIP LOCKED until LIMIT rows are locked. PostgreSQL (15) cannot merge the
     ordered ranges of several kinds in one index scan; it would sort every row of those kinds,
     or walk the index led by `status` filtering on kind. So for several kinds each kind's first
-    `limit + CANDIDATE_SLACK` rows are one ordered range each (`key_*` columns), a Merge Append
+    `window + CANDIDATE_SLACK` rows are one ordered range each (`key_*` columns), a Merge Append
     interleaves them in `order`, and the outer SELECT locks them one by one under the LIMIT:
     never more than `limit` rows locked. It comes back short only if more than CANDIDATE_SLACK
     of a kind's first rows are locked by concurrent claims. Tested on 15.
@@ -274,7 +375,7 @@ def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params])
     if len(kind_params) < 2:
         return f"""
             SELECT id FROM {table} WHERE {where} {kind_sql}
-            ORDER BY {", ".join(order)} LIMIT %(limit)s
+            ORDER BY {", ".join(order)} LIMIT %(window)s
             FOR UPDATE SKIP LOCKED"""  # noqa: S608 - names quoted by the caller
     keys, by_key = merge_keys(order)
     arms = " UNION ALL ".join(
@@ -286,7 +387,7 @@ def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params])
             SELECT job.id FROM ({arms}) AS candidate
             JOIN {table} AS job ON job.id = candidate.key_id
             WHERE {where}
-            ORDER BY {by_key} LIMIT %(limit)s
+            ORDER BY {by_key} LIMIT %(window)s
             FOR UPDATE OF job SKIP LOCKED"""  # noqa: S608 - names quoted by the caller
 
 
