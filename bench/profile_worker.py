@@ -38,6 +38,8 @@ from bench import _common as common
 
 # Statement groups, by a pattern of their text; others are named by their first words.
 STATEMENT_LABELS = (
+    (r"^EXECUTE django_leases_", "claim, prepared (EXECUTE; with completions ahead of it)"),
+    (r"^(PREPARE|DEALLOCATE) django_leases_", "claim's PREPARE (and DEALLOCATE as it ages)"),
     (r"SKIP LOCKED", "claim (UPDATE ... SKIP LOCKED, ledger rows opened)"),
     (r"^\s*WITH done AS", "complete (job UPDATE + ledger row closed)"),
     (r"^\s*SELECT 1\s*$", "connection health check (SELECT 1)"),
@@ -45,8 +47,10 @@ STATEMENT_LABELS = (
     (r"heartbeat_at", "lease renewal (heartbeat)"),
     (r"^\s*(LISTEN|SET) ", "session set-up (LISTEN, SET)"),
 )
-# The groups whose statement is explained: the claim and the single completion.
-EXPLAINED = tuple(name for _, name in STATEMENT_LABELS[:2])
+# The groups whose statement is explained: the claim (prepared, or sent whole) and the single
+# completion; the PREPARE is kept to prepare the claim again where it is explained.
+EXPLAINED = tuple(name for _, name in STATEMENT_LABELS[:4])
+PREPARE = STATEMENT_LABELS[1][1]
 # Layers of a py-spy sample: its innermost worker frame's function names the layer.
 OPERATION_LAYERS = {
     **dict.fromkeys(("_heartbeat_loop", "_lease_clock", "_renew", "_beat"), "heartbeat thread"),
@@ -123,7 +127,7 @@ def timed_worker(kind: str, concurrency: int, ttl: float) -> dict[str, Any]:
                 entry = totals.setdefault(name, [0, 0.0])
                 entry[0] += 1
                 entry[1] += elapsed
-                if name in EXPLAINED:
+                if name in EXPLAINED and not sql.startswith("DEALLOCATE"):
                     samples.setdefault(name, (sql, params))
 
     def wrap(sender: Any, connection: Any, **kwargs: Any) -> None:
@@ -146,7 +150,7 @@ def timed_worker(kind: str, concurrency: int, ttl: float) -> dict[str, Any]:
         "wall": wall,
         "cpu": (end.user - cpu.user) + (end.system - cpu.system),
         "statements": {name: [int(n), s] for name, (n, s) in totals.items()},
-        "samples": {name: [sql, dict(params)] for name, (sql, params) in samples.items()},
+        "samples": {name: [sql, dict(params or {})] for name, (sql, params) in samples.items()},
     }
 
 
@@ -187,7 +191,11 @@ def explain(samples: dict[str, list[Any]]) -> dict[str, str]:
 
     plans = {}
     with transaction.atomic():
-        for name, (sql, params) in samples.items():
+        for name, (sql, params) in sorted(samples.items(), key=lambda item: item[0] != PREPARE):
+            if name == PREPARE:  # the EXECUTE's statement, in this session too
+                with connection.cursor() as cursor:
+                    cursor.execute(sql)
+                continue
             for _ in range(2):
                 if "pk" in params:  # a completion: restate it for a job this transaction holds
                     job = PaymentJob.objects.claim(params["owner"], ttl=60, limit=1)[0]

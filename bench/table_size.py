@@ -230,7 +230,8 @@ def capture_claim_sql(owner: str, ttl: float, kinds: list[str] | None) -> list[t
 def explain_claim(owner: str, ttl: float, kinds: list[str] | None) -> dict[str, Any]:
     """EXPLAIN the statement of claim() that picks the jobs, on this database's terms.
 
-    PostgreSQL: EXPLAIN (ANALYZE, BUFFERS) of the claiming UPDATE, rolled back. MariaDB:
+    PostgreSQL: EXPLAIN (ANALYZE, BUFFERS) of the claiming UPDATE (the EXECUTE of its prepared
+    statement, as a worker runs it), rolled back. MariaDB:
     ANALYZE of the locking SELECT (rows it really read), rolled back. SQLite: EXPLAIN QUERY PLAN
     of the claiming UPDATE.
     """
@@ -241,7 +242,10 @@ def explain_claim(owner: str, ttl: float, kinds: list[str] | None) -> dict[str, 
     vendor = connection.vendor
     statements = capture_claim_sql(owner, ttl, kinds)
     if vendor == "postgresql":
-        sql, params = next(s for s in statements if "SKIP LOCKED" in s[0])
+        # The claim's EXECUTE, as the worker runs it: the statement is prepared in this session
+        # (its generic plan, after the timed claims). Inside a transaction it is sent whole.
+        executes = [s for s in statements if s[0].startswith("EXECUTE")]
+        sql, params = (executes or [s for s in statements if "SKIP LOCKED" in s[0]])[0]
         prefixes = ["EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ", "EXPLAIN (ANALYZE, BUFFERS) "]
     elif vendor == "mysql":
         # The first locking SELECT looks at expired leases, the second at due jobs.
