@@ -6,6 +6,7 @@ each path must claim the same jobs, in the same order, with the same ledger rows
 it opens and the expired holders' rows it closes.
 """
 
+import enum
 import random
 from datetime import timedelta
 from typing import Any
@@ -253,6 +254,14 @@ def test_prepared_claim__is_named_by_a_digest_of_its_text_with_its_window_writte
         assert postgresql.prepared_claim(other)[0].name != prepared.name
 
 
+class Kind(enum.StrEnum):
+    CAPTURE = "capture"
+
+
+class Pk(enum.IntEnum):
+    ONE = 1
+
+
 def test_prepared__types_its_parameters_and_refuses_what_it_cannot_type_or_write_in() -> None:
     statement = ("SELECT %(a)s || '%%', %(b)s, %(c)s, %(d)s LIMIT %(n)s", {
         "a": "x", "b": True, "c": 1.5, "d": [1, 2], "n": 3
@@ -263,6 +272,14 @@ def test_prepared__types_its_parameters_and_refuses_what_it_cannot_type_or_write
         "SELECT $1 || '%', $2, $3, $4 LIMIT 3"
     )
     assert values == {"a": "x", "b": True, "c": 1.5, "d": [1, 2]}
+    # Subclasses take their base's type: a StrEnum kind, IntEnum pks (a bool is not a bigint).
+    statement = ("SELECT %(k)s, %(p)s, %(f)s", {"k": Kind.CAPTURE, "p": [Pk.ONE], "f": [False]})
+    with pytest.raises(TypeError, match="no type to prepare parameter f"):
+        postgresql.prepared(statement, written_in={})
+    del statement[1]["f"]
+    statement = (statement[0].replace(", %(f)s", ""), statement[1])
+    prepared, _ = postgresql.prepared(statement, written_in={})
+    assert prepared.prepare == f"PREPARE {prepared.name} (text, bigint[]) AS SELECT $1, $2"
     with pytest.raises(TypeError, match="no type"):
         postgresql.prepared(("SELECT %(a)s", {"a": None}), written_in={})
     with pytest.raises(TypeError, match="no type"):

@@ -3,6 +3,7 @@ per read window, sent whole inside a transaction, prepared again when the sessio
 job table's columns changed, planned anew as it ages, left alone where sessions keep losing it,
 its generic plan off other kinds' backlog, and the very claims of the statement sent whole."""
 
+import enum
 import json
 import logging
 import random
@@ -81,6 +82,17 @@ def test_claim__is_one_prepared_statement_per_window_of_its_limit() -> None:
     assert len(statements) == 2
     assert any("LIMIT 8" in text for text, _ in statements.values())
     assert JobAttempt.objects.count() == 12
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claim__of_kinds_given_as_str_subclasses_is_prepared_too() -> None:
+    class Kind(enum.StrEnum):
+        CAPTURE = "capture"
+
+    enqueue(2)
+    jobs = PaymentJob.objects.claim("w", ttl=60, limit=1, kinds=[Kind.CAPTURE])
+    assert [job.kind for job in jobs] == ["capture"]
+    assert [runs for _, runs in prepared_claims().values()] == [1]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -242,7 +242,14 @@ def prepared_claim(statement: tuple[str, Params]) -> tuple["Prepared", Params]:
 PREPARED_PREFIX = "django_leases_"
 """The names of `prepared()` statements begin with it; the rest is a digest of the text."""
 
-_TYPES: dict[type, str] = {bool: "boolean", int: "bigint", float: "double precision", str: "text"}
+_TYPES: tuple[tuple[type, str], ...] = (
+    (bool, "boolean"),  # before int: a bool is an int
+    (int, "bigint"),
+    (float, "double precision"),
+    (str, "text"),
+)
+"""Parameter types a PREPARE declares, by the value's class or a subclass of it (a `StrEnum`
+kind, an `IntEnum` pk)."""
 
 
 @dataclass(frozen=True)
@@ -284,11 +291,12 @@ def prepared(
 
 def _type(name: str, value: Any) -> str:
     """Return the PostgreSQL type a PREPARE declares for the parameter `name` of `value`."""
-    if type(value) is list and all(type(item) is int for item in value):
+    if isinstance(value, list) and all(_type(name, item) == "bigint" for item in value):
         return "bigint[]"
-    if type(value) not in _TYPES:
-        raise TypeError(f"no type to prepare parameter {name} of {value!r} with")
-    return _TYPES[type(value)]
+    for python_type, sql_type in _TYPES:
+        if isinstance(value, python_type):
+            return sql_type
+    raise TypeError(f"no type to prepare parameter {name} of {value!r} with")
 
 
 @lru_cache(maxsize=256)
