@@ -29,7 +29,7 @@ from django.db import DatabaseError, connections, models
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_leases.querysets.base import bound_raw, literal_raw
-from django_leases.sql import Params, postgresql
+from django_leases.sql import Params, postgresql, sqlstate
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -86,7 +86,7 @@ def prepared_claim_raw(queryset: models.QuerySet[M], statement: tuple[str, Param
         try:
             return literal_raw(queryset, (prepared.execute, params))
         except DatabaseError as exc:
-            state = _sqlstate(exc)
+            state = sqlstate(exc)
             if state == postgresql.PREPARED_STALE:
                 session.statements[prepared.name].left = 0  # deallocate, prepare again
                 continue
@@ -130,19 +130,13 @@ def _prepare(
             try:
                 cursor.execute(prepared.deallocate)
             except DatabaseError as exc:
-                if _sqlstate(exc) != postgresql.PREPARED_GONE:
+                if sqlstate(exc) != postgresql.PREPARED_GONE:
                     raise
         try:
             cursor.execute(prepared.prepare)
         except DatabaseError as exc:
             # Prepared in this server session by another client of a pooler: the same text.
-            if _sqlstate(exc) != postgresql.PREPARED_TAKEN:
+            if sqlstate(exc) != postgresql.PREPARED_TAKEN:
                 raise
     runs = FIRST_REPLAN if known is None else min(known.runs * 2, REPLAN_EVERY)
     session.statements[prepared.name] = _Statement(runs - 1, now + REPLAN_AFTER, runs)
-
-
-def _sqlstate(exc: DatabaseError) -> str | None:
-    """Return the SQLSTATE of the driver's error under `exc` (psycopg 3, or psycopg2's pgcode)."""
-    cause = exc.__cause__
-    return getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)

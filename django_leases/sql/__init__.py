@@ -18,8 +18,15 @@ def deadlocked(exc: BaseException, vendor: str) -> bool:
     if vendor == "mysql":
         return bool(exc.args) and exc.args[0] in mysql.DEADLOCK_ERRORS
     if vendor == "postgresql":
-        return getattr(exc.__cause__, "sqlstate", None) in postgresql.DEADLOCK_SQLSTATES
+        return sqlstate(exc) in postgresql.DEADLOCK_SQLSTATES
     return False
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """Return the SQLSTATE of the PostgreSQL driver's error under Django's `exc` (psycopg 3's
+    `sqlstate`, psycopg2's `pgcode`), or None."""
+    cause = exc.__cause__
+    return getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
 
 
 def in_list(column: str, name: str, values: Sequence[Any]) -> tuple[str, Params]:
