@@ -52,17 +52,24 @@ PEER_APPS = {
     "django_tasks": ("django_tasks", "django_tasks_db"),
     "django_tasks_db": ("django_tasks_db",),
 }
+# A worker process loads only its own system's app (throughput.py sets BENCH_PEERS to it, or to
+# nothing for django-leases): importing every peer cost each Django worker ~0.18 s of start-up
+# CPU on this machine, a share of a short drain that no deployment would pay. Unset (migrations,
+# enqueues): every peer that is importable.
+_PEERS = os.environ.get("BENCH_PEERS")
 INSTALLED_APPS = [
     *BASE_APPS,
     *(
         app
         for app, modules in PEER_APPS.items()
-        if ON_POSTGRESQL and all(find_spec(module) for module in modules)
+        if ON_POSTGRESQL
+        and all(find_spec(module) for module in modules)
+        and (_PEERS is None or app in _PEERS.split(","))
     ),
     "bench",
 ]
 
-if find_spec("django_tasks_db"):
+if "django_tasks_db" in INSTALLED_APPS:
     TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}
 
 # django-q2 with its ORM broker: one cluster of WORKERS worker processes. save_limit=0 keeps

@@ -129,6 +129,8 @@ LEASES_POLL = (
     f"count(*) FILTER (WHERE status IN ('completed', 'failed', 'review')) "
     f"FROM {common.JOB_TABLE}"
 )
+# The peer apps a system's workers load (bench/settings.py): their own only.
+NO_PEERS = (("BENCH_PEERS", ""),)
 SYSTEMS = [
     System(
         "django-leases",
@@ -136,6 +138,7 @@ SYSTEMS = [
         (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
         LEASES_POLL,
         leases_workers,
+        env=NO_PEERS,
     ),
     System(
         "leases-cma0 (django-leases, CONN_MAX_AGE=0)",
@@ -143,7 +146,7 @@ SYSTEMS = [
         (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
         LEASES_POLL,
         leases_workers,
-        env=(("BENCH_CONN_MAX_AGE", "0"),),
+        env=(("BENCH_CONN_MAX_AGE", "0"), *NO_PEERS),
     ),
     System(
         "bare (psycopg lease loop, no ledger)",
@@ -151,6 +154,7 @@ SYSTEMS = [
         (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
         LEASES_POLL,
         bare_workers,
+        env=NO_PEERS,
     ),
     System(
         f"django-leases-batch (run_lease_worker --concurrency=--batch, kind {BATCH_KIND}: "
@@ -159,6 +163,7 @@ SYSTEMS = [
         (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
         LEASES_POLL,
         leases_batch_workers,
+        env=NO_PEERS,
         kind=BATCH_KIND,
     ),
     System(
@@ -179,6 +184,7 @@ SYSTEMS = [
         "count(*) FILTER (WHERE status IN ('succeeded', 'failed', 'aborted')) "
         "FROM procrastinate_jobs",
         procrastinate_workers,
+        env=(("BENCH_PEERS", "procrastinate.contrib.django"),),
     ),
     System(
         "django-tasks (database)",
@@ -188,6 +194,7 @@ SYSTEMS = [
         "count(*) FILTER (WHERE status IN ('SUCCESSFUL', 'FAILED')) "
         "FROM django_tasks_database_dbtaskresult",
         tasks_workers,
+        env=(("BENCH_PEERS", "django_tasks,django_tasks_db"),),
     ),
     System(
         "django-q2 (ORM broker)",
@@ -195,6 +202,7 @@ SYSTEMS = [
         ("django_q_ormq", "django_q_task"),
         "SELECT count(*) FILTER (WHERE success), count(*) FROM django_q_task",
         q2_workers,
+        env=(("BENCH_PEERS", "django_q"),),
     ),
 ]
 
@@ -416,7 +424,7 @@ def checkouts(specs: list[tuple[str, str, str | None]]) -> list[System]:
     leases = SYSTEMS[0]
     systems = []
     for name, directory, max_age in specs:
-        env = [("PYTHONPATH", directory)]
+        env = [("PYTHONPATH", directory), *NO_PEERS]
         if max_age is not None:
             env.append(("BENCH_CONN_MAX_AGE", max_age))
         label = f"leases-{name} ({directory}, CONN_MAX_AGE={max_age or 'as --conn-max-age'})"

@@ -28,6 +28,7 @@ class AckBuffer:
         self.margin = margin
         self._leases: list[Lease] = []
         self._buffered_at: list[float] = []
+        self._in_hand = 0
         self._expiry = math.inf
         self._ready = threading.Condition()
         self._closed = False
@@ -46,6 +47,17 @@ class AckBuffer:
     def __len__(self) -> int:
         with self._ready:
             return len(self._leases)
+
+    @property
+    def pending(self) -> int:
+        """Completions buffered or taken and not yet written (`written()`)."""
+        with self._ready:
+            return len(self._leases) + self._in_hand
+
+    def narrow(self, size: int) -> None:
+        """Make batches due at `size` completions if that is fewer."""
+        with self._ready:
+            self.size = min(self.size, size)
 
     def add(self, lease: Lease) -> bool:
         """Buffer `lease`'s completion; False once closed (the caller writes it at once)."""
@@ -69,10 +81,16 @@ class AckBuffer:
                 self._ready.wait(None if due == math.inf else due)
             batch, self._leases = self._leases[: self.size], self._leases[self.size :]
             del self._buffered_at[: self.size]
+            self._in_hand = len(batch)
             self._expiry = min(
                 (lease.valid_until - self.margin for lease in self._leases), default=math.inf
             )
             return batch
+
+    def written(self) -> None:
+        """Note that the batch last taken is written (or given up: its writer died)."""
+        with self._ready:
+            self._in_hand = 0
 
     def close(self) -> None:
         """Make everything buffered due now and refuse more."""

@@ -119,8 +119,19 @@ class RunsAttempts:
     _acks: AckBuffer
     _ack_writer: threading.Thread | None
     _stopped: threading.Event
+    _ahead: bool
+    _slot_free: threading.Event
 
     def _jobs(self) -> LeaseQuerySet[Any]:
+        raise NotImplementedError
+
+    def _next_ready(self) -> Lease | None:
+        raise NotImplementedError
+
+    def _wanted(self) -> int:
+        raise NotImplementedError
+
+    def _hand_out(self, leases: list[Lease]) -> None:
         raise NotImplementedError
 
     def _outage(self, what: str, exc: Exception, *, wait: threading.Event | None = None) -> None:
@@ -207,7 +218,10 @@ class RunsAttempts:
         return None if group is None else group.following
 
     def _claim_next(self) -> Lease | None:
-        """Claim the slot's next job with the group write; return its lease, if one was due."""
+        """Claim the slot's next job with the group write; return its lease, if one was due.
+        A worker that claims ahead (`_flush_and_claim()`) hands it a job claimed ahead instead."""
+        if self._ahead:
+            return self._next_ready()
         group = self._group(None)
         return None if group is None else group.following
 
@@ -276,12 +290,13 @@ class RunsAttempts:
     def _defer_ack(self, lease: Lease, handler: Handler) -> bool:
         """Buffer the completion of a job of an ack="batch" kind; False: write it now.
 
-        Only where it would cost a statement of its own: while slots claim with the group write
-        (`_grouped()`), that statement carries the completion with the slot's next claim, which
-        is cheaper than a buffered batch and leaves no job to run again after a crash. A job with
-        a lock is completed at once: its completion passes the lock on.
+        Always in a worker that claims ahead (`_flush_and_claim()`). Otherwise only where it
+        would cost a statement of its own: while slots claim with the group write (`_grouped()`),
+        that statement carries the completion with the slot's next claim, which is cheaper than
+        a buffered batch and leaves no job to run again after a crash. A job with a lock is
+        completed at once: its completion passes the lock on.
         """
-        if handler.ack != ACK_BATCH or lease.job.lock or self._grouped():
+        if handler.ack != ACK_BATCH or lease.job.lock or (self._grouped() and not self._ahead):
             return False
         if not self._acks.add(lease):  # closed: the worker is writing its last batch
             return False
@@ -293,13 +308,21 @@ class RunsAttempts:
         harden(connections[self.using], self.ttl)
         try:
             while (batch := self._acks.take()) is not None:
+                short = False
                 try:
-                    self._flush(batch)
+                    if self._ahead:
+                        short = self._flush_and_claim(batch)
+                    else:
+                        self._flush(batch)
                 except Exception:  # noqa: BLE001 - a bug of ours: write them one by one
                     logger.exception("batched acknowledgement failed; writing each on its own")
                     for lease in batch:
                         if not lease.finished:
                             self._record(lease, AttemptOutcome.COMPLETED, lease.complete)
+                finally:
+                    self._acks.written()
+                if short:
+                    self._slot_free.set()  # the loop claims for idle slots, or sees no work
         finally:
             connections.close_all()
 
@@ -328,14 +351,48 @@ class RunsAttempts:
             if self._ack_writer.is_alive():
                 logger.warning("buffered completions not written: %s left", len(self._acks))
 
-    def _flush(self, batch: list[Lease]) -> None:
+    def _flush_and_claim(self, batch: list[Lease]) -> bool:
+        """Complete `batch` and claim jobs ahead for this worker's slots (`_wanted()`) in one
+        statement where the database allows it (`complete_and_claim()`); hand them out. Return
+        whether it claimed fewer than it wanted (or nothing is wanted): the loop then claims
+        for idle slots itself, or finds that nothing is due.
+
+        A statement refused or lost to an outage leaves the batch to `_flush()`, which finds
+        the completions of it that committed; a claim of it that committed unseen expires and is
+        taken over, as any claim whose answer was lost.
+        """
+        wanted = self._wanted()
+        if not wanted:
+            self._flush(batch)
+            return True
+        started = time.monotonic()
+        try:
+            won, jobs = self._jobs().complete_and_claim(
+                self.worker_id,
+                {lease.pk: lease.token for lease in batch},
+                ttl=self.ttl,
+                limit=wanted,
+                kinds=self.kinds,
+            )
+        except Exception as exc:  # noqa: BLE001 - _flush() retries, or records why it cannot
+            if not isinstance(exc, DatabaseError):
+                logger.exception("batched acknowledgement with claim failed; writing it alone")
+            self._flush(batch, maybe_written=True)
+            return True
+        self._note_claimed(jobs)
+        self._acknowledged({lease.pk: lease for lease in batch}, won, started, had_outage=False)
+        self._hand_out([Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs])
+        return len(jobs) < wanted
+
+    def _flush(self, batch: list[Lease], *, maybe_written: bool = False) -> None:
         """Complete `batch` in one statement, retrying while the database is down.
 
         Once the database is unreachable for a lease's whole TTL, that lease is taken as lost,
         as a single completion would be: its job runs again after the lease expires.
+        `maybe_written`: an earlier write of it failed, and may have committed.
         """
         pending = {lease.pk: lease for lease in batch}
-        had_outage = False
+        had_outage = maybe_written
         started = time.monotonic()
         while pending:
             leases = {pk: lease.token for pk, lease in pending.items()}
@@ -355,6 +412,13 @@ class RunsAttempts:
                 self._outage(f"acknowledgement of {len(pending)} job(s)", exc, wait=self._stopped)
         else:
             return
+        self._acknowledged(pending, won, started, had_outage=had_outage)
+
+    def _acknowledged(
+        self, pending: dict[int, Lease], won: set[int], started: float, *, had_outage: bool
+    ) -> None:
+        """Count the completions of a batch written: those in `won`, or (after an outage) found
+        committed by an earlier write of ours; the others were fenced out."""
         done = [lease for pk, lease in pending.items() if pk in won]
         for pk, lease in pending.items():
             if pk in won:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from django.db import close_old_connections, connections
@@ -36,6 +37,7 @@ class RenewsLeases:
     _instance: str
     _lock: threading.Lock
     _slots: list[Slot]
+    _ready: deque[Lease]
     _stopped: threading.Event
     _reported_lost: set[tuple[int, int]]
 
@@ -86,7 +88,8 @@ class RenewsLeases:
             close_old_connections()
 
     def _held(self) -> list[Lease]:
-        """The leases to renew: handed to a live slot, not lost, within their time limit."""
+        """The leases to renew: handed to a live slot, not lost, within their time limit, and
+        the jobs claimed ahead for the slots."""
         now = time.monotonic()
         with self._lock:
             return [
@@ -97,7 +100,7 @@ class RenewsLeases:
                 and slot.thread.is_alive()
                 and (slot.deadline is None or now < slot.deadline)
                 and not slot.lease.finished
-            ]
+            ] + [lease for lease in self._ready if not lease.finished]
 
     def _lease_clock(self, heartbeat: threading.Thread) -> None:
         """Report each held lease lost at its deadline, with no database access: the heartbeat

@@ -23,6 +23,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Collection
 from typing import Any, TypeVar
 
@@ -42,7 +43,7 @@ from django_leases.exceptions import (
     WorkerIdTaken,
 )
 from django_leases.group_commit import GroupCommit
-from django_leases.handlers import get_handler, registered_kinds
+from django_leases.handlers import ACK_BATCH, get_handler, registered_kinds
 from django_leases.heartbeat import RenewsLeases
 from django_leases.lease import Lease
 from django_leases.listener import Listener
@@ -153,6 +154,13 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
             ack_batch_size, ack_flush_interval, margin=self.heartbeat_interval
         )
         self._ack_writer: threading.Thread | None = None
+        self._ahead = max_jobs is None and all(get_handler(k).ack == ACK_BATCH for k in self.kinds)
+        """Claim ahead: every kind batches its completions, and the writer of a batch claims
+        with it one job ahead for each slot (`_flush_and_claim()`)."""
+        if self._ahead:
+            self._acks.narrow(self.concurrency)  # a batch is due once every slot finished one
+        self._ready: deque[Lease] = deque()
+        """Jobs claimed ahead, for the slots to start as they finish their own (oldest first)."""
         self._completions = GroupCommit(self._complete_group)
         self.using = jobs.db
         self._job_rows = jobs
@@ -203,7 +211,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
                     break
                 self._tidy_connections()
                 self._ticker.poll()
-                free = len(self._idle_slots())
+                free = self._claimable()
                 claimed = self.run_once() if free > 0 and not self._quota_reached() else 0
                 if self._finished(claimed):
                     break
@@ -226,7 +234,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
 
     def run_once(self) -> int:
         """Claim jobs for the idle slots and hand them over; return how many were claimed."""
-        free = len(self._idle_slots())
+        free = self._claimable()
         if self.max_jobs is not None:
             free = min(free, self.max_jobs - self.stats.claimed)
         if free <= 0:
@@ -237,12 +245,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         except TRANSIENT as exc:
             self._outage("claim", exc)
             return 0
-        leases = [Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs]
-        with self._lock:
-            # One hand-off for the whole batch, waking only the slots that got a lease.
-            for slot, lease in zip(self._idle_slots(), leases, strict=False):
-                slot.lease = lease
-                slot.wake.notify()
+        self._hand_out([Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs])
         self._note_claimed(jobs)
         return len(jobs)
 
@@ -295,9 +298,63 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
     def _idle_slots(self) -> list[Slot]:
         return [slot for slot in self._slots if slot.lease is None]
 
-    def _in_flight(self) -> int:
+    def _claimable(self) -> int:
+        """How many jobs the loop claims: one per idle slot; when claiming ahead, also one
+        ahead per slot, at most a batch, less the jobs claimed ahead and the completions not
+        yet written (each write claims a job for a slot)."""
+        if not self._ahead:
+            with self._lock:
+                return len(self._idle_slots())
+        owed = self._acks.pending
         with self._lock:
-            return sum(slot.lease is not None for slot in self._slots)
+            idle = len(self._idle_slots())
+            if not idle:
+                return 0
+            wanted = idle + self.concurrency - len(self._ready) - owed
+            return max(0, min(self._acks.size, wanted))
+
+    def _wanted(self) -> int:
+        """How many jobs a batch's write claims ahead: up to one waiting per slot beside one
+        running, at most a batch; none once the worker stops."""
+        with self._lock:
+            if self._stopping.is_set() or self._closing:
+                return 0
+            wanted = len(self._idle_slots()) + self.concurrency - len(self._ready)
+            return max(0, min(self._acks.size, wanted))
+
+    def _hand_out(self, leases: list[Lease]) -> None:
+        """Give claimed jobs to idle slots, in one hand-off waking only the slots that got one;
+        keep the rest (claimed ahead) for the next slots to finish; release them all once the
+        worker closes."""
+        with self._lock:
+            late = self._closing
+            if not late:
+                idle = self._idle_slots()
+                for slot, lease in zip(idle, leases, strict=False):
+                    slot.lease = lease
+                    slot.wake.notify()
+                self._ready.extend(leases[len(idle) :])
+        if late:
+            for lease in leases:
+                self._release_unstarted(lease)
+
+    def _next_ready(self) -> Lease | None:
+        """The oldest job claimed ahead, for a slot that finished its own; None if there is none
+        or the worker stops (its shutdown releases them). One whose lease ran out while it
+        waited is never started: its job is taken over once the lease expires in the database."""
+        while True:
+            with self._lock:
+                if not self._ready or self._stopping.is_set():
+                    return None
+                lease = self._ready.popleft()
+            if not lease.lost:
+                return lease
+            self._fenced_out(lease, "lost before a slot started it", recorded=True)
+
+    def _in_flight(self) -> int:
+        owed = self._acks.pending if self._ahead else 0
+        with self._lock:
+            return owed + len(self._ready) + sum(slot.lease is not None for slot in self._slots)
 
     def _quota_reached(self) -> bool:
         return self.max_jobs is not None and self.stats.claimed >= self.max_jobs
@@ -391,6 +448,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
             # taken are not written: their leases run out and those jobs run again, as after a
             # crash; without a writer every later ack of the batch kinds would be lost too.
             logger.error("the acknowledgement thread died; starting a new one")
+            self._acks.written()
             self._ack_writer = self._started(self._ack_loop, "lease-acks")
         if abandoned > self.concurrency and self.failure is None:
             self.failure = (
@@ -519,6 +577,8 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         """Release unstarted jobs, let running ones finish within the grace period."""
         with self._lock:
             unstarted = [s.lease for s in self._slots if s.lease is not None and s.started is None]
+            unstarted += self._ready
+            self._ready.clear()
             for slot in self._slots:
                 if slot.started is None:
                     slot.lease = None

@@ -208,15 +208,23 @@ def acknowledged(out: str) -> list[int]:
 
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("capped", [False, True], ids=["group-write", "max-jobs"])
+@pytest.mark.parametrize("mode", ["claim-ahead", "mixed-kinds", "max-jobs"])
 def test_worker__drains_a_batch_kind_and_closes_every_ledger_row_once(
-    processes: Processes, capped: bool
+    processes: Processes, mode: str
 ) -> None:
-    """Slots that claim with the group write complete a batch kind in that statement: nothing is
-    buffered. A worker that counts its claims (its loop claims) buffers them."""
+    """A worker of batch kinds only claims ahead: its completions are buffered and each batch,
+    at most one per slot, is written with the claims of the next jobs. Beside a kind acked one by
+    one, the slots' group write carries the completion: nothing is buffered. A worker that
+    counts its claims (its loop claims) buffers them."""
     jobs = [PaymentJob.objects.enqueue("noop_batch") for _ in range(60)]
-    cap = ("--max-jobs", "1000") if capped else ()
-    proc = worker(processes, "drain", "--burst", "--concurrency", "4", "--kind", "noop_batch", *cap)
+    options = {
+        "claim-ahead": (),
+        "mixed-kinds": ("--kind", "noop"),
+        "max-jobs": ("--max-jobs", "1000"),
+    }[mode]
+    proc = worker(
+        processes, "drain", "--burst", "--concurrency", "4", "--kind", "noop_batch", *options
+    )
     out = finish(proc)
     assert proc.returncode == 0, out
     assert PaymentJob.objects.filter(status=Status.COMPLETED).count() == 60
@@ -224,9 +232,60 @@ def test_worker__drains_a_batch_kind_and_closes_every_ledger_row_once(
     assert sorted(rows.values_list("job_ref", "outcome", "ended_by")) == sorted(
         (job.pk, "completed", "drain") for job in jobs
     )
-    assert sum(acknowledged(out)) == (60 if capped else 0)
-    assert ("ack buffered" in out) is capped
+    batches = acknowledged(out)
+    assert sum(batches) == (0 if mode == "mixed-kinds" else 60)
+    assert ("ack buffered" in out) is (mode != "mixed-kinds")
+    if mode == "claim-ahead":
+        assert max(batches) <= 4  # a batch is due once every slot finished a job
     assert "claimed=60 completed=60" in out
+
+
+def claimed_ahead(
+    processes: Processes, name: str, *args: str
+) -> tuple[subprocess.Popen[str], list[PaymentJob]]:
+    """A worker of 2 slots whose last job waits, claimed ahead, while the slots run 3 s jobs.
+
+    Its first claim takes a (3 s) and b (at once); b's slot is then idle, and the next claim,
+    the loop's or the one written with b's completion, takes c (3 s) for it and d ahead."""
+    seconds = [3, 0, 3, 0]
+    jobs = [PaymentJob.objects.enqueue("sleep_batch", {"seconds": s}) for s in seconds]
+    proc = worker(processes, name, "--concurrency", "2", "--kind", "sleep_batch", "--burst", *args)
+    read_until(proc, f"claimed job_id={jobs[3].pk} ", f"started job_id={jobs[2].pk} ")
+    return proc, jobs
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__a_job_claimed_ahead_is_renewed_while_it_waits_and_runs_once(
+    processes: Processes,
+) -> None:
+    # Leases of 2 s: d waits ~3 s for a slot, so only the heartbeat keeps it ours.
+    proc, jobs = claimed_ahead(processes, "ahead", "--ttl", "2", "--heartbeat", "0.5")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    for job in jobs:
+        assert ledger(job) == [(1, 1, "ahead", "completed")], out
+    first, last = (JobAttempt.objects.get(job_ref=job.pk) for job in (jobs[0], jobs[3]))
+    assert first.ended_at is not None and last.ended_at is not None
+    # d was claimed while a ran, and held longer than a lease before its slot started it.
+    assert last.claimed_at < first.ended_at
+    assert (first.ended_at - last.claimed_at).total_seconds() > 2
+    assert "lease lost" not in out and "fenced out" not in out
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__sigterm_releases_the_jobs_claimed_ahead(processes: Processes) -> None:
+    proc, jobs = claimed_ahead(processes, "stopped")
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    for job in (jobs[0], jobs[1], jobs[2]):
+        assert ledger(job) == [(1, 1, "stopped", "completed")], out
+    assert ledger(jobs[3]) == [(1, 1, "stopped", "released")], out
+    jobs[3].refresh_from_db()
+    assert jobs[3].status == Status.PENDING
+    assert f"released unstarted job_id={jobs[3].pk} " in out
 
 
 @pytest.mark.concurrency

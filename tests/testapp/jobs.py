@@ -232,3 +232,9 @@ def atomic_batch(job, lease):
     """Record a charge and complete the job in one transaction: nothing left to batch."""
     with lease.atomic():
         Charge.objects.create(job_ref=job.pk, token=lease.token, owner=lease.owner)
+
+
+@job_handler("sleep_batch", ack="batch")
+def sleep_batch(job, lease):
+    """Sleep as long as the payload says, then return: the worker buffers the completion."""
+    time.sleep(duration(job, lease))
