@@ -116,6 +116,9 @@ class Watchdog:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._calls: dict[int, tuple[float, int]] = {}
+        self._wakes_at = math.inf
+        """When the thread looks at the calls next (under the lock); a call whose deadline is
+        later needs no wake-up, and most are: every call gets the same network timeout."""
         self._next_key = 0
         self._thread: threading.Thread | None = None
         self.fired = 0
@@ -126,13 +129,15 @@ class Watchdog:
         with self._cond:
             self._next_key += 1
             key = self._next_key
-            self._calls[key] = (time.monotonic() + seconds, fd)
+            deadline = time.monotonic() + seconds
+            self._calls[key] = (deadline, fd)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="django-leases-watchdog", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if deadline < self._wakes_at:
+                self._cond.notify()
         try:
             yield
         finally:
@@ -148,8 +153,12 @@ class Watchdog:
                         del self._calls[key]
                         self.fired += 1
                         shut_down(fd)
-                deadlines = [deadline for deadline, _ in self._calls.values()]
-                self._cond.wait(timeout=min(deadlines) - now if deadlines else None)
+                self._wakes_at = min(
+                    (deadline for deadline, _ in self._calls.values()), default=math.inf
+                )
+                self._cond.wait(
+                    timeout=None if self._wakes_at == math.inf else self._wakes_at - now
+                )
 
 
 def shut_down(fd: int) -> None:

@@ -5,13 +5,15 @@ drives it, and tests or other programs can embed it. Every lease write goes thro
 `LeaseQuerySet`.
 
 One lock protocol holds it together. Each slot runs one job at a time on its own thread (and
-database connection); the claim loop hands a claimed lease straight to an idle slot, and a slot
-that finishes a job claims its next one itself, with its completion (`_complete_group`): a
-lease is only ever held by a slot whose thread is alive. Whatever a handler raises ends that
-attempt, never the thread. The loop supervises every turn: a slot thread that died (a bug of
-ours) is replaced and its lease abandoned; a handler past its kind's `timeout` is timed out and
-its thread abandoned to finish (fenced) on its own. The heartbeat (`heartbeat.py`) renews only
-leases that a live slot runs within their time limit.
+database connection); the claim loop queues claimed leases (`_ready`) and wakes one idle slot,
+which wakes the next as it takes one, and a slot that finishes a job claims its next one itself,
+with its completion (`_complete_group`), or, claiming ahead, takes one from `_ready`: a lease
+is only ever held by a slot whose thread is alive, or queued for the slots and renewed with
+theirs. Whatever a handler raises ends that attempt, never the thread. The loop supervises
+every turn: a slot thread that died (a bug of ours) is replaced and its lease abandoned; a
+handler past its kind's `timeout` is timed out and its thread abandoned to finish (fenced) on
+its own. The heartbeat (`heartbeat.py`) renews only leases that a live slot runs within their
+time limit, and those queued.
 """
 
 from __future__ import annotations
@@ -304,8 +306,8 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         yet written (each write claims a job for a slot)."""
         if not self._ahead:
             with self._lock:
-                return len(self._idle_slots())
-        owed = self._acks.pending
+                return max(0, len(self._idle_slots()) - len(self._ready))
+        owed = self._owed()
         with self._lock:
             idle = len(self._idle_slots())
             if not idle:
@@ -323,38 +325,59 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
             return max(0, min(self._acks.size, wanted))
 
     def _hand_out(self, leases: list[Lease]) -> None:
-        """Give claimed jobs to idle slots, in one hand-off waking only the slots that got one;
-        keep the rest (claimed ahead) for the next slots to finish; release them all once the
-        worker closes."""
+        """Queue claimed jobs for the slots (`_ready`) and wake one idle slot: each slot that
+        takes one wakes the next (`_wake_idle()`), off the claiming thread, whose next statement
+        is the pipeline's critical path. Release them all once the worker closes."""
         with self._lock:
             late = self._closing
             if not late:
-                idle = self._idle_slots()
-                for slot, lease in zip(idle, leases, strict=False):
-                    slot.lease = lease
-                    slot.wake.notify()
-                self._ready.extend(leases[len(idle) :])
+                self._ready.extend(leases)
+                self._wake_idle()
         if late:
             for lease in leases:
                 self._release_unstarted(lease)
 
-    def _next_ready(self) -> Lease | None:
-        """The oldest job claimed ahead, for a slot that finished its own; None if there is none
-        or the worker stops (its shutdown releases them). One whose lease ran out while it
-        waited is never started: its job is taken over once the lease expires in the database."""
-        while True:
-            with self._lock:
-                if not self._ready or self._stopping.is_set():
-                    return None
-                lease = self._ready.popleft()
+    def _wake_idle(self) -> None:
+        """Under the lock: wake one idle slot for the jobs waiting in `_ready`, if any."""
+        if self._ready:
+            for slot in self._slots:
+                if slot.lease is None and slot.thread is not None:
+                    slot.wake.notify()
+                    return
+
+    def _take_ready(self, lost: list[Lease]) -> Lease | None:
+        """Under the lock: the oldest job in `_ready`. One whose lease ran out while it waited
+        goes to `lost`, never started: its job is taken over once the lease expires in the
+        database. The caller, its slot no longer idle, wakes a slot for the next (`_wake_idle`)."""
+        while self._ready:
+            lease = self._ready.popleft()
             if not lease.lost:
                 return lease
+            lost.append(lease)
+        return None
+
+    def _lost_while_ready(self, lost: list[Lease]) -> None:
+        for lease in lost:
             self._fenced_out(lease, "lost before a slot started it", recorded=True)
 
-    def _in_flight(self) -> int:
-        owed = self._acks.pending if self._ahead else 0
+    def _next_ready(self) -> Lease | None:
+        """The oldest job claimed ahead, for a slot that finished its own; None if there is none
+        or the worker stops (its shutdown releases them)."""
+        lost: list[Lease] = []
         with self._lock:
-            return owed + len(self._ready) + sum(slot.lease is not None for slot in self._slots)
+            lease = None if self._stopping.is_set() else self._take_ready(lost)
+            self._wake_idle()  # this slot still holds the lease it just finished
+        self._lost_while_ready(lost)
+        return lease
+
+    def _owed(self) -> int:
+        """Completions not yet written whose writes claim ahead (none unless claiming ahead)."""
+        return self._acks.pending if self._ahead else 0
+
+    def _in_flight(self) -> int:
+        """Jobs held and not finished: in the slots, and claimed ahead."""
+        with self._lock:
+            return len(self._ready) + sum(slot.lease is not None for slot in self._slots)
 
     def _quota_reached(self) -> bool:
         return self.max_jobs is not None and self.stats.claimed >= self.max_jobs
@@ -362,7 +385,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
     def _finished(self, claimed: int) -> bool:
         if self._quota_reached() and self._in_flight() == 0:
             return True
-        return self.burst and claimed == 0 and self._in_flight() == 0
+        return self.burst and claimed == 0 and self._in_flight() + self._owed() == 0
 
     def _next_wakeup(self, limit: float) -> float:
         """Seconds until the earliest run-time limit of a running slot or the next schedule
@@ -377,7 +400,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         self._slot_free.clear()
 
     def _wait_for_work(self, listener: Listener | None) -> None:
-        if self.burst and self._in_flight() == 0:
+        if self.burst and self._in_flight() + self._owed() == 0:
             return
         # Jitter keeps idle workers from polling in lockstep.
         wait = self.poll_interval * random.uniform(0.5, 1.5)  # noqa: S311
@@ -418,7 +441,10 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         with self._lock:
             for slot in self._slots:
                 if slot.thread is not None and not slot.thread.is_alive():
-                    self._replace_dead_slot(slot)
+                    if self._closing and slot.lease is None:
+                        slot.thread = None  # it ended on its own: the worker is closing
+                    else:
+                        self._replace_dead_slot(slot)
             late = [
                 (slot, slot.lease)
                 for slot in self._slots
@@ -519,25 +545,36 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         me = threading.current_thread()
         try:
             while True:
+                lost: list[Lease] = []
                 with self._lock:
-                    # Once stop is requested an unstarted lease stays where it is: the
-                    # shutdown releases it (and counts it) before it waits for running ones.
+                    # Once stop is requested an unstarted lease stays where it is, in the slot
+                    # or in `_ready`: the shutdown releases it (and counts it) before it waits
+                    # for running ones.
                     slot.wake.wait_for(
                         lambda: (
                             slot.thread is not me
                             or self._closing
                             or (
-                                slot.lease is not None
-                                and slot.started is None
-                                and not self._stopping.is_set()
+                                not self._stopping.is_set()
+                                and (
+                                    (slot.lease is None and bool(self._ready))
+                                    or (slot.lease is not None and slot.started is None)
+                                )
                             )
                         )
                     )
-                    if slot.thread is not me or slot.lease is None or slot.started is not None:
+                    if slot.thread is not me or self._closing or slot.started is not None:
                         return
+                    if slot.lease is None:
+                        slot.lease = self._take_ready(lost)
+                        self._wake_idle()
                     lease = slot.lease
-                    slot.started = time.monotonic()
-                    slot.deadline = self._deadline(lease, slot.started)
+                    if lease is not None:
+                        slot.started = time.monotonic()
+                        slot.deadline = self._deadline(lease, slot.started)
+                self._lost_while_ready(lost)
+                if lease is None:
+                    continue  # another slot took the job it was woken for
                 harden(connections[self.using], self.ttl)  # per job: a dropped wrapper is new
                 following = self._execute(lease)
                 with self._lock:
@@ -551,7 +588,9 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
                     free = slot.lease is None
                 if following is not None:
                     self._release_unstarted(following)  # its slot was taken from this thread
-                if free:
+                if free and not self._owed():
+                    # Claiming ahead, a completion still to be written claims for this slot:
+                    # the loop need not wake (the writer wakes it if that claim comes up short).
                     self._slot_free.set()
                 if not mine:
                     return  # abandoned past its timeout: the slot has a new thread

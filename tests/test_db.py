@@ -1,6 +1,7 @@
 """Network timeouts: options per database, the watchdog, and a worker behind a silent partition."""
 
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ from django_leases.checks import check_network_timeout
 from django_leases.db import (
     CLIENT_SLACK,
     Deadline,
+    Watchdog,
     harden,
     hardened_options,
     keep_usable,
@@ -214,6 +216,51 @@ def test_watchdog__ends_a_call_the_network_swallowed(spare: BaseDatabaseWrapper)
         proxy.blackhole()
         assert spare.is_usable() is False
         assert watchdog.fired == fired + 2
+
+
+def shut_down_after(dog: Watchdog, seconds: float, held: float) -> float | None:
+    """Guard a socket for `seconds` and wait on it for up to `held` seconds; return when the
+    watchdog shut it down (seconds from the start), or None if it did not."""
+    ours, peer = socket.socketpair()
+    started = time.monotonic()
+    try:
+        with dog.guard(ours.fileno(), seconds):
+            ours.settimeout(held)
+            try:
+                ours.recv(1)  # b"" once shut down; nothing ever arrives from the peer
+            except TimeoutError:
+                return None
+            return time.monotonic() - started
+    finally:
+        ours.close()
+        peer.close()
+
+
+def test_watchdog__a_call_with_an_earlier_deadline_wakes_it_and_a_later_one_still_fires() -> None:
+    """The watchdog sleeps until the earliest deadline it knows and is woken only for an
+    earlier one: a short call beside a long one is still ended on time, and so is a call whose
+    deadline comes after the one the watchdog sleeps until."""
+    dog = Watchdog()
+    results: dict[str, float | None] = {}
+
+    def call(name: str, seconds: float, held: float) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: results.__setitem__(name, shut_down_after(dog, seconds, held))
+        )
+        thread.start()
+        return thread
+
+    long_call = call("long", 60, 3)  # the watchdog now sleeps for a minute
+    time.sleep(0.2)
+    short_call = call("short", 0.5, 10)  # earlier: it must wake the watchdog
+    time.sleep(0.1)
+    later_call = call("later", 0.6, 10)  # after the short one's: no wake-up, yet it fires
+    for thread in (short_call, later_call, long_call):
+        thread.join()
+    assert results["short"] is not None and 0.45 < results["short"] < 2
+    assert results["later"] is not None and 0.55 < results["later"] < 2
+    assert results["long"] is None  # held 3 s of its 60: never shut down
+    assert dog.fired == 2
 
 
 def default_port(conn: BaseDatabaseWrapper) -> int:
