@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 from django.db import connection
@@ -15,6 +16,7 @@ from django.test.utils import CaptureQueriesContext
 from django_leases.checks import check_ack_batching
 from django_leases.exceptions import HandlerError, InvalidArgument
 from django_leases.handlers import get_handler, job_handler
+from django_leases.lease import Lease
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
@@ -238,6 +240,29 @@ def test_worker__drains_a_batch_kind_and_closes_every_ledger_row_once(
     if mode == "claim-ahead":
         assert max(batches) <= 4  # a batch is due once every slot finished a job
     assert "claimed=60 completed=60" in out
+
+
+@pytest.mark.django_db(transaction=True)
+def test_worker__a_job_claimed_ahead_whose_lease_ran_out_is_never_started() -> None:
+    """A job that waited, claimed ahead, longer than its lease (the heartbeat could not renew it)
+    is not handed to a slot: another worker may own it by now. It is counted lost, nothing is
+    written, and its job is taken over once the lease expires in the database."""
+    lease_worker = LeaseWorker(worker_id="ahead", kinds=["noop_batch"], ttl=60, heartbeat=5)
+    assert lease_worker._ahead
+    stale, live = (PaymentJob.objects.enqueue("noop_batch") for _ in range(2))
+    claimed = {job.pk: job for job in PaymentJob.objects.claim("ahead", ttl=60, limit=2)}
+    # Its last confirmed renewal started more than a lease ago, by the worker's clock.
+    lease_worker._ready.append(Lease(claimed[stale.pk], ttl=60, renewed_at=time.monotonic() - 61))
+    lease_worker._ready.append(Lease(claimed[live.pk], ttl=60))
+
+    taken = lease_worker._next_ready()
+
+    assert taken is not None and taken.pk == live.pk
+    assert not lease_worker._ready
+    assert lease_worker.stats.lost == 1
+    assert ledger(stale) == [(1, 1, "ahead", "running")]  # left open for the takeover
+    stale.refresh_from_db()
+    assert (stale.status, stale.lease_owner) == (Status.PROCESSING, "ahead")
 
 
 def claimed_ahead(
