@@ -53,6 +53,9 @@ class RenewsLeases:
     def stop(self) -> None:
         raise NotImplementedError
 
+    def _release_waited_too_long(self) -> None:
+        raise NotImplementedError
+
     def _heartbeat_loop(self) -> None:
         harden(connections[self.using], self.ttl)
         clock = threading.Thread(
@@ -129,6 +132,7 @@ class RenewsLeases:
         return live
 
     def _renew(self) -> None:
+        self._release_waited_too_long()
         leases = self._live(self._held())
         if not leases:
             return

@@ -163,6 +163,8 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
             self._acks.narrow(self.concurrency)  # a batch is due once every slot finished one
         self._ready: deque[Lease] = deque()
         """Jobs claimed ahead, for the slots to start as they finish their own (oldest first)."""
+        self._queued_at: dict[tuple[int, int], float] = {}
+        """When each lease of `_ready` was queued (monotonic), by `Lease.key`."""
         self._completions = GroupCommit(self._complete_group)
         self.using = jobs.db
         self._job_rows = jobs
@@ -331,6 +333,8 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         with self._lock:
             late = self._closing
             if not late:
+                now = time.monotonic()
+                self._queued_at.update((lease.key, now) for lease in leases)
                 self._ready.extend(leases)
                 self._wake_idle()
         if late:
@@ -351,10 +355,27 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         database. The caller, its slot no longer idle, wakes a slot for the next (`_wake_idle`)."""
         while self._ready:
             lease = self._ready.popleft()
+            self._queued_at.pop(lease.key, None)
             if not lease.lost:
                 return lease
             lost.append(lease)
         return None
+
+    def _release_waited_too_long(self) -> None:
+        """Release the jobs that waited a whole TTL in `_ready`: the heartbeat renews a queued
+        job while a slot may soon start it, not for as long as the slots' handlers hang."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [
+                lease
+                for lease in self._ready
+                if now - self._queued_at.get(lease.key, now) >= self.ttl
+            ]
+            for lease in stale:
+                self._ready.remove(lease)
+                self._queued_at.pop(lease.key, None)
+        for lease in stale:
+            self._release_unstarted(lease)
 
     def _lost_while_ready(self, lost: list[Lease]) -> None:
         for lease in lost:
@@ -618,6 +639,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
             unstarted = [s.lease for s in self._slots if s.lease is not None and s.started is None]
             unstarted += self._ready
             self._ready.clear()
+            self._queued_at.clear()
             for slot in self._slots:
                 if slot.started is None:
                     slot.lease = None

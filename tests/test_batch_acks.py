@@ -265,14 +265,38 @@ def test_worker__a_job_claimed_ahead_whose_lease_ran_out_is_never_started() -> N
     assert (stale.status, stale.lease_owner) == (Status.PROCESSING, "ahead")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_heartbeat__releases_a_job_claimed_ahead_that_waited_a_whole_ttl() -> None:
+    """A queued job is renewed while a slot may soon start it, not for as long as the slots'
+    handlers hang: once it has waited a whole TTL, the heartbeat releases it (conditional on
+    owner and token) for any worker to claim; a job queued since is renewed."""
+    lease_worker = LeaseWorker(worker_id="ahead", kinds=["noop_batch"], ttl=60, heartbeat=5)
+    waited, fresh_job = (PaymentJob.objects.enqueue("noop_batch") for _ in range(2))
+    claimed = {job.pk: job for job in PaymentJob.objects.claim("ahead", ttl=60, limit=2)}
+    old, new = (Lease(claimed[job.pk], ttl=60) for job in (waited, fresh_job))
+    lease_worker._hand_out([old, new])
+    lease_worker._queued_at[old.key] = time.monotonic() - 61  # queued a whole TTL ago
+
+    lease_worker._renew()
+
+    assert list(lease_worker._ready) == [new]
+    assert ledger(waited) == [(1, 1, "ahead", "released")]
+    waited.refresh_from_db()
+    assert waited.status == Status.PENDING
+    assert lease_worker.stats.released == 1
+    assert ledger(fresh_job) == [(1, 1, "ahead", "running")]
+    fresh_job.refresh_from_db()
+    assert fresh_job.status == Status.PROCESSING
+
+
 def claimed_ahead(
     processes: Processes, name: str, *args: str
 ) -> tuple[subprocess.Popen[str], list[PaymentJob]]:
     """A worker of 2 slots whose last job waits, claimed ahead, while the slots run 3 s jobs.
 
     Its first claim takes a (3 s) and b (at once); b's slot is then idle, and the next claim,
-    the loop's or the one written with b's completion, takes c (3 s) for it and d ahead."""
-    seconds = [3, 0, 3, 0]
+    the loop's or the one written with b's completion, takes c (3 s) for it and d (2 s) ahead."""
+    seconds = [3, 0, 3, 2]
     jobs = [PaymentJob.objects.enqueue("sleep_batch", {"seconds": s}) for s in seconds]
     proc = worker(processes, name, "--concurrency", "2", "--kind", "sleep_batch", "--burst", *args)
     read_until(proc, f"claimed job_id={jobs[3].pk} ", f"started job_id={jobs[2].pk} ")
@@ -284,17 +308,19 @@ def claimed_ahead(
 def test_worker__a_job_claimed_ahead_is_renewed_while_it_waits_and_runs_once(
     processes: Processes,
 ) -> None:
-    # Leases of 2 s: d waits ~3 s for a slot, so only the heartbeat keeps it ours.
-    proc, jobs = claimed_ahead(processes, "ahead", "--ttl", "2", "--heartbeat", "0.5")
+    # Leases of 4 s: d waits ~3 s for a slot (less than a lease: a job that waited a whole one
+    # would be released), then runs 2 s: only renewals, queued and running, keep it ours.
+    proc, jobs = claimed_ahead(processes, "ahead", "--ttl", "4", "--heartbeat", "0.5")
     out = finish(proc)
     assert proc.returncode == 0, out
     for job in jobs:
         assert ledger(job) == [(1, 1, "ahead", "completed")], out
     first, last = (JobAttempt.objects.get(job_ref=job.pk) for job in (jobs[0], jobs[3]))
     assert first.ended_at is not None and last.ended_at is not None
-    # d was claimed while a ran, and held longer than a lease before its slot started it.
+    # d was claimed while a ran, waited for its slot, and was held longer than a lease.
     assert last.claimed_at < first.ended_at
     assert (first.ended_at - last.claimed_at).total_seconds() > 2
+    assert (last.ended_at - last.claimed_at).total_seconds() > 4
     assert "lease lost" not in out and "fenced out" not in out
 
 
