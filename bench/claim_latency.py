@@ -4,34 +4,60 @@ For each reachable database (PostgreSQL, SQLite, MariaDB/MySQL) and each claimer
 table gets enough pending jobs, then every claimer process (released together) times its claim()
 calls one by one: the whole call, i.e. the claiming statement, the attempt-ledger insert and the
 commit. Each claimed job is completed outside the timed region, as a worker would.
+
+`--throttles none,limit,rate,both` measures the same claims of a kind without limits and of a
+kind with `limit=` and/or `rate=` (`@job_handler`), set far above what the claimers reach, so
+that what is timed is the throttled claim's own cost (its gate row, its counts, its start
+record), not waiting for a slot; the `vs none` column is each row's p50 over the unthrottled
+row's of the same database and claimers.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from typing import Any
 
 from bench import _common as common
 
-HEADERS = ["database", "claimers", "claims", "p50", "p95", "p99", "max", "jobs/s", "empty"]
+HEADERS = ["database", "claimers", "throttle", "claims", "p50", "p95", "p99", "max", "jobs/s",
+           "empty", "vs none"]  # fmt: skip
+# Far above what the claimers reach: a slot is always free, a start always allowed.
+THROTTLES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "limit": {"limit": 1_000_000},
+    "rate": {"rate": (1_000_000, 1)},
+    "both": {"limit": 1_000_000, "rate": (1_000_000, 1)},
+}
 
 
-def claimer(claims: int, warmup: int, limit: int, ttl: float) -> dict[str, Any]:
+def kind_of(throttle: str) -> str:
+    return "noop" if throttle == "none" else f"noop_{throttle}"
+
+
+def claimer(claims: int, warmup: int, limit: int, ttl: float, throttle: str) -> dict[str, Any]:
     """Warm up, wait for the parent's GO, then time `claims` claim() calls."""
+    from bench.jobs import noop
+    from django_leases import job_handler
+
+    kind = kind_of(throttle)
+    if THROTTLES[throttle]:
+        job_handler(kind, **THROTTLES[throttle])(noop)
     owner = common.owner_name("claimer")
-    common.claim_timings(warmup, limit=limit, ttl=ttl, owner=owner)
+    timed = {"limit": limit, "ttl": ttl, "owner": owner, "kinds": [kind]}
+    common.claim_timings(warmup, **timed)
     common.wait_for_go()
     started = time.time()
-    result = common.claim_timings(claims, limit=limit, ttl=ttl, owner=owner)
+    result = common.claim_timings(claims, **timed)
     return {**result, "started": started, "ended": time.time()}
 
 
-def prepare(jobs: int) -> dict[str, Any]:
-    """Empty the job tables and add `jobs` pending jobs."""
+def prepare(jobs: int, kind: str = "noop") -> dict[str, Any]:
+    """Empty the job tables and add `jobs` pending jobs of `kind`."""
     common.empty_tables(common.LEDGER_TABLE, common.JOB_TABLE)
-    common.seed_pending(jobs)
+    common.seed_pending(jobs, kind)
     common.analyze(common.JOB_TABLE, common.LEDGER_TABLE)
     return {"vendor": common.vendor()}
 
@@ -42,35 +68,55 @@ def measure(
     rows = []
     procs.call(db, "bench._common:migrate")
     for claimers in args.claimers:
-        # Every claim takes `limit` jobs; leave headroom so no claimer ever finds none.
-        per_claimer = (args.claims + args.warmup) * args.limit
-        procs.call(db, "bench.claim_latency:prepare", jobs=per_claimer * claimers + 100)
-        common.note(f"{db.vendor}: {claimers} claimer(s) x {args.claims} claims ...")
-        children = [
-            procs.start_barrier(
-                db,
-                "bench.claim_latency:claimer",
-                claims=args.claims,
-                warmup=args.warmup,
-                limit=args.limit,
-                ttl=args.ttl,
-            )
-            for _ in range(claimers)
-        ]
-        results = procs.release_barrier(children, "claimer", timeout=args.timeout)
-        ms = [t for r in results for t in r["ms"]]
-        window = max(r["ended"] for r in results) - min(r["started"] for r in results)
-        rows.append(
-            [
-                db.vendor,
-                str(claimers),
-                str(len(ms)),
-                *common.latency_summary(ms),
-                f"{sum(r['jobs'] for r in results) / window:.0f}",
-                str(sum(r["empty"] for r in results)),
-            ]
-        )
+        unthrottled = None
+        for throttle in args.throttles:
+            p50 = measure_one(args, db, procs, claimers, throttle, rows)
+            unthrottled = p50 if throttle == "none" else unthrottled
+            rows[-1].append(f"{p50 / unthrottled:.2f}" if unthrottled else "")
     return rows
+
+
+def measure_one(
+    args: argparse.Namespace,
+    db: common.BenchDB,
+    procs: common.Processes,
+    claimers: int,
+    throttle: str,
+    rows: list[list[str]],
+) -> float:
+    """Time the claims of `claimers` processes with `throttle`; add its row; return its p50."""
+    # Every claim takes `limit` jobs; leave headroom so no claimer ever finds none.
+    per_claimer = (args.claims + args.warmup) * args.limit
+    jobs = per_claimer * claimers + 100
+    procs.call(db, "bench.claim_latency:prepare", jobs=jobs, kind=kind_of(throttle))
+    common.note(f"{db.vendor}: {claimers} claimer(s) x {args.claims} claims, {throttle} ...")
+    children = [
+        procs.start_barrier(
+            db,
+            "bench.claim_latency:claimer",
+            claims=args.claims,
+            warmup=args.warmup,
+            limit=args.limit,
+            ttl=args.ttl,
+            throttle=throttle,
+        )
+        for _ in range(claimers)
+    ]
+    results = procs.release_barrier(children, "claimer", timeout=args.timeout)
+    ms = [t for r in results for t in r["ms"]]
+    window = max(r["ended"] for r in results) - min(r["started"] for r in results)
+    rows.append(
+        [
+            db.vendor,
+            str(claimers),
+            throttle,
+            str(len(ms)),
+            *common.latency_summary(ms),
+            f"{sum(r['jobs'] for r in results) / window:.0f}",
+            str(sum(r["empty"] for r in results)),
+        ]
+    )
+    return statistics.median(ms)
 
 
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
@@ -88,6 +134,17 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
         "returned no job although pending jobs were left (the table always holds more than "
         "are claimed): should be 0."
     )
+
+
+def throttle_list(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = sorted(set(names) - set(THROTTLES))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown throttles {unknown}; pick from {list(THROTTLES)}"
+        )
+    # "none" first: the other rows' ratio is to it.
+    return sorted(set(names), key=list(THROTTLES).index)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--limit", type=common.positive_int, default=1, help="claim(limit=...) (default: 1)"
+    )
+    parser.add_argument(
+        "--throttles",
+        type=throttle_list,
+        default=["none"],
+        help="comma-separated kinds' throttles to compare: none, limit, rate, both (default: none)",
     )
     common.add_common_arguments(parser, databases="postgresql,sqlite,mysql", timeout=600)
     args = parser.parse_args(argv)

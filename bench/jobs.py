@@ -4,7 +4,7 @@ import asyncio
 import time
 from typing import Any
 
-from django_leases import job_handler
+from django_leases import Cancelled, job_handler
 
 
 @job_handler("noop")
@@ -41,3 +41,46 @@ async def noop_async(job: Any, lease: Any) -> None:
 def noop_batch(job: Any, lease: Any) -> None:
     """Do nothing, with batched acknowledgements: what one statement per batch of completions
     saves against one per job (compare with `noop`)."""
+
+
+@job_handler("bench_record_batch", ack="batch")
+def bench_record_batch(job: Any, lease: Any) -> None:
+    """Record this execution at once (a side effect outside the job's transaction, like a PSP
+    call), then wait `payload["seconds"]`; batched acknowledgements (batch_kills.py counts the
+    executions of each job while it SIGKILLs the workers)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO bench_execution (job_id, token, owner) VALUES (%s, %s, %s)",
+            [job.pk, lease.token, lease.owner],
+        )
+    time.sleep(job.payload.get("seconds", 0))
+
+
+def _learned(path: str) -> None:
+    """Note when this holder learned of the cancel (wall clock: one host, cancel_latency.py)."""
+    with open(path, "w") as out:
+        out.write(repr(time.time()))
+
+
+@job_handler("bench_cancel_sync")
+def bench_cancel_sync(job: Any, lease: Any) -> None:
+    """Loop on `lease.check()` every 10 ms until it raises `Cancelled`."""
+    try:
+        while True:
+            lease.check()
+            time.sleep(0.01)
+    except Cancelled:
+        _learned(job.payload["path"])
+        raise
+
+
+@job_handler("bench_cancel_async")
+async def bench_cancel_async(job: Any, lease: Any) -> None:
+    """Await for an hour; the worker cancels the coroutine when the job is cancelled."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        _learned(job.payload["path"])
+        raise

@@ -6,7 +6,7 @@ triggers app loading.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from django_leases.exceptions import LeaseError, LeaseLost, PermanentError
+from django_leases.exceptions import Cancelled, LeaseError, LeaseLost, PermanentError
 from django_leases.handlers import job_handler
 
 try:
@@ -14,4 +14,4 @@ try:
 except PackageNotFoundError:  # running from a source checkout that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["LeaseError", "LeaseLost", "PermanentError", "__version__", "job_handler"]
+__all__ = ["Cancelled", "LeaseError", "LeaseLost", "PermanentError", "__version__", "job_handler"]

@@ -12,7 +12,7 @@ class LeasesConfig(AppConfig):
         from django.core import checks
 
         from django_leases import checks as lease_checks
-        from django_leases import conf, handlers
+        from django_leases import conf, handlers, redaction
         from django_leases.checks import databases as database_checks
 
         checks.register(lease_checks.check_settings)
@@ -28,4 +28,5 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_schedules)
         checks.register(lease_checks.check_ack_batching)
         conf.connect_signals()
+        redaction.install_log_filter()
         handlers.autodiscover()

@@ -31,8 +31,9 @@ from django_leases.db import harden, keep_usable
 from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
 from django_leases.group_commit import GroupCommit
 from django_leases.handlers import ACK_BATCH, Handler, get_handler
-from django_leases.lease import Lease
+from django_leases.lease import Lease, Presence
 from django_leases.querysets import LeaseQuerySet
+from django_leases.querysets.base import LeaseKey
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
 logger = logging.getLogger("django_leases.worker")
@@ -66,6 +67,7 @@ class WorkerStats:
     released: int = 0
     abandoned: int = 0
     timed_out: int = 0
+    cancelled: int = 0
     outages: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     recorder: Recorder | None = field(default=None, repr=False)
@@ -109,6 +111,7 @@ class RunsAttempts:
     """The attempt half of `LeaseWorker` (its base class): what happens on a slot thread."""
 
     stats: WorkerStats
+    presence: Presence
     using: str
     ttl: float
     worker_id: str
@@ -145,15 +148,27 @@ class RunsAttempts:
         with the outcome or right after it (`_complete_group()`), if there was one to claim."""
         job = lease.job
         handler = get_handler(job.kind)
-        started = time.monotonic()
-        logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
         error: BaseException | None = None
+        started = time.monotonic()
+        runs = True
         try:
             keep_usable()  # a worker's connections outlive CONN_MAX_AGE: not a request cycle
-            deadline = None if handler.timeout is None else started + handler.timeout
-            handler.run(job, lease, deadline=deadline)
+            # The lease's own clock, last thing before the start, whichever way the slot got
+            # the job (claimed by the loop, with a completion, or ahead): a lease whose time ran
+            # out (the worker paused, a claim answered late) may be another worker's by now.
+            runs = not lease.lost
+            if runs:
+                started = time.monotonic()
+                logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
+                deadline = None if handler.timeout is None else started + handler.timeout
+                handler.run(job, lease, deadline=deadline)
         except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
             error = exc
+        if not runs:
+            # Nothing written: its ledger row stays open for the worker that takes it over.
+            self._fenced_out(lease, f"not started: {lease.lost_reason}", recorded=True)
+            return self._claim_next()
+        lease.ending = True
         if self.stats.recorder is not None:
             self.stats.recorder.ran(job.kind, time.monotonic() - started)
         left_open = self._restore_connections()
@@ -252,7 +267,7 @@ class RunsAttempts:
         try:
             won, jobs = self._jobs().complete_and_claim(
                 self.worker_id,
-                {lease.pk: lease.token for lease in items if lease is not None},
+                [lease.key for lease in items if lease is not None],
                 ttl=self.ttl,
                 limit=len(items),
                 kinds=self.kinds,
@@ -262,15 +277,19 @@ class RunsAttempts:
                 logger.exception("group write failed; each slot writes its completion alone")
             return [GroupCompletion(written=False, failed=True) for _ in items]
         self._note_claimed(jobs)
-        following: list[Lease | None] = [
-            Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs
-        ]
+        following: list[Lease | None] = list(self._leases(jobs, started))
         following += [None] * (len(items) - len(jobs))
         return [
             GroupCompletion(
-                written=True, won=lease is not None and lease.pk in won, following=next_lease
+                written=True, won=lease is not None and lease.key in won, following=next_lease
             )
             for lease, next_lease in zip(items, following, strict=True)
+        ]
+
+    def _leases(self, jobs: list[Any], started: float) -> list[Lease]:
+        """Return the leases of `jobs`, claimed by a statement sent at `started` (monotonic)."""
+        return [
+            Lease(job, ttl=self.ttl, renewed_at=started, presence=self.presence) for job in jobs
         ]
 
     def _note_claimed(self, jobs: list[Any]) -> None:
@@ -369,7 +388,7 @@ class RunsAttempts:
         try:
             won, jobs = self._jobs().complete_and_claim(
                 self.worker_id,
-                {lease.pk: lease.token for lease in batch},
+                [lease.key for lease in batch],
                 ttl=self.ttl,
                 limit=wanted,
                 kinds=self.kinds,
@@ -380,8 +399,8 @@ class RunsAttempts:
             self._flush(batch, maybe_written=True)
             return True
         self._note_claimed(jobs)
-        self._acknowledged({lease.pk: lease for lease in batch}, won, started, had_outage=False)
-        self._hand_out([Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs])
+        self._acknowledged({lease.key: lease for lease in batch}, won, started, had_outage=False)
+        self._hand_out(self._leases(jobs, started))
         return len(jobs) < wanted
 
     def _flush(self, batch: list[Lease], *, maybe_written: bool = False) -> None:
@@ -391,13 +410,12 @@ class RunsAttempts:
         as a single completion would be: its job runs again after the lease expires.
         `maybe_written`: an earlier write of it failed, and may have committed.
         """
-        pending = {lease.pk: lease for lease in batch}
+        pending = {lease.key: lease for lease in batch}
         had_outage = maybe_written
         started = time.monotonic()
         while pending:
-            leases = {pk: lease.token for pk, lease in pending.items()}
             try:
-                won = self._jobs().complete_many(self.worker_id, leases)
+                won = self._jobs().complete_many(self.worker_id, list(pending))
                 break
             except TRANSIENT as exc:
                 if connections[self.using].is_usable():
@@ -407,7 +425,7 @@ class RunsAttempts:
                     return
                 had_outage = True
                 for lease in [lease for lease in pending.values() if lease.lost]:
-                    del pending[lease.pk]
+                    del pending[lease.key]
                     self._fenced_out(lease, "database unreachable for longer than the TTL")
                 self._outage(f"acknowledgement of {len(pending)} job(s)", exc, wait=self._stopped)
         else:
@@ -415,15 +433,20 @@ class RunsAttempts:
         self._acknowledged(pending, won, started, had_outage=had_outage)
 
     def _acknowledged(
-        self, pending: dict[int, Lease], won: set[int], started: float, *, had_outage: bool
+        self,
+        pending: dict[LeaseKey, Lease],
+        won: set[LeaseKey],
+        started: float,
+        *,
+        had_outage: bool,
     ) -> None:
         """Count the completions of a batch written: those in `won`, or (after an outage) found
         committed by an earlier write of ours; the others were fenced out."""
-        done = [lease for pk, lease in pending.items() if pk in won]
-        for pk, lease in pending.items():
-            if pk in won:
+        done = [lease for key, lease in pending.items() if key in won]
+        for key, lease in pending.items():
+            if key in won:
                 continue
-            if had_outage and self._jobs().finished_by(pk, lease.owner, lease.token):
+            if had_outage and self._jobs().finished_by(lease.pk, lease.owner, lease.token):
                 done.append(lease)  # our earlier write committed; only its answer was lost
             else:
                 self._fenced_out(lease, "lease lost before its batched completion", recorded=True)
@@ -566,8 +589,20 @@ class RunsAttempts:
         self._abandon(lease, "the database refused every outcome write")
 
     def _fenced_out(self, lease: Lease, reason: str, *, recorded: bool = False) -> None:
-        """Count and log a holder write refused; note it in the ledger unless `recorded`."""
+        """Count and log a holder write refused; note it in the ledger unless `recorded`.
+
+        A lease an operator cancelled is counted as cancelled: its attempt is closed already.
+        """
         lease.mark_lost(reason)
+        if lease.cancelled:
+            self.stats.add(AttemptOutcome.CANCELLED, kind=lease.job.kind)
+            logger.info(
+                "cancelled job_id=%s token=%s: %s; nothing written",
+                lease.pk,
+                lease.token,
+                lease.lost_reason,
+            )
+            return
         self.stats.add("lost", kind=lease.job.kind)
         logger.warning(
             "fenced out job_id=%s token=%s owner=%s: %s; nothing written",

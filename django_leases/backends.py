@@ -26,9 +26,16 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_leases.conf import leases_settings
-from django_leases.exceptions import InvalidPayload, InvalidTaskJob, LeaseLost
-from django_leases.limits import MAX_ATTEMPTS, check_json
+from django_leases.exceptions import (
+    InvalidArgument,
+    InvalidPayload,
+    InvalidTaskJob,
+    LeaseLost,
+    TaskFailed,
+)
+from django_leases.limits import KIND_LENGTH, MAX_ATTEMPTS, check_json, check_kind, shown
 from django_leases.querysets import LeaseQuerySet, leased_jobs
+from django_leases.redaction import describe
 from django_leases.status import AttemptOutcome, JobStatus
 
 if TYPE_CHECKING or django.VERSION >= (6, 0):
@@ -69,6 +76,18 @@ OPTIONS = ("RETRIES", "MAX_ATTEMPTS")
 def task_kind(queue_name: str) -> str:
     """Return the job kind that carries the tasks of `queue_name`."""
     return f"{TASK_KIND_PREFIX}{queue_name}"
+
+
+def queue_problem(queue: Any) -> str | None:
+    """Return why `queue` cannot carry tasks (its job kind is no kind `enqueue()` takes), or
+    None."""
+    if not isinstance(queue, str):
+        return f"a queue name must be a string, got {shown(queue)}"
+    try:
+        check_kind(task_kind(queue), "its job kind")
+    except InvalidArgument as exc:
+        return str(exc)
+    return None
 
 
 def exception_class_path(error_class: str) -> str:
@@ -123,6 +142,18 @@ class LeaseBackend(BaseTaskBackend):
                     id="django_leases.E014",
                 )
             )
+        messages.extend(
+            Error(
+                f"TASKS[{self.alias!r}]['QUEUES'] has {shown(queue)}, which cannot carry tasks: "
+                f"{why}.",
+                hint=f"Its tasks are jobs of kind '{TASK_KIND_PREFIX}<queue>': a queue name of 1 "
+                f"to {KIND_LENGTH - len(TASK_KIND_PREFIX)} characters, without whitespace, "
+                "control characters or lone surrogates. No worker runs a queue named so.",
+                id="django_leases.E015",
+            )
+            for queue in sorted(self.queues, key=repr)
+            if (why := queue_problem(queue))
+        )
         messages.extend(
             Warning(
                 f"TASKS[{self.alias!r}]['OPTIONS'] has an unknown key {key!r}; it is ignored.",
@@ -261,6 +292,7 @@ def run_task(job: Any, lease: Any) -> None:
     object.__setattr__(result, "status", TaskResultStatus.RUNNING)
     task_started.send(type(backend), task_result=result)
     args, kwargs = job.payload["args"], job.payload["kwargs"]
+    error: Exception | None = None
     try:
         if task.takes_context:
             value = task.call(TaskContext(task_result=result), *args, **kwargs)
@@ -271,30 +303,49 @@ def run_task(job: Any, lease: Any) -> None:
     except Exception as exc:
         if lease.lost or backend._raised_before(job) < backend.retries:
             raise  # the worker fences out, or retries with backoff
-        _finish(backend, result, partial(lease.fail, exc, permanent=True), TaskResultStatus.FAILED)
-        return
-    try:
-        value = normalize_json(value)
-        check_json(value, f"the return value of task {task.module_path}")
-    except (TypeError, ValueError, RecursionError) as exc:
-        # A value that cannot be stored fails the task once: running it again returns the same.
-        error = (
-            exc
-            if isinstance(exc, InvalidPayload)
-            else InvalidPayload(f"the return value of task {task.module_path} is not JSON: {exc}")
-        )
-        _finish(
-            backend, result, partial(lease.fail, error, permanent=True), TaskResultStatus.FAILED
-        )
+        error = exc
+    else:
+        try:
+            value = normalize_json(value)
+            check_json(value, f"the return value of task {task.module_path}")
+        except (TypeError, ValueError, RecursionError) as exc:
+            # A value that cannot be stored fails the task once: running it again returns the
+            # same.
+            error = (
+                exc
+                if isinstance(exc, InvalidPayload)
+                else InvalidPayload(
+                    f"the return value of task {task.module_path} is not JSON: {exc}"
+                )
+            )
+    # Announced outside the except blocks: the framework's receiver would log the exception
+    # being handled, raw (see _finish()).
+    if error is not None:
+        _finish(backend, result, partial(lease.fail, error, permanent=True), error=error)
         return
     object.__setattr__(result, "_return_value", value)
-    _finish(backend, result, partial(lease.complete, result=value), TaskResultStatus.SUCCESSFUL)
+    _finish(backend, result, partial(lease.complete, result=value))
 
 
 def _finish(
-    backend: LeaseBackend, result: TaskResult, write: Callable[[], object], status: Any
+    backend: LeaseBackend,
+    result: TaskResult,
+    write: Callable[[], object],
+    *,
+    error: BaseException | None = None,
 ) -> None:
-    """Write the task's outcome through its lease, then announce it with `task_finished`."""
+    """Write the task's outcome through its lease, then announce it with `task_finished`.
+
+    For a failure, the framework's receiver logs the exception being handled (for error
+    monitoring): `TaskFailed`, with what REDACT_ERRORS keeps of `error`, never `error` itself.
+    """
     write()
-    object.__setattr__(result, "status", status)
-    task_finished.send(type(backend), task_result=result)
+    if error is None:
+        object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+        task_finished.send(type(backend), task_result=result)
+        return
+    object.__setattr__(result, "status", TaskResultStatus.FAILED)
+    try:
+        raise TaskFailed(describe(error))
+    except TaskFailed:
+        task_finished.send(type(backend), task_result=result)

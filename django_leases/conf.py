@@ -3,6 +3,7 @@
 Values are validated by the system checks in `checks.py`, never here.
 """
 
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -10,7 +11,7 @@ from django.conf import settings
 from django.core.signals import setting_changed
 
 from django_leases.exceptions import InvalidDuration
-from django_leases.limits import DAY, DURATION_RANGE, MAX_DURATION, shown
+from django_leases.limits import DAY, duration_range, in_duration_range, shown
 from django_leases.status import CANCELLED, COMPLETED, FAILED, StuckPolicy
 
 # Every default, in the order the README documents them.
@@ -120,12 +121,13 @@ def connect_signals() -> None:
     setting_changed.connect(_on_setting_changed, dispatch_uid="django_leases.conf")
 
 
-def to_seconds(value: float | timedelta, name: str = "duration") -> float:
+def to_seconds(value: float | timedelta, name: str = "duration", minimum: float = 0.0) -> float:
     """Return `value` (seconds or a `timedelta`) as positive float seconds.
 
     Raises:
-        InvalidDuration: naming `name`, for anything that is not a positive duration of at
-            most `limits.MAX_DURATION` (about 100 years).
+        InvalidDuration: naming `name`, for anything that is not a positive duration (of at
+            least `minimum` seconds, when given) of at most `limits.MAX_DURATION` (about 100
+            years).
     """
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
@@ -135,7 +137,9 @@ def to_seconds(value: float | timedelta, name: str = "duration") -> float:
         except OverflowError:  # an int beyond any float
             seconds = float("inf")
     else:
-        raise InvalidDuration(f"{name} must be {DURATION_RANGE}, got {shown(value)}")
-    if not 0 < seconds <= MAX_DURATION:  # NaN fails too
-        raise InvalidDuration(f"{name} must be {DURATION_RANGE}, got {shown(value)}")
+        seconds = math.nan
+    if not in_duration_range(seconds, minimum):
+        raise InvalidDuration(
+            f"{name} must be {duration_range(minimum)} or a timedelta, got {shown(value)}"
+        )
     return seconds

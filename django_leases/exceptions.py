@@ -9,6 +9,10 @@ class LeaseLost(LeaseError):
     """The holder no longer owns the job: its lease expired, was taken over or was fenced out."""
 
 
+class Cancelled(LeaseLost):
+    """An operator cancelled the job while this holder ran it: stop; nothing more is written."""
+
+
 class PermanentError(LeaseError):
     """Raised by a handler for an error that must not be retried: the job fails at once."""
 
@@ -39,3 +43,13 @@ class HandlerTimeout(LeaseError):
 
 class WorkerIdTaken(LeaseError):
     """Another live worker process already runs under this worker id."""
+
+
+class TaskFailed(LeaseError):
+    """Stands for the error of a failed task, its text redacted, while `task_finished` is sent:
+    the Tasks framework logs the exception being handled, which must not be the raw one."""
+
+
+class DatabaseMisconfigured(LeaseError):
+    """The database refuses the project's settings (login, database name, options, session
+    clock) or lacks the tables: waiting cannot help. The message names what to fix."""

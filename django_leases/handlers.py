@@ -4,6 +4,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -11,8 +12,16 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import async_to_sync
 
 from django_leases.conf import to_seconds
-from django_leases.exceptions import HandlerError, HandlerTimeout, InvalidDuration
+from django_leases.exceptions import (
+    Cancelled,
+    HandlerError,
+    HandlerTimeout,
+    InvalidArgument,
+    InvalidDuration,
+)
+from django_leases.limits import check_kind
 from django_leases.status import Verdict
+from django_leases.throttles import Throttle, throttle
 
 if TYPE_CHECKING:
     from django_leases.lease import Lease
@@ -24,7 +33,6 @@ HandlerFunc = Callable[[Any, "Lease"], object]
 # "failed" (see watch_stuck_jobs). It typically asks the PSP about the job's idempotency key.
 ReconcileFunc = Callable[[Any], str]
 RECONCILE_VERDICTS = tuple(Verdict.values)
-KIND_MAX_LENGTH = 100
 ACK_EACH = "each"
 """The completion is written as soon as the handler returns (the default)."""
 ACK_BATCH = "batch"
@@ -42,6 +50,8 @@ class Handler:
     """Seconds an attempt may run before the worker ends it as timed out; None: no limit."""
     ack: str = ACK_EACH
     """How the worker writes a completion: "each" at once, "batch" buffered with others."""
+    throttle: Throttle | None = None
+    """The kind's `limit=` and `rate=` across every worker; None: neither."""
 
     @property
     def name(self) -> str:
@@ -61,14 +71,17 @@ class Handler:
         The calling thread (a worker slot) stays the loop's "sync thread": the coroutine's
         thread-sensitive `sync_to_async` calls (Django's async ORM, `lease.acheckpoint()`, ...)
         run back on it, with its database connection and inside its transactions. A coroutine
-        still running at `deadline` (monotonic seconds) is cancelled: `HandlerTimeout`.
+        still running at `deadline` (monotonic seconds) is cancelled: `HandlerTimeout`; one
+        whose job an operator cancels is cancelled as soon as the lease learns it: `Cancelled`.
         """
         result = self.func(job, lease)
         if inspect.isawaitable(result):
-            async_to_sync(_await_until)(result, deadline, self.timeout)
+            async_to_sync(_await_until)(result, deadline, self.timeout, lease)
 
 
 _registry: dict[str, Handler] = {}
+# The throttles of the registered kinds, kept beside the registry: every claim reads it.
+_throttles: dict[str, Throttle] = {}
 
 
 def job_handler(
@@ -77,6 +90,8 @@ def job_handler(
     reconcile: ReconcileFunc | None = None,
     timeout: float | timedelta | None = None,
     ack: str = ACK_EACH,
+    limit: int | None = None,
+    rate: tuple[int, float | timedelta] | None = None,
 ) -> Callable[[HandlerFunc], HandlerFunc]:
     """Register the decorated function as the handler of jobs of `kind`.
 
@@ -91,22 +106,31 @@ def job_handler(
             completions of this kind in batches (ACK_BATCH_SIZE, ACK_FLUSH_INTERVAL), one
             statement per batch. A worker killed before a batch is written leaves those jobs
             to run again: use it only for kinds that tolerate a re-run.
+        limit: optional; at most this many jobs of the kind processing at once, across every
+            worker on every host (a lease that expired no longer counts).
+        rate: optional (N, seconds); at most N jobs of the kind claimed within any window of
+            `seconds` (or a `timedelta`), across every worker, by the database clock.
     """
-    if not isinstance(kind, str) or not kind or len(kind) > KIND_MAX_LENGTH:
-        raise HandlerError(
-            f"job kind must be a non-empty string of at most 100 characters, got {kind!r}"
-        )
+    try:
+        check_kind(kind)
+    except InvalidArgument as exc:
+        raise HandlerError(str(exc)) from None
     if reconcile is not None and not callable(reconcile):
         raise HandlerError(f"reconcile hook of job kind {kind!r} is not callable: {reconcile!r}")
-    limit = _timeout(kind, timeout)
+    seconds = _timeout(kind, timeout)
     if ack not in ACK_MODES:
         raise HandlerError(
             f"job kind {kind!r}: ack must be one of {', '.join(map(repr, ACK_MODES))}, got {ack!r}"
         )
 
+    try:
+        throttled = throttle(limit, rate)
+    except InvalidArgument as exc:
+        raise HandlerError(f"job kind {kind!r}: {exc}") from None
+
     def register(func: HandlerFunc) -> HandlerFunc:
         _check_callable(kind, func)
-        handler = Handler(kind, func, reconcile, limit, ack)
+        handler = Handler(kind, func, reconcile, seconds, ack, throttled)
         existing = _registry.get(kind)
         # Re-importing the same module (autoreload, tests) registers the same function again.
         if existing is not None and existing.name != handler.name:
@@ -115,22 +139,47 @@ def job_handler(
                 f"cannot register {handler.name} too"
             )
         _registry[kind] = handler
+        if throttled is None:
+            _throttles.pop(kind, None)
+        else:
+            _throttles[kind] = throttled
         return func
 
     return register
 
 
 async def _await_until(
-    awaitable: Awaitable[object], deadline: float | None, timeout: float | None
+    awaitable: Awaitable[object],
+    deadline: float | None,
+    timeout: float | None,
+    lease: "Lease | None",
 ) -> None:
     limit = asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    task = asyncio.ensure_future(awaitable)
+    if lease is not None:
+        loop = asyncio.get_running_loop()
+
+        def cancel() -> None:
+            with suppress(RuntimeError):  # the loop is closed: the handler is done anyway
+                loop.call_soon_threadsafe(task.cancel)
+
+        lease.on_cancel(cancel)
     try:
         async with limit:
-            await awaitable
+            await task
     except TimeoutError:
         if not limit.expired():
             raise  # the handler's own TimeoutError (an HTTP client's, say): a failed attempt
         raise HandlerTimeout(f"the handler ran past its timeout of {timeout:g}s") from None
+    except asyncio.CancelledError:
+        if lease is None or not lease.cancelled:
+            raise
+        raise Cancelled(
+            f"job {lease.pk}: {lease.lost_reason}; its coroutine was cancelled"
+        ) from None
+    finally:
+        if lease is not None:
+            lease.on_cancel(None)
 
 
 def _timeout(kind: str, timeout: float | timedelta | None) -> float | None:
@@ -163,6 +212,11 @@ def get_handler(kind: str) -> Handler:
         raise HandlerError(f"no handler is registered for job kind {kind!r}") from None
 
 
+def throttles() -> dict[str, Throttle]:
+    """Return the `Throttle` of every registered kind that has one (do not change it)."""
+    return _throttles
+
+
 def registered_kinds() -> list[str]:
     return sorted(_registry)
 
@@ -170,6 +224,7 @@ def registered_kinds() -> list[str]:
 def unregister(kind: str) -> None:
     """Forget the handler of `kind` (for tests and plugins that swap handlers)."""
     _registry.pop(kind, None)
+    _throttles.pop(kind, None)
 
 
 def autodiscover() -> None:

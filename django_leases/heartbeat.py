@@ -14,7 +14,7 @@ from django.db import close_old_connections, connections
 
 from django_leases.attempts import TRANSIENT, WorkerStats
 from django_leases.db import harden, keep_usable
-from django_leases.lease import Lease
+from django_leases.lease import Lease, Presence
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
 from django_leases.redaction import error_text
 from django_leases.status import AttemptOutcome
@@ -33,6 +33,7 @@ class RenewsLeases:
     heartbeat_interval: float
     using: str
     stats: WorkerStats
+    presence: Presence
     failure: str | None
     _instance: str
     _lock: threading.Lock
@@ -76,12 +77,16 @@ class RenewsLeases:
 
     def _beat(self) -> None:
         """Refresh this worker's registry row, so the watcher and the admin know it is alive."""
+        started = time.monotonic()
         try:
             if self._workers().beat(self.worker_id, self._instance):
+                self.presence.confirmed(started)
                 return
             # Our row was pruned, or taken by another process after we looked gone for longer
             # than WORKER_GONE_AFTER (a partition): take it back, unless that process is live.
-            if not self._workers().register(self.worker_id, **self._registry_fields()):
+            if self._workers().register(self.worker_id, **self._registry_fields()):
+                self.presence.confirmed(started)
+            else:
                 self.failure = (
                     f"worker id {self.worker_id!r} was taken by another live worker process"
                 )
@@ -139,23 +144,48 @@ class RenewsLeases:
         started = time.monotonic()
         try:
             renewed = self._jobs().heartbeat(
-                self.worker_id, {lease.pk: lease.token for lease in leases}, ttl=self.ttl
+                self.worker_id, [lease.key for lease in leases], ttl=self.ttl
             )
         except TRANSIENT as exc:
             logger.warning("heartbeat failed: %s", error_text(exc))
             close_old_connections()
             connections[self.using].close()
             return
+        refused = []
         for lease in leases:
-            if lease.pk in renewed:
+            if lease.key in renewed:
                 lease.renewed(started)
-            elif not lease.finished:
-                lease.mark_lost("heartbeat refused: the lease expired or was taken over")
-                self._live([lease])
+            elif not (lease.finished or lease.ending):
+                # A lease whose outcome is being written may have lost only to that write,
+                # which decides: it finishes the lease, or finds it lost and says so.
+                refused.append(lease)
+        if refused:
+            cancelled = self._cancelled(refused)
+            for lease in refused:
+                by = cancelled.get(lease.key)
+                if by is None:
+                    lease.mark_lost("heartbeat refused: the lease expired or was taken over")
+                else:
+                    lease.mark_lost(f"cancelled by {by}", cancelled=True)
+            self._live(refused)
         logger.debug("heartbeat renewed=%s of %s", len(renewed), len(leases))
+
+    def _cancelled(self, refused: list[Lease]) -> dict[tuple[int, int], str]:
+        """Which refused leases an operator cancelled, and by whom; {} if the database cannot
+        say now (those leases are lost all the same)."""
+        try:
+            return self._jobs().cancelled_leases([lease.key for lease in refused])
+        except TRANSIENT as exc:
+            logger.warning("could not read the refused leases: %s", error_text(exc))
+            return {}
 
     def _report_lost(self, lease: Lease) -> None:
         """Log a lease this worker found lost, and count it; `_live()` calls it once per lease."""
+        if lease.cancelled:
+            logger.info(
+                "lease cancelled job_id=%s token=%s: %s", lease.pk, lease.token, lease.lost_reason
+            )
+            return
         if self.stats.recorder is not None:
             self.stats.recorder.count(AttemptOutcome.LEASE_LOST, lease.job.kind, 1)
         logger.warning(

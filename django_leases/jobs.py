@@ -29,8 +29,10 @@ def tasks_framework_missing() -> bool:
 # Without the framework, importing the backend would fail at startup, before the system check
 # that says what to install (django_leases.E018) could run.
 if lease_task_queues() and not tasks_framework_missing():
-    from django_leases.backends import run_task, task_kind
+    from django_leases.backends import queue_problem, run_task, task_kind
     from django_leases.handlers import job_handler
 
-    for queue in sorted(lease_task_queues()):
+    # A queue name no kind can carry is left to the backend's check (django_leases.E015):
+    # refused here, it would fail django.setup() for every command, `check` included.
+    for queue in sorted(q for q in lease_task_queues() if queue_problem(q) is None):
         job_handler(task_kind(queue))(run_task)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -13,7 +14,7 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 
 from django_leases.conf import to_seconds
-from django_leases.exceptions import LeaseLost
+from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
 from django_leases.querysets import LeaseQuerySet, leased_jobs
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 
@@ -24,18 +25,52 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+Clock = Callable[[], float]
+"""A monotonic clock in seconds (`time.monotonic`): what a worker's deadlines are measured by."""
+
+
+class Presence:
+    """How long the stuck watcher takes a worker for alive: `WORKER_GONE_AFTER` seconds after the
+    start of the last registry beat of it that the database confirmed.
+
+    Past that the watcher may rescue the worker's jobs as orphaned, whatever their leases say,
+    so every `Lease` of the worker ends then too (`Lease.valid_until`): a worker cut off from its
+    registry row never believes in a lease that the watcher may already have given away.
+    """
+
+    def __init__(self, gone_after: float, *, clock: Clock = time.monotonic) -> None:
+        self.gone_after = gone_after
+        self.clock = clock
+        self._until = -math.inf
+
+    @property
+    def until(self) -> float:
+        """Monotonic time at which the watcher may take the worker for gone."""
+        return self._until
+
+    def confirmed(self, started_at: float) -> None:
+        """Note a registry beat (or registration) the database confirmed, sent at `started_at`:
+        the row's `last_seen_at` is no earlier, so the watcher's deadline is no earlier either."""
+        self._until = max(self._until, started_at + self.gone_after)
+
+
 class Lease:
     """The claim of one job by one owner under one fencing token.
 
     Its holder knows the lease is lost when a write of its own is refused, when the worker's
     heartbeat is refused, or — without asking the database — once a whole TTL has passed since
-    the start of the last renewal the database confirmed: after that, someone else may own the job
-    whatever happened to the network. `lost` reads the worker's monotonic clock, never the wall
-    clock.
+    the start of the last renewal the database confirmed, or its worker's registry row may look
+    gone to the watcher (`Presence`): after that, someone else may own the job whatever happened
+    to the network. `lost` reads the worker's monotonic clock, never the wall clock.
     """
 
     def __init__(
-        self, job: AbstractLeasedJob, *, ttl: float | timedelta, renewed_at: float | None = None
+        self,
+        job: AbstractLeasedJob,
+        *,
+        ttl: float | timedelta,
+        renewed_at: float | None = None,
+        presence: Presence | None = None,
     ) -> None:
         self.job = job
         self.pk: int = job.pk
@@ -47,11 +82,18 @@ class Lease:
         # What the holder's last write made of the job: "completed", "retried", "failed",
         # "released" or "timed_out"; None while it holds the job.
         self.outcome: str | None = None
+        self.ending = False
+        """The attempt's outcome is being written: a renewal the database refuses now may have
+        raced that write, which decides (it finishes the lease, or finds it lost)."""
+        self._presence = presence
+        self._clock: Clock = time.monotonic if presence is None else presence.clock
         self._lost = threading.Event()
         self._lost_reason = ""
+        self._cancelled = False
+        self._on_cancel: Callable[[], None] | None = None
         # The claim's statement started at or after `renewed_at`, so the database's lease ends
         # no earlier than this deadline.
-        self._valid_until = (time.monotonic() if renewed_at is None else renewed_at) + self.ttl
+        self._renewed_until = (self._clock() if renewed_at is None else renewed_at) + self.ttl
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "finished" if self.finished else "held"
@@ -65,42 +107,77 @@ class Lease:
     @property
     def lost(self) -> bool:
         """True once this holder knows, or must assume, that it no longer owns the job."""
-        if not self._lost.is_set() and time.monotonic() >= self._valid_until:
-            self.mark_lost("not renewed for a whole TTL (database unreachable?)")
+        if not self._lost.is_set() and self._clock() >= self.valid_until:
+            if self._clock() >= self._renewed_until:
+                self.mark_lost("not renewed for a whole TTL (database unreachable?)")
+            else:
+                self.mark_lost(
+                    "the worker's registry row was not refreshed for WORKER_GONE_AFTER "
+                    "(database unreachable?): the watcher may rescue its jobs"
+                )
         return self._lost.is_set()
 
     @property
     def valid_until(self) -> float:
-        """Monotonic time at which the lease must be taken as lost unless renewed before."""
-        return self._valid_until
+        """Monotonic time at which the lease must be taken as lost unless renewed before: a TTL
+        after its last confirmed renewal, or when its worker may look gone, whichever is first."""
+        if self._presence is None:
+            return self._renewed_until
+        return min(self._renewed_until, self._presence.until)
 
     @property
     def lost_reason(self) -> str:
         return self._lost_reason
 
-    def mark_lost(self, reason: str) -> None:
-        if not self._lost.is_set():
-            self._lost_reason = reason
-            self._lost.set()
+    @property
+    def cancelled(self) -> bool:
+        """True once this holder knows an operator cancelled the job (`check()` raises
+        `Cancelled`)."""
+        return self._cancelled
+
+    def mark_lost(self, reason: str, *, cancelled: bool = False) -> None:
+        """Take the lease as lost for `reason`; `cancelled`: by an operator's `cancel()`."""
+        if self._lost.is_set():
+            return
+        self._lost_reason = reason
+        self._cancelled = cancelled
+        self._lost.set()
+        hook = self._on_cancel
+        if cancelled and hook is not None:
+            hook()
+
+    def on_cancel(self, hook: Callable[[], None] | None) -> None:
+        """Call `hook` (on whichever thread learns it) once the job is found cancelled, at once
+        if it already was; None removes it. The worker cancels an `async def` handler so."""
+        self._on_cancel = hook
+        if hook is not None and self._cancelled:
+            hook()
 
     def renewed(self, started_at: float) -> None:
         """Note a renewal the database confirmed, sent at `started_at` (monotonic)."""
-        self._valid_until = max(self._valid_until, started_at + self.ttl)
+        self._renewed_until = max(self._renewed_until, started_at + self.ttl)
 
     def check(self) -> None:
-        """Raise `LeaseLost` if the lease is known to be lost."""
+        """Raise `LeaseLost` if the lease is known to be lost, `Cancelled` if by a cancel."""
         if self.lost:
-            raise LeaseLost(f"job {self.pk}: {self._lost_reason or 'lease lost'}")
+            error = Cancelled if self._cancelled else LeaseLost
+            raise error(f"job {self.pk}: {self._lost_reason or 'lease lost'}")
 
     def _jobs(self) -> LeaseQuerySet[Any]:
-        return leased_jobs(type(self.job))
+        # The database the job was claimed on, whatever the routers say.
+        return leased_jobs(type(self.job), self.job._state.db)
 
     def heartbeat(self) -> None:
         """Renew the lease now for another TTL; raise `LeaseLost` if it was lost."""
         self.check()
-        started = time.monotonic()
-        if self.pk not in self._jobs().heartbeat(self.owner, {self.pk: self.token}, ttl=self.ttl):
-            self.mark_lost("heartbeat refused: the lease expired or was taken over")
+        started = self._clock()
+        jobs = self._jobs()
+        if self.key not in jobs.heartbeat(self.owner, [self.key], ttl=self.ttl):
+            by = jobs.cancelled_leases([self.key]).get(self.key)
+            if by is None:
+                self.mark_lost("heartbeat refused: the lease expired or was taken over")
+            else:
+                self.mark_lost(f"cancelled by {by}", cancelled=True)
             self.check()
         self.renewed(started)
 
@@ -115,7 +192,7 @@ class Lease:
 
     def complete(self, result: Any = None) -> None:
         """Complete the job now (storing `result`, if given); the worker then writes nothing."""
-        self._guard(lambda: self._jobs().complete(self.pk, self.owner, self.token, result=result))
+        self._end(lambda: self._jobs().complete(self.pk, self.owner, self.token, result=result))
         self.finished, self.outcome = True, AttemptOutcome.COMPLETED
 
     def mark_completed(self) -> None:
@@ -125,7 +202,7 @@ class Lease:
     def fail(
         self, error: BaseException | str, *, retry_in: float | None = None, permanent: bool = False
     ) -> str:
-        status = self._guard(
+        status = self._end(
             lambda: self._jobs().fail(
                 self.pk, self.owner, self.token, error, retry_in=retry_in, permanent=permanent
             )
@@ -137,12 +214,12 @@ class Lease:
         return str(status)
 
     def release(self) -> None:
-        self._guard(lambda: self._jobs().release(self.pk, self.owner, self.token))
+        self._end(lambda: self._jobs().release(self.pk, self.owner, self.token))
         self.finished, self.outcome = True, AttemptOutcome.RELEASED
 
     def time_out(self, reason: str, *, retry_in: float) -> str:
         """End the attempt as timed out (the worker's run-time limit); return the new status."""
-        status = self._guard(
+        status = self._end(
             lambda: self._jobs().time_out(
                 self.pk, self.owner, self.token, retry_in=retry_in, reason=reason
             )
@@ -159,13 +236,24 @@ class Lease:
         lost its lease gets `LeaseLost` and its writes roll back; on a clean exit the job is
         completed in the same transaction as the handler's own writes: both commit or neither.
         Keep the block short: it holds the job row (and, on SQLite, the database) locked.
+
+        Raises `LeaseError` inside another atomic block (of the job's database): the completion
+        would then commit or roll back with that outer block, not here, and the worker could
+        not tell which.
         """
         self.check()
         jobs = self._jobs()
-        with transaction.atomic(using=jobs.db):
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(transaction.atomic(using=jobs.db, durable=True))
+            except RuntimeError:
+                raise LeaseError(
+                    f"job {self.pk}: lease.atomic() cannot run inside another atomic block of "
+                    f"database {jobs.db!r}: the completion would commit or roll back with it"
+                ) from None
             self._guard(lambda: jobs.lock_held(self.pk, self.owner, self.token))
             yield
-            self._guard(lambda: jobs.complete(self.pk, self.owner, self.token))
+            self._end(lambda: jobs.complete(self.pk, self.owner, self.token))
         self.finished, self.outcome = True, AttemptOutcome.COMPLETED
 
     def run_atomic(self, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -208,9 +296,14 @@ class Lease:
         """
         return await sync_to_async(self.run_atomic)(func, *args, **kwargs)
 
+    def _end(self, write: Callable[[], R]) -> R:
+        """Make `write`, the attempt's outcome (`ending` meanwhile), as `_guard()` does."""
+        self.ending = True
+        return self._guard(write)
+
     def _guard(self, write: Callable[[], R]) -> R:
         try:
             return write()
         except LeaseLost as exc:
-            self.mark_lost(str(exc))
+            self.mark_lost(str(exc), cancelled=isinstance(exc, Cancelled))
             raise

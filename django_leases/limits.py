@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,7 +20,35 @@ DAY = 24 * 3600
 # About 100 years: `database now + MAX_DURATION` stays far inside the DATETIME range of every
 # database (MariaDB/MySQL end at year 9999), and `timedelta` never overflows.
 MAX_DURATION = 100 * 365 * DAY
-DURATION_RANGE = f"a positive number of seconds up to {MAX_DURATION} (100 years) or a timedelta"
+
+# The shortest lease timings a worker runs with, in seconds (a positive 1e-9 is no more usable
+# than 0):
+# - TTL: a lease must outlast the ordinary pauses between its claim, its start and its first
+#   renewal (a statement on a busy database, a garbage collection, a scheduler delay). Shorter
+#   than a second, it expires in normal operation and jobs run twice.
+# - HEARTBEAT and POLL_INTERVAL: one statement each time (a renewal; an idle worker's claim).
+#   Below 10 ms, about the scheduler's time slice, they are a busy loop on the database.
+MIN_TTL = 1.0
+MIN_HEARTBEAT = 0.01
+MIN_POLL_INTERVAL = 0.01
+# The lower bounds by setting (every other duration only has to be positive).
+MIN_SECONDS = {"TTL": MIN_TTL, "HEARTBEAT": MIN_HEARTBEAT, "POLL_INTERVAL": MIN_POLL_INTERVAL}
+
+
+def duration_range(minimum: float = 0.0) -> str:
+    """Describe the durations from `minimum` seconds (0: any positive one) to `MAX_DURATION`."""
+    if minimum:
+        return f"a number of seconds from {minimum:g} to {MAX_DURATION} (100 years)"
+    return f"a positive number of seconds up to {MAX_DURATION} (100 years)"
+
+
+def in_duration_range(seconds: float, minimum: float = 0.0) -> bool:
+    """Whether `seconds` is in `duration_range(minimum)` (NaN is not)."""
+    return (minimum <= seconds if minimum else 0 < seconds) and seconds <= MAX_DURATION
+
+
+DURATION_RANGE = f"{duration_range()} or a timedelta"
+ZERO_OR_MORE_SECONDS = f"zero or more seconds, up to {MAX_DURATION} (100 years)"
 
 # Datetimes given as `run_at`: inside MariaDB/MySQL's DATETIME (years 1000-9999), PostgreSQL's
 # timestamptz and Python's datetime, with room for any time zone offset.
@@ -38,6 +67,8 @@ BATCH_SIZE = (1, 10_000)
 ACK_BATCH_SIZE = (1, 1_000)
 # One thread and one database connection each.
 CONCURRENCY = (1, 1_000)
+# `limit=` and the job count of `rate=` of a handler (`throttles.py`).
+KIND_LIMIT = (1, 1_000_000)
 # Rows the admin counts exactly before it estimates.
 EXACT_COUNT_LIMIT = (1, 100_000_000)
 MAX_JOBS = (1, 2**31 - 1)
@@ -92,6 +123,23 @@ def check_text(value: Any, name: str, max_length: int, *, blank: bool = False) -
             f"{name} contains {problem}, which is not stored alike on every database: "
             f"got {shown(value)}"
         )
+    return value
+
+
+def check_kind(value: Any, name: str = "kind") -> str:
+    """Return `value` if it is a job kind: a string of 1 to `KIND_LENGTH` characters without
+    whitespace or control characters; raise `InvalidArgument` naming `name` otherwise.
+
+    Kinds are logged as `kind=<kind>`: a space or a line break in one would split a log line,
+    or forge a key=value of its own.
+    """
+    check_text(value, name, KIND_LENGTH)
+    for position, char in enumerate(value):
+        if char.isspace() or unicodedata.category(char) in ("Cc", "Cf"):
+            raise InvalidArgument(
+                f"{name} must not contain whitespace or control characters, got {shown(value)} "
+                f"({unicodedata.name(char, f'U+{ord(char):04X}')} at position {position})"
+            )
     return value
 
 

@@ -8,6 +8,10 @@
   rescue counter by `watch_stuck_jobs --metrics-port N`, or by the view `queue_metrics` where the
   watcher runs from cron. Every query is a count over an index range of live rows.
 
+Each endpoint serves one job table on one database, named by `django_leases_queue_info{database,
+table}` (value 1; join it on `instance` to label any series by database) rather than by a label on
+every series, so that splitting the queue across databases changes no series a dashboard reads.
+
 Only this module imports prometheus_client, and only those two commands (given the option) and
 a project that routes the view import this module: without the extra nothing changes.
 """
@@ -15,17 +19,19 @@ a project that routes the view import this module: without the extra nothing cha
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from django.db import DatabaseError, connections
 from django.http import HttpRequest, HttpResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from django_leases import stats
 from django_leases.conf import leases_settings
-from django_leases.querysets import leased_jobs
+from django_leases.handlers import throttles
+from django_leases.querysets import job_model, leased_jobs
 from django_leases.status import TIMED_OUT, AttemptOutcome
 
 PREFIX = "django_leases"
@@ -47,14 +53,25 @@ WORKER_COUNTERS = {
         "Attempts whose outcome was refused or discarded: the lease had passed on",
     ),
     TIMED_OUT: ("timeouts", "Attempts ended at their kind's timeout"),
+    AttemptOutcome.CANCELLED: ("cancellations", "Attempts stopped: an operator cancelled the job"),
 }
 
 
-class WorkerMetrics:
-    """A worker's `Recorder`: its counters and histograms, in a registry of its own."""
+def describe_queue(registry: CollectorRegistry, model: type[Any] | None, using: str | None) -> None:
+    """Register `django_leases_queue_info`: the database alias and job table `registry` serves."""
+    jobs = leased_jobs(model, using)
+    Info(
+        f"{PREFIX}_queue", "The database and job table this endpoint serves", registry=registry
+    ).info({"database": jobs.db, "table": jobs.model._meta.db_table})
 
-    def __init__(self) -> None:
+
+class WorkerMetrics:
+    """A worker's `Recorder`: its counters and histograms, in a registry of its own, for the job
+    table `model` on `using` (their defaults as for `leased_jobs()`)."""
+
+    def __init__(self, *, model: type[Any] | None = None, using: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        describe_queue(self.registry, model, using)
         self.counters = {
             str(event): Counter(f"{PREFIX}_{name}", text, ["kind"], registry=self.registry)
             for event, (name, text) in WORKER_COUNTERS.items()
@@ -85,14 +102,23 @@ class WorkerMetrics:
 
 
 class QueueCollector(Collector):
-    """The queue's gauges, read from the database at each scrape (six index-backed queries);
+    """The gauges of the job table `model` (default: `JOB_MODEL`) on `using` (default: its
+    write database), read at each scrape (six index-backed queries);
     `django_leases_database_up` is 0 and the others absent when that fails.
 
     With `close_connections`, each scrape closes the connections it opened: an `Endpoint`
     answers each scrape on a new thread, which would leave its connection behind.
     """
 
-    def __init__(self, *, close_connections: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        model: type[Any] | None = None,
+        using: str | None = None,
+        close_connections: bool = False,
+    ) -> None:
+        self.model = model
+        self.using = using
         self.close_connections = close_connections
 
     def collect(self) -> Iterable[Metric]:
@@ -100,7 +126,9 @@ class QueueCollector(Collector):
             f"{PREFIX}_database_up", "Whether the last scrape could read the job table"
         )
         try:
-            gauges = stats.queue_gauges(leased_jobs(), near_expiry=leases_settings.NEAR_EXPIRY)
+            gauges = stats.queue_gauges(
+                leased_jobs(self.model, self.using), near_expiry=leases_settings.NEAR_EXPIRY
+            )
         except DatabaseError:
             up.add_metric([], 0)
             yield up
@@ -138,12 +166,36 @@ class QueueCollector(Collector):
             ),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+        yield from throttle_gauges()
+
+
+def throttle_gauges() -> Iterable[Metric]:
+    """The limits per kind of this process's registry (`limit=`, `rate=` of `@job_handler`)."""
+    limit = GaugeMetricFamily(
+        f"{PREFIX}_kind_limit", "Jobs of the kind processing at once, at most", labels=["kind"]
+    )
+    rate = GaugeMetricFamily(
+        f"{PREFIX}_kind_rate_jobs",
+        "Jobs of the kind started within its rate window, at most",
+        labels=["kind"],
+    )
+    window = GaugeMetricFamily(
+        f"{PREFIX}_kind_rate_window_seconds", "The kind's rate window", labels=["kind"]
+    )
+    for kind, throttle in sorted(throttles().items()):
+        if throttle.limit is not None:
+            limit.add_metric([kind], throttle.limit)
+        if throttle.rate is not None:
+            rate.add_metric([kind], throttle.rate[0])
+            window.add_metric([kind], throttle.rate[1])
+    yield from (limit, rate, window)
 
 
 class WatcherMetrics:
-    """The watcher's rescue counter and the queue's gauges, in a registry of their own."""
+    """The watcher's rescue counter and the gauges of its job table (`model` on `using`), in a
+    registry of their own."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, model: type[Any] | None = None, using: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.rescues = Counter(
             f"{PREFIX}_rescues",
@@ -152,7 +204,8 @@ class WatcherMetrics:
             ["kind", "action"],
             registry=self.registry,
         )
-        self.registry.register(QueueCollector(close_connections=True))
+        self.registry.register(QueueCollector(model=model, using=using, close_connections=True))
+        describe_queue(self.registry, model, using)
 
     def rescued(self, kind: str, action: str) -> None:
         self.rescues.labels(kind=kind, action=action).inc()
@@ -175,8 +228,18 @@ class Endpoint:
         self._thread.join(timeout=5)
 
 
-def queue_metrics(request: HttpRequest) -> HttpResponse:
-    """Serve the queue's gauges to Prometheus; route it behind your own access control."""
+def queue_metrics(
+    request: HttpRequest, model: str | type[Any] | None = None, using: str | None = None
+) -> HttpResponse:
+    """Serve the gauges of the job table `model` ("app_label.ModelName" or the model; default:
+    `JOB_MODEL`) on the database `using` (default: the routers' choice) to Prometheus; route it
+    behind your own access control.
+
+    Choose the table and the database in the URLconf: `path("metrics/payouts/", queue_metrics,
+    {"model": "payouts.PayoutJob", "using": "eu"})`.
+    """
+    table = job_model(model) if isinstance(model, str) else model
     registry = CollectorRegistry()
-    registry.register(QueueCollector())
+    registry.register(QueueCollector(model=table, using=using))
+    describe_queue(registry, table, using)
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -1,5 +1,5 @@
-"""Leased jobs: the abstract base, `PaymentJob`, the attempt ledger, the operator events and
-the worker registry."""
+"""Leased jobs: the abstract base, `PaymentJob`, the attempt ledger, the operator events, the
+worker registry, the schedules' state and the throttled kinds' gates."""
 
 from typing import ClassVar
 
@@ -11,6 +11,8 @@ from django.utils.translation import gettext_lazy as _
 from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet
 from django_leases.querysets.payments import PaymentJobQuerySet
+from django_leases.querysets.schedules import CRON_LENGTH, TZ_LENGTH, ScheduleStateQuerySet
+from django_leases.querysets.throttles import KindGateQuerySet
 from django_leases.querysets.workers import WorkerQuerySet
 from django_leases.status import LOCK_HOLDING_STATUSES, AttemptOutcome, EventAction, JobStatus
 
@@ -25,9 +27,12 @@ __all__ = [
     "JobAttempt",
     "JobEvent",
     "JobStatus",
+    "KindGate",
+    "KindStart",
     "lease_constraints",
     "lease_indexes",
     "PaymentJob",
+    "ScheduleState",
     "Worker",
 ]
 
@@ -374,3 +379,96 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return self.worker_id
+
+
+class ScheduleState(models.Model):
+    """The last tick a schedule enqueued into a job table: what decides that a tick is due.
+
+    Moved by one conditional UPDATE in the transaction that enqueues the tick's job (see
+    `ScheduleStateQuerySet.advance()`), so each tick gets exactly one job whatever `prune_jobs`
+    deleted since. One row per job table, schedule name and series: a new `every`, `cron` or
+    `tz` is a new series. A cron schedule's row has `every` 0 and its ticks are fire times.
+    """
+
+    job_model = models.CharField(
+        _("job model"), max_length=255, help_text=_("The table the ticks' jobs go to.")
+    )
+    name = models.CharField(_("schedule"), max_length=100)
+    every = models.FloatField(_("every (seconds)"), help_text=_("0 for a cron schedule."))
+    cron = models.CharField(
+        _("cron expression"), max_length=CRON_LENGTH, blank=True, default="", db_default=""
+    )
+    tz = models.CharField(
+        _("time zone"), max_length=TZ_LENGTH, blank=True, default="", db_default=""
+    )
+    last_tick = models.BigIntegerField(
+        _("last enqueued tick"),
+        help_text=_(
+            "Tick n is the span from n × every to (n + 1) × every of Unix time (UTC); a cron "
+            "schedule's tick is its fire time in Unix seconds."
+        ),
+    )
+    enqueued_at = models.DateTimeField(_("last enqueued at"), db_default=Now())
+
+    objects = ScheduleStateQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("schedule state")
+        verbose_name_plural = _("schedule states")
+        ordering = ["job_model", "name", "every", "cron", "tz"]
+        constraints = [
+            # One row per series: of racing first runs, one INSERT wins.
+            models.UniqueConstraint(
+                fields=["job_model", "name", "every", "cron", "tz"], name="dl_schedule_series_uniq"
+            )
+        ]
+
+    def __str__(self) -> str:
+        if self.cron:
+            return f"{self.name} {self.cron} ({self.tz}): fire time {self.last_tick}"
+        return f"{self.name} every {self.every:g}s: tick {self.last_tick}"
+
+
+class KindGate(models.Model):
+    """One row per job table and kind with a `limit=` or `rate=`: every claim of that kind
+    writes it first, which serialises them (see `querysets/throttles.py`)."""
+
+    job_model = models.CharField(
+        _("job model"), max_length=255, help_text=_("The table whose jobs of the kind it gates.")
+    )
+    kind = models.CharField(_("kind"), max_length=100)
+    last_claim_at = models.DateTimeField(_("last claim at"), null=True, blank=True)
+
+    objects = KindGateQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("kind gate")
+        verbose_name_plural = _("kind gates")
+        ordering = ["job_model", "kind"]
+        constraints = [
+            # One row per job table and kind: of racing first claims, one INSERT wins.
+            models.UniqueConstraint(fields=["job_model", "kind"], name="dl_gate_kind_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} on {self.job_model}"
+
+
+class KindStart(models.Model):
+    """`count` jobs of a rate-limited kind claimed at `at` (the database clock, after the
+    claim): the sliding window its next claims count. Rows older than the window are deleted
+    by the kind's next claim."""
+
+    gate = models.ForeignKey(
+        KindGate, verbose_name=_("gate"), on_delete=models.CASCADE, related_name="starts"
+    )
+    at = models.DateTimeField(_("at"))
+    count = models.PositiveIntegerField(_("jobs started"))
+
+    class Meta:
+        verbose_name = _("kind start")
+        verbose_name_plural = _("kind starts")
+        indexes = [models.Index(fields=["gate", "at"], name="dl_start_gate_at_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.count} started at {self.at}"

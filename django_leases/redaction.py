@@ -3,13 +3,19 @@
 Database errors quote the values they refused: PostgreSQL's `DETAIL:  Key (card)=(4111...)
 already exists.`, MariaDB/MySQL's `Duplicate entry '4111...' for key ...`. Every text django-leases
 keeps from an exception goes through `error_text()`, which calls the `DJANGO_LEASES
-["REDACT_ERRORS"]` hook, by default `redact_database_values()`.
+["REDACT_ERRORS"]` hook, by default `redact_database_values()`. The package's loggers carry
+`RedactExceptions` (installed by `LeasesConfig.ready()`), so that a log call with an exception
+(`logger.exception(...)`) prints that text, never the raw one.
 """
 
 from __future__ import annotations
 
+import ast
+import logging
 import re
+import traceback
 from collections.abc import Callable
+from typing import Any
 
 from django.db import Error as DjangoDatabaseError
 from django.utils.module_loading import import_string
@@ -25,14 +31,47 @@ DRIVER_PACKAGES = ("psycopg", "psycopg2", "MySQLdb", "pymysql", "sqlite3", "_sql
 SECONDARY_FIELD = re.compile(
     r"^\s*(DETAIL|HINT|CONTEXT|WHERE|QUERY|STATEMENT|LINE \d+):", re.MULTILINE
 )
-# A quoted value in a primary message: '...' (MariaDB/MySQL: "Duplicate entry '4111' for key",
-# "Incorrect integer value: 'x'") unless it names a schema object, and PostgreSQL's `: "..."`
-# ('invalid input syntax for type integer: "4111"'). Identifiers after these words are kept.
-QUOTED_VALUE = re.compile(
-    r"""(?<!\bkey )(?<!\bconstraint )(?<!\bcolumn )(?<!\btable )(?<!\bindex )(?<!\brelation )"""
-    r"""'(?:[^'\\]|\\.|'')*'|(?<=: )"(?:[^"\\]|\\.)*\""""
+# A quoted text of a primary message: '...' (MariaDB/MySQL: "Duplicate entry '4111' for key",
+# "Incorrect integer value: 'x'"), and PostgreSQL's `: "..."` ('invalid input syntax for type
+# integer: "4111"'). One that follows key, constraint, column, table, index or relation names a
+# schema object (`name`): it is kept, the others are values.
+QUOTED = re.compile(
+    r"""(?P<name>\b(?:key|constraint|column|table|index|relation) )?'(?:[^'\\]|\\.|'')*'"""
+    r"""|(?<=: )"(?:[^"\\]|\\.)*\"""",
+    re.IGNORECASE,  # MariaDB's "Column 'x' cannot be null"
 )
 MASK = "'…'"
+# MariaDB/MySQL's driver error as str() prints it: (code, 'message'), the message a Python
+# literal whose quotes are escaped where it holds both kinds.
+DRIVER_TUPLE = re.compile(r"\A\((\d+), (.*)\)\Z", re.DOTALL)
+# Messages whose quoted value may hold the quote itself (neither database escapes it): the value
+# runs to the last quote before the words that follow it. MariaDB/MySQL: Duplicate entry,
+# Incorrect <type> value, Truncated incorrect <type> value, a syntax error's "near"; PostgreSQL:
+# value "..." is out of range, <problem>: "..." at the end of the message, a syntax error's
+# "at or near". Each names the value `value`.
+GREEDY_VALUES = [
+    re.compile(pattern, re.DOTALL)
+    for pattern in (
+        r"Duplicate entry (?P<value>'.*') for key ",
+        r"Incorrect \w+ value: (?P<value>'.*') for column ",
+        r"Truncated incorrect \w+ value: (?P<value>'.*')",
+        r" near (?P<value>'.*') at line \d",
+        r'\bvalue (?P<value>".*") is out of range for type ',
+        r': (?P<value>".*")\s*\Z',
+        r' at or near (?P<value>".*")',
+    )
+]
+# A card-like number wherever it is left: 12 to 19 digits, in groups or not. Database errors
+# also carry texts no template quotes (a trigger's RAISE or SIGNAL, a value taken for a name).
+CARD_NUMBER = re.compile(r"(?<!\d)\d(?:[ -]?\d){11,18}(?!\d)")
+# The loggers of django-leases: `install_log_filter()` gives each one `RedactExceptions`.
+LOGGERS = (
+    "django_leases",
+    "django_leases.prune",
+    "django_leases.schedules",
+    "django_leases.watcher",
+    "django_leases.worker",
+)
 
 
 def is_database_error(exc: BaseException) -> bool:
@@ -46,17 +85,36 @@ def redact_database_values(exc: BaseException, text: str) -> str:
     """Return `text` without the values a database error quotes; other errors unchanged.
 
     For a database error: drop PostgreSQL's DETAIL / HINT / CONTEXT / WHERE / QUERY / STATEMENT
-    / LINE n lines and everything after the first of them, and replace every quoted value of the
-    primary message by `'…'` (MariaDB/MySQL's `Duplicate entry '…'`, PostgreSQL's `type
-    integer: '…'`), keeping quoted names that follow key, constraint, column, table, index or
-    relation. SQLite's messages name constraints and columns, never values: nothing to remove.
+    / LINE n lines and everything after the first of them; replace every quoted value of the
+    primary message by `'…'` (MariaDB/MySQL's `Duplicate entry '…'`, PostgreSQL's `value '…' is
+    out of range`), a value holding quotes whole, keeping quoted names that follow key,
+    constraint, column, table, index or relation; and replace what is left of card-like numbers
+    (12 to 19 digits) by `…`. SQLite's messages name constraints and columns, never values (but
+    a trigger's RAISE text may hold one).
     """
     if not is_database_error(exc):
         return text
+    driver = DRIVER_TUPLE.match(text)
+    if driver:
+        try:
+            message = ast.literal_eval(driver.group(2))
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            message = None
+        if isinstance(message, str):
+            return f"({driver.group(1)}, {_redacted_message(message)!r})"
+    return _redacted_message(text)
+
+
+def _redacted_message(text: str) -> str:
     match = SECONDARY_FIELD.search(text)
     if match:
         text = text[: match.start()].rstrip()
-    return QUOTED_VALUE.sub(MASK, text)
+    for pattern in GREEDY_VALUES:
+        value = pattern.search(text)
+        if value:
+            text = text[: value.start("value")] + MASK + text[value.end("value") :]
+    text = QUOTED.sub(lambda m: m.group() if m.group("name") else MASK, text)
+    return CARD_NUMBER.sub("…", text)
 
 
 def redactor() -> Redactor:
@@ -78,3 +136,81 @@ def error_text(exc: BaseException) -> str:
     if not isinstance(text, str):
         return "[error text withheld: REDACT_ERRORS returned no string]"
     return text
+
+
+def class_path(exc: BaseException) -> str:
+    """Return the class of `exc` as a traceback names it: `ValueError`, `django.db.utils.Error`."""
+    cls = type(exc)
+    if cls.__module__ in ("builtins", "__main__"):
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def describe(exc: BaseException) -> str:
+    """Return the last line of the traceback of `exc`, its text through REDACT_ERRORS."""
+    text = error_text(exc)
+    return f"{class_path(exc)}: {text}" if text else class_path(exc)
+
+
+CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
+
+
+def redacted_traceback(exc: BaseException) -> str:
+    """Return the traceback of `exc` as Python prints it, with every exception of the chain
+    (causes and contexts) written by `describe()`; notes and group members left out."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames = traceback.format_tb(current.__traceback__) if current.__traceback__ else []
+        head = ["Traceback (most recent call last):\n", *frames] if frames else []
+        parts.append("".join([*head, describe(current), "\n"]))
+        if current.__cause__ is not None:
+            parts.append(CAUSE)
+            current = current.__cause__
+        elif current.__context__ is not None and not current.__suppress_context__:
+            parts.append(CONTEXT)
+            current = current.__context__
+        else:
+            current = None
+    return "".join(reversed(parts)).rstrip("\n")
+
+
+class RedactExceptions(logging.Filter):
+    """Log what REDACT_ERRORS keeps of a record's exception instead of the exception.
+
+    The message line ends with the exception's class and redacted text; the traceback follows,
+    its texts redacted, only when the record's logger is enabled for DEBUG. `exc_info` is
+    removed, so no handler formats (or ships) the raw exception. An exception passed as an
+    argument of the message is redacted too.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_redacted(arg) for arg in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {key: _redacted(arg) for key, arg in record.args.items()}
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            try:
+                message = record.getMessage()
+            except Exception:  # noqa: BLE001 - the handler reports a bad format string itself
+                message = str(record.msg)
+            record.msg, record.args = f"{message}: {describe(exc)}", None
+            debug = logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+            record.exc_info, record.exc_text = None, redacted_traceback(exc) if debug else None
+        return True
+
+
+def _redacted(arg: Any) -> Any:
+    return describe(arg) if isinstance(arg, BaseException) else arg
+
+
+def install_log_filter() -> None:
+    """Give every logger of `LOGGERS` one `RedactExceptions`; calling it again adds none."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactExceptions) for f in logger.filters):
+            logger.addFilter(RedactExceptions())

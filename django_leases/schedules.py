@@ -1,37 +1,58 @@
 """Periodic jobs: `DJANGO_LEASES["SCHEDULES"]`, exactly one job per tick by the database clock.
 
 Tick `n` of a schedule run `every` seconds is the span from `n * every` to `(n + 1) * every`
-seconds of the database clock's Unix time. Its job carries the idempotency key
-`schedule:<name>:<every>:<n>`: whichever process enqueues it first creates it, and every other
-one gets that row back (the unique index decides, see `enqueue()`), however many workers,
-watchers and hosts run. Workers enqueue due ticks from their loop (a `Ticker`: one database
-clock read per tick boundary), the watcher on each pass (`enqueue_due()`).
+seconds of the database clock's Unix time. Each schedule (per job table and period) has a row
+of its own, `ScheduleState`, holding the last tick it enqueued. A process enqueues tick `n` only
+if its conditional UPDATE moved that row from the tick it read to `n`, in the transaction that
+enqueues the job: of racing workers, watchers and hosts exactly one does, and pruning the jobs
+takes nothing from the row, so a tick never runs twice. The job also carries the idempotency key
+`schedule:<name>:<every>:<n>`, to find it by. Workers enqueue due ticks from their loop (a
+`Ticker`: one database clock read per tick boundary), the watcher on each pass (`enqueue_due()`).
 
-A tick whose whole span passed while no process looked is missed. With `catch_up` (the
-default) the latest missed tick is enqueued once, late, whatever the number missed; without,
-missed ticks are skipped. The current tick is always enqueued, late or not.
+A tick after the row's that is not the current one was missed (no process looked during its
+whole span). With `catch_up` (the default) the latest missed tick is enqueued once, late,
+whatever the number missed; without, missed ticks are skipped. The current tick is always
+enqueued, late or not. A schedule without a row (new, or with a new `every`) starts at the
+current tick; a clock that went back enqueues nothing until it passes the row's tick again.
+
+A schedule given `cron` (and `tz`, default UTC) instead of `every` has fire times instead of
+ticks, numbered by their Unix seconds: the same row, compare-and-set and catch-up, the latest
+fire time at or before the database clock's now being the current one. cronsim parses the
+expression and walks the local calendar; each local time it matches fires once: a repeated one
+(the clocks go back) at its first pass, one skipped by a gap (the clocks go forward) at the end
+of the gap, where the gap's other skipped times and the gap's end itself fire with it, once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
+from zoneinfo import ZoneInfo
 
+from cronsim import CronSim, CronSimError
 from django.db import InterfaceError, OperationalError
 from django.db.models.functions import Now
 from django.db.models.sql import Query
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.querysets import leased_jobs
+from django_leases.limits import shown
+from django_leases.querysets import LeaseQuerySet, leased_jobs, schedule_states
+from django_leases.querysets.schedules import CRON_LENGTH, Series
 
 logger = logging.getLogger("django_leases.schedules")
 
-SCHEDULE_KEYS = ("kind", "every", "payload", "catch_up")
+SCHEDULE_KEYS = ("kind", "every", "cron", "tz", "payload", "catch_up")
+# Minute, hour, day of month, month, day of week: cronsim's optional sixth field (seconds) is
+# for `every`.
+CRON_FIELDS = 5
 # Room for "schedule:<name>:<every>:<tick>" within the 255 characters of an idempotency key.
 SCHEDULE_NAME_LENGTH = 100
 # Shortest period: each tick is a row and a wake-up of every worker.
@@ -39,43 +60,134 @@ MIN_EVERY = 1.0
 # Spreads the workers that wake up at one tick boundary, so that the first one's INSERT is
 # usually seen by the others' look-up instead of racing it (the unique index settles the rest).
 BOUNDARY_SPREAD = 0.2
+# Times one pass reads a schedule's row again after another process moved it first: enough for
+# processes whose passes began in different ticks; a later pass takes over after that.
+RACES = 3
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """One entry of `DJANGO_LEASES["SCHEDULES"]`."""
+    """One entry of `DJANGO_LEASES["SCHEDULES"]`: ticks of `every` seconds, or the fire times
+    of `cron` in `tz` (`every` 0.0 then; `cron` and `tz` empty for ticks).
+
+    Either way each tick is an integer, its jobs keyed by it: the tick's index, or the fire
+    time's Unix seconds.
+    """
 
     name: str
     kind: str
-    every: float
     payload: Any
     catch_up: bool
+    every: float = 0.0
+    cron: str = ""
+    tz: str = ""
 
     @classmethod
     def from_setting(cls, name: str, entry: dict[str, Any]) -> Schedule:
-        return cls(
-            name=name,
-            kind=entry["kind"],
-            every=to_seconds(entry["every"], f"SCHEDULES[{name!r}]['every']"),
-            payload=entry.get("payload"),
-            catch_up=entry.get("catch_up", True),
-        )
+        common = {
+            "name": name,
+            "kind": entry["kind"],
+            "payload": entry.get("payload"),
+            "catch_up": entry.get("catch_up", True),
+        }
+        if "cron" in entry:
+            # One spelling per expression: extra spaces or lower-case names start no new series.
+            cron = " ".join(entry["cron"].upper().split())
+            return cls(**common, cron=cron, tz=entry.get("tz", "UTC"))
+        return cls(**common, every=to_seconds(entry["every"], f"SCHEDULES[{name!r}]['every']"))
 
     @property
     def prefix(self) -> str:
-        """The start of every idempotency key of this schedule (and this period)."""
+        """The start of every idempotency key of this schedule (and this period or expression)."""
+        if self.cron:
+            digest = hashlib.sha256(f"{self.cron}|{self.tz}".encode()).hexdigest()[:8]
+            return f"schedule:{self.name}:cron-{digest}:"
         every = f"{self.every:.0f}" if self.every.is_integer() else repr(self.every)
         return f"schedule:{self.name}:{every}:"
+
+    @property
+    def series(self) -> Series:
+        """What its state row is keyed by (with the job table): a new period, expression or
+        time zone is a new series."""
+        return (self.name, self.every, self.cron, self.tz)
 
     def key(self, tick: int) -> str:
         return f"{self.prefix}{tick}"
 
-    def tick(self, epoch: float) -> int:
-        """Return the index of the tick that contains `epoch` (Unix seconds)."""
-        return math.floor(epoch / self.every)
+    def tick(self, epoch: float) -> int | None:
+        """Return the tick current at `epoch` (Unix seconds): the one containing it, or the
+        latest fire time at or before it (None if the expression matched none in 50 years)."""
+        if not self.cron:
+            return math.floor(epoch / self.every)
+        second = math.floor(epoch)
+        back = CronSim(self.cron, self._local(second + 1), reverse=True)
+        latest = next((fire for fire in map(self._instant, back) if fire <= second), None)
+        if latest is None:
+            return None
+        # Walking back in local time meets a repeated hour's first pass only after its second:
+        # the forward walk, which defines the fire times, settles which one is the latest.
+        for fire in self.fires_after(latest):
+            if fire > second:
+                break
+            latest = fire
+        return latest
+
+    def previous(self, tick: int) -> int | None:
+        """Return the tick before `tick` (None if there was none in 50 years)."""
+        return self.tick(tick - 1) if self.cron else tick - 1
+
+    def boundary(self, epoch: float) -> float:
+        """Return the Unix seconds at which the tick after the one current at `epoch` begins
+        (`math.inf` if none does)."""
+        if not self.cron:
+            return (math.floor(epoch / self.every) + 1) * self.every
+        return float(next(self.fires_after(math.floor(epoch)), math.inf))
+
+    def fires_after(self, second: int) -> Iterator[int]:
+        """Yield a cron schedule's fire times after `second` (Unix seconds), in order, once each."""
+        last = second
+        for fire in map(self._instant, CronSim(self.cron, self._local(second))):
+            # A gap's local times all fire at its end; a start in a repeated hour's second
+            # pass meets local times whose first pass is already over.
+            if fire > last:
+                last = fire
+                yield fire
+
+    def _local(self, second: int) -> datetime:
+        """Return the local wall time of `second`, naive: cronsim walks local calendar time."""
+        return datetime.fromtimestamp(second, self.zone).replace(tzinfo=None)
+
+    def _instant(self, local: datetime) -> int:
+        """Return the Unix seconds a matching local time fires at: a repeated one at its first
+        pass (fold 0), one skipped by a gap at the gap's end (the first minute that exists)."""
+        when = local.replace(tzinfo=self.zone)
+        # Aware datetimes of one zone compare by wall time: a skipped time comes back moved.
+        while when != when.astimezone(UTC).astimezone(self.zone):
+            when += timedelta(minutes=1)
+        return int(when.timestamp())
 
     def start(self, tick: int) -> datetime:
-        return datetime.fromtimestamp(tick * self.every, tz=UTC)
+        """Return the tick's start (its jobs' `run_at`): the fire time itself for cron."""
+        return datetime.fromtimestamp(tick if self.cron else tick * self.every, tz=UTC)
+
+    @property
+    def zone(self) -> ZoneInfo:
+        return ZoneInfo(self.tz)
+
+
+def cron_problem(cron: Any) -> str:
+    """Return what is wrong with a cron expression of `SCHEDULES` ("" for nothing)."""
+    if not isinstance(cron, str) or not 0 < len(cron) <= CRON_LENGTH:
+        return f"must be a string of 1-{CRON_LENGTH} characters, got {shown(cron)}"
+    if len(cron.split()) != CRON_FIELDS:
+        return f"must have {CRON_FIELDS} fields, got {len(cron.split())} in {cron!r}"
+    try:
+        next(CronSim(cron, datetime.now(UTC).replace(tzinfo=None)))
+    except CronSimError as exc:
+        return f"is not a valid cron expression ({str(exc).lower()}): {cron!r}"
+    except StopIteration:
+        return f"matches no time in the next 50 years: {cron!r}"
+    return ""
 
 
 def configured() -> list[Schedule]:
@@ -93,11 +205,48 @@ def database_now(using: str) -> datetime:
     return now
 
 
-def enqueue_due(using: str | None = None, *, model: type[Any] | None = None) -> list[Any]:
-    """Enqueue the job of each schedule's current tick (and of a missed one) that is missing.
+@dataclass(frozen=True)
+class Upcoming:
+    """A schedule as the admin's overview shows it."""
 
-    Returns the jobs this call found missing and enqueued; a process racing this one may have
-    created some of them, and both get the same row.
+    schedule: Schedule
+    next_at: datetime | None
+    """When its next tick begins (its next fire time), by the database clock; None for never."""
+    last_job: Any | None
+    """The job of the last tick its row records; None if none was enqueued, or it was pruned."""
+    last_at: datetime | None
+    """That tick's start, whatever became of its job."""
+
+
+def upcoming(jobs: LeaseQuerySet[Any]) -> list[Upcoming]:
+    """Return each schedule's next tick and last job on `jobs`' table, in three queries (the
+    clock, the state rows, the jobs by key), none without schedules."""
+    schedules = configured()
+    if not schedules:
+        return []
+    epoch = database_now(jobs.db).timestamp()
+    last = schedule_states(jobs.db).last_ticks(jobs.model, [s.series for s in schedules])
+    keys = {s.name: s.key(last[s.series]) for s in schedules if s.series in last}
+    found = {job.idempotency_key: job for job in jobs.filter(idempotency_key__in=keys.values())}
+    shown = []
+    for schedule in schedules:
+        boundary = schedule.boundary(epoch)
+        tick = last.get(schedule.series)
+        shown.append(
+            Upcoming(
+                schedule=schedule,
+                next_at=None if math.isinf(boundary) else datetime.fromtimestamp(boundary, UTC),
+                last_job=found.get(keys.get(schedule.name, "")),
+                last_at=None if tick is None else schedule.start(tick),
+            )
+        )
+    return shown
+
+
+def enqueue_due(using: str | None = None, *, model: type[Any] | None = None) -> list[Any]:
+    """Enqueue the job of each schedule's current tick (and of a missed one) not enqueued yet.
+
+    Returns the jobs this call enqueued; a process racing it enqueues none of them.
     """
     return _enqueue_due(model, using)[0]
 
@@ -128,45 +277,67 @@ class Ticker:
 
 
 def _enqueue_due(model: type[Any] | None, using: str | None) -> tuple[list[Any], float]:
-    """Enqueue the missing due ticks; return them and the seconds until the next boundary."""
+    """Enqueue the due ticks; return their jobs and the seconds until the next boundary."""
     schedules = configured()
     if not schedules:
         return [], math.inf
     jobs = leased_jobs(model, using)
+    # On the job table's database: a state row commits with its ticks' jobs.
+    states = schedule_states(jobs.db)
     epoch = database_now(jobs.db).timestamp()
-    current = {schedule.name: schedule.tick(epoch) for schedule in schedules}
-    wanted = [s.key(current[s.name] - back) for s in schedules for back in (0, 1)]
-    # Most passes find every tick enqueued already: one indexed look-up instead of an INSERT
-    # that the unique index refuses.
-    existing = set(
-        jobs.filter(idempotency_key__in=wanted).values_list("idempotency_key", flat=True)
-    )
+    # Most passes find every schedule at its current tick already: one indexed look-up.
+    last = states.last_ticks(jobs.model, [s.series for s in schedules])
     enqueued = []
     for schedule in schedules:
-        tick = current[schedule.name]
-        ticks = [tick] if schedule.key(tick) not in existing else []
-        if schedule.catch_up and schedule.key(tick - 1) not in existing:
-            # Missed only if the schedule ran before; a new one (or a new period) starts now.
-            earlier = jobs.filter(idempotency_key__startswith=schedule.prefix).exclude(
-                idempotency_key=schedule.key(tick)
-            )
-            if earlier.exists():
-                ticks.insert(0, tick - 1)
-        for due in ticks:
-            job = jobs.enqueue(
-                schedule.kind,
-                schedule.payload,
-                idempotency_key=schedule.key(due),
-                run_at=schedule.start(due),
-            )
-            logger.info(
-                "enqueued schedule=%s tick=%s job_id=%s kind=%s late=%s",
-                schedule.name,
-                due,
-                job.pk,
-                schedule.kind,
-                due < tick,
-            )
-            enqueued.append(job)
-    wait = min((current[s.name] + 1) * s.every - epoch for s in schedules)
+        tick = schedule.tick(epoch)
+        if tick is not None:
+            enqueued += _enqueue_schedule(schedule, tick, last.get(schedule.series), jobs)
+    wait = min(s.boundary(epoch) for s in schedules) - epoch
     return enqueued, wait
+
+
+def _enqueue_schedule(
+    schedule: Schedule, tick: int, seen: int | None, jobs: LeaseQuerySet[Any]
+) -> list[Any]:
+    """Enqueue `schedule`'s due ticks, current `tick`, if this process moves its state row from
+    `seen` (its last enqueued tick, None for none); return the jobs."""
+    states = schedule_states(jobs.db)
+    for _ in range(RACES):
+        if seen is not None and seen >= tick:
+            # Enqueued already, or the clock went back: a tick is never enqueued twice.
+            return []
+        due = [tick]
+        if schedule.catch_up and seen is not None:
+            missed = schedule.previous(tick)
+            if missed is not None and missed > seen:
+                due = [missed, tick]
+        enqueue = partial(_enqueue_ticks, schedule, due, tick, jobs)
+        done = states.advance(jobs.model, schedule.series, seen=seen, to=tick, enqueue=enqueue)
+        if done is not None:
+            return done
+        # Another process moved the row first, most often to this same tick.
+        seen = states.last_ticks(jobs.model, [schedule.series]).get(schedule.series)
+    return []
+
+
+def _enqueue_ticks(
+    schedule: Schedule, due: list[int], current: int, jobs: LeaseQuerySet[Any]
+) -> list[Any]:
+    enqueued = []
+    for tick in due:
+        job = jobs.enqueue(
+            schedule.kind,
+            schedule.payload,
+            idempotency_key=schedule.key(tick),
+            run_at=schedule.start(tick),
+        )
+        logger.info(
+            "enqueued schedule=%s tick=%s job_id=%s kind=%s late=%s",
+            schedule.name,
+            tick,
+            job.pk,
+            schedule.kind,
+            tick < current,
+        )
+        enqueued.append(job)
+    return enqueued

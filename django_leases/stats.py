@@ -49,6 +49,11 @@ from django_leases.status import (
 STUCK, NEAR_EXPIRY, HEALTHY = "stuck", "near_expiry", "healthy"
 # Not a lease state of its own: a processing job whose attempt has run longer than its limit.
 RUNNING_LONG = "running_long"
+# The overview's window: its chart, and the jobs it counts as completed or failed lately.
+RECENT_MINUTES = 60
+# The admin's time filter: due pending jobs, and jobs finished within RECENT_MINUTES (what the
+# overview's cards count).
+DUE, LAST_HOUR = "due", "last_hour"
 # The categories of `selection()`: a status, or a processing job split by its lease.
 LIVE_LEASE = "live_lease"
 # The statuses of jobs not finished yet; each is a range of an index of live rows.
@@ -196,7 +201,9 @@ class Minute:
         return self.completed + self.failed
 
 
-def throughput(jobs: LeaseQuerySet[Any], *, minutes: int = 60) -> tuple[list[Minute], Counter[str]]:
+def throughput(
+    jobs: LeaseQuerySet[Any], *, minutes: int = RECENT_MINUTES
+) -> tuple[list[Minute], Counter[str]]:
     """Return the jobs completed and failed per minute over the last `minutes`, oldest first,
     and the number of jobs per final status over the same window. One query.
 
@@ -324,7 +331,7 @@ def overview(
     workers: WorkerQuerySet,
     *,
     near_expiry: float,
-    minutes: int = 60,
+    minutes: int = RECENT_MINUTES,
     stuck_sample: int = 10,
 ) -> Overview:
     """Read the queue overview in fifteen queries, whatever the number of jobs (and one

@@ -20,7 +20,7 @@ class JobStatus(models.TextChoices):
     REVIEW = "review", _("Under review")
     """The lease expired after a risky checkpoint: an operator or a reconcile hook decides."""
     CANCELLED = "cancelled", _("Cancelled")
-    """Cancelled by an operator while pending; never ran to completion."""
+    """Cancelled by an operator: pending, waiting or running (its holder is told to stop)."""
     WAITING = "waiting", _("Waiting for its lock")
     """Enqueued with a `lock` an earlier job still holds: pending once that job is finished."""
 
@@ -36,6 +36,7 @@ class AttemptOutcome(models.TextChoices):
     RELEASED = "released", _("Released by its holder")
     REQUEUED = "requeued", _("Requeued by an operator")
     TIMED_OUT = "timed_out", _("Timed out (ran past its kind's timeout)")
+    CANCELLED = "cancelled", _("Cancelled by an operator while running")
 
 
 class EventAction(models.TextChoices):

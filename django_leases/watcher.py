@@ -16,16 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
-from django.db import InterfaceError, OperationalError, close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.db import harden
+from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
-from django_leases.querysets import LeaseQuerySet, leased_jobs, registered_workers
+from django_leases.outages import check_tables, outage_or_raise
+from django_leases.querysets import LeaseQuerySet, leased_jobs, queue_models, registered_workers
 from django_leases.redaction import error_text
 from django_leases.schedules import enqueue_due
 from django_leases.status import StuckPolicy, Verdict
@@ -59,9 +60,14 @@ class StuckWatcher:
     """One pass at a time: rescue expired and orphaned leases, reconcile jobs under review."""
 
     def __init__(
-        self, *, model: type[Any] | None = None, watcher_id: str = "watcher", batch_size: int = 500
+        self,
+        *,
+        model: type[Any] | None = None,
+        using: str | None = None,
+        watcher_id: str = "watcher",
+        batch_size: int = 500,
     ) -> None:
-        jobs = leased_jobs(model)
+        jobs = leased_jobs(model, using)
         self.model = jobs.model
         self.watcher_id = watcher_id
         self.batch_size = batch_size
@@ -82,31 +88,40 @@ class StuckWatcher:
         """Run passes every `interval` seconds (jittered) until `stop` is set, or one with
         `once`; return how many jobs were acted on in all.
 
-        `on_pass` gets each pass's actions, `on_outage` the reason a pass failed on a database
-        connection error (the next pass tries again: a watcher never exits for an outage).
-        Raises `ImproperlyConfigured` before the first pass where the database session clock
-        would make every expiry wrong (see `checks.databases.database_clock_problems`).
+        `on_pass` gets the actions of each pass that ran, `on_outage` the reason a pass failed
+        on a database connection error instead (the next pass tries again: a watcher never
+        exits for an outage). Raises `DatabaseMisconfigured` once the database refuses the
+        connection settings or lacks the tables, or, before the first pass, where its session
+        clock would make every expiry wrong (see `checks.databases.database_clock_problems`).
         """
-        problems = database_clock_problems(self.using)
-        if problems:
-            raise ImproperlyConfigured(problems[0])
         every = interval if interval is not None else leases_settings.WATCH_INTERVAL
         stop = stop or threading.Event()
         total = 0
+        checked = False
         while True:
             close_old_connections()
             try:
+                if not checked:
+                    self._check_database()
+                    checked = True
                 actions = self.run_once()
-            except (OperationalError, InterfaceError) as exc:
-                actions = []
+            except DatabaseError as exc:
+                outage_or_raise(exc, self.using)
                 if on_outage is not None:
                     on_outage(error_text(exc))
-            total += len(actions)
-            if on_pass is not None:
-                on_pass(actions)
+            else:
+                total += len(actions)
+                if on_pass is not None:
+                    on_pass(actions)
             # Jitter keeps several watchers from scanning in lockstep.
             if once or stop.wait(every * random.uniform(0.8, 1.2)):  # noqa: S311
                 return total
+
+    def _check_database(self) -> None:
+        check_tables(self.using, queue_models(self.model))
+        problems = database_clock_problems(self.using)
+        if problems:
+            raise DatabaseMisconfigured(problems[0])
 
     def run_once(self) -> list[Action]:
         """Run one pass and return what it did, job by job."""

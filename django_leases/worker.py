@@ -38,18 +38,28 @@ from django.db import (
 from django_leases.ack_buffer import AckBuffer
 from django_leases.attempts import TRANSIENT, Recorder, RunsAttempts, WorkerStats
 from django_leases.backoff import retry_delay
+from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import (
+    DatabaseMisconfigured,
     LeaseLost,
     WorkerIdTaken,
 )
 from django_leases.group_commit import GroupCommit
 from django_leases.handlers import ACK_BATCH, get_handler, registered_kinds
 from django_leases.heartbeat import RenewsLeases
-from django_leases.lease import Lease
+from django_leases.lease import Lease, Presence
+from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, check_kind
 from django_leases.listener import Listener
-from django_leases.querysets import LeaseQuerySet, WorkerQuerySet, leased_jobs, registered_workers
+from django_leases.outages import check_tables, outage_or_raise
+from django_leases.querysets import (
+    LeaseQuerySet,
+    WorkerQuerySet,
+    leased_jobs,
+    queue_models,
+    registered_workers,
+)
 from django_leases.redaction import error_text
 from django_leases.schedules import Ticker
 from django_leases.status import TIMED_OUT, AttemptOutcome
@@ -87,12 +97,18 @@ class Slot:
 
 
 class LeaseWorker(RunsAttempts, RenewsLeases):
-    """Claim jobs of the registered kinds and run them, `concurrency` at a time."""
+    """Claim jobs of the registered kinds and run them, `concurrency` at a time.
+
+    The jobs are `model`'s (default: `JOB_MODEL`) on the database `using` (default: where the
+    routers send writes of the model); the worker's registry row, leases and ledger rows live
+    there too.
+    """
 
     def __init__(
         self,
         *,
         model: type[Any] | None = None,
+        using: str | None = None,
         worker_id: str | None = None,
         ttl: float | None = None,
         heartbeat: float | None = None,
@@ -106,12 +122,14 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         ack_flush_interval: float | None = None,
         recorder: Recorder | None = None,
     ) -> None:
-        jobs = leased_jobs(model)
+        jobs = leased_jobs(model, using)
         self.model: type[Any] = jobs.model
         self.worker_id = worker_id or default_worker_id()
-        self.ttl = to_seconds(ttl if ttl is not None else leases_settings.TTL, "ttl")
+        self.ttl = to_seconds(ttl if ttl is not None else leases_settings.TTL, "ttl", MIN_TTL)
         self.heartbeat_interval = to_seconds(
-            heartbeat if heartbeat is not None else leases_settings.HEARTBEAT, "heartbeat"
+            heartbeat if heartbeat is not None else leases_settings.HEARTBEAT,
+            "heartbeat",
+            MIN_HEARTBEAT,
         )
         if self.heartbeat_interval >= self.ttl:
             raise ValueError(
@@ -129,7 +147,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
         known = registered_kinds()
-        self.kinds = sorted(kinds) if kinds else known
+        self.kinds = sorted(check_kind(kind, "kinds") for kind in kinds) if kinds else known
         unknown = sorted(set(self.kinds) - set(known))
         if unknown:
             raise ValueError(
@@ -146,6 +164,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         self.poll_interval = to_seconds(
             poll_interval if poll_interval is not None else leases_settings.POLL_INTERVAL,
             "poll_interval",
+            MIN_POLL_INTERVAL,
         )
         self.grace_period = (
             grace_period if grace_period is not None else leases_settings.GRACE_PERIOD
@@ -169,6 +188,8 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         self.using = jobs.db
         self._job_rows = jobs
         self.stats = WorkerStats(recorder=recorder)
+        self.presence = Presence(gone_after)
+        """When the watcher may take this worker for gone: its leases end then too."""
         self.failure: str | None = None
         """Why the worker stopped itself (for its supervisor to restart it); None otherwise."""
         self._instance = secrets.token_hex(8)
@@ -189,8 +210,13 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
     def run(self) -> WorkerStats:
         """Run until stopped, or until --burst finds nothing left, or --max-jobs is reached.
 
-        Raises `WorkerIdTaken` (before any claim) if a live process already uses the worker id.
+        Raises `WorkerIdTaken` (before any claim) if a live process already uses the worker id,
+        and `DatabaseMisconfigured` (at once, or as soon as the database answers) if the
+        database refuses the connection settings, lacks the tables or has a session clock
+        that is not UTC.
         """
+        harden(connections[self.using], self.ttl)
+        self._wait_until_ready()
         logger.info(
             "worker starting worker_id=%s kinds=%s concurrency=%s ttl=%s heartbeat=%s",
             self.worker_id,
@@ -204,7 +230,15 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
             "CONN_MAX_AGE says; broken ones are replaced, and CONN_HEALTH_CHECKS runs at most "
             "once per claim loop pass and poll interval"
         )
-        harden(connections[self.using], self.ttl)
+        if self.ttl > self.presence.gone_after:
+            logger.warning(
+                "ttl=%s is longer than WORKER_GONE_AFTER=%s: cut off from the database, this "
+                "worker gives its leases up %ss after its last registry beat, when the watcher "
+                "may rescue them",
+                self.ttl,
+                self.presence.gone_after,
+                self.presence.gone_after,
+            )
         listener = Listener.for_model(self.model, self.using, self.ttl)
         try:
             self._start_ack_writer()
@@ -246,10 +280,11 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         started = time.monotonic()
         try:
             jobs = self._jobs().claim(self.worker_id, ttl=self.ttl, limit=free, kinds=self.kinds)
-        except TRANSIENT as exc:
+        except DatabaseError as exc:
+            outage_or_raise(exc, self.using)  # the loop stops for a configuration error
             self._outage("claim", exc)
             return 0
-        self._hand_out([Lease(job, ttl=self.ttl, renewed_at=started) for job in jobs])
+        self._hand_out(self._leases(jobs, started))
         self._note_claimed(jobs)
         return len(jobs)
 
@@ -268,12 +303,29 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
     def _workers(self) -> WorkerQuerySet:
         return registered_workers(self.using)
 
+    def _wait_until_ready(self) -> None:
+        """Check the tables and the session clock before anything is logged or claimed,
+        waiting out database outages (until stopped)."""
+        while not self._stopping.is_set():
+            try:
+                check_tables(self.using, queue_models(self.model))
+                problems = database_clock_problems(self.using)
+            except DatabaseError as exc:
+                outage_or_raise(exc, self.using)
+                self._outage("the start", exc)
+                continue
+            if problems:
+                raise DatabaseMisconfigured(problems[0])
+            return
+
     def _register(self) -> None:
         """Take this worker's registry row, waiting out database outages (until stopped)."""
         while True:
+            started = time.monotonic()
             try:
                 registered = self._workers().register(self.worker_id, **self._registry_fields())
-            except TRANSIENT as exc:
+            except DatabaseError as exc:
+                outage_or_raise(exc, self.using)
                 if self._stopping.is_set():
                     return
                 self._outage("registration", exc)
@@ -283,6 +335,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
                     f"worker id {self.worker_id!r} is in use by a live worker process; "
                     "give each process its own --worker-id"
                 )
+            self.presence.confirmed(started)
             return
 
     def _registry_fields(self) -> dict[str, Any]:
@@ -665,8 +718,8 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         self._stopped.set()
         try:
             self._workers().stopped(self.worker_id, self._instance)
-        except TRANSIENT:
-            pass
+        except DatabaseError:
+            pass  # the row ages out; a database that refuses us already said why
         finally:
             connections.close_all()
 

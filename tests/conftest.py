@@ -4,19 +4,50 @@ import codecs
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 from weakref import WeakKeyDictionary
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
+
+from django_leases.db import UNWRAPPED_CALLS
+
+from .pgbouncer import EXECUTABLE as PGBOUNCER
+from .pgbouncer import PgBouncer
 
 ROOT = Path(__file__).resolve().parent.parent
 # The database under test, as chosen by DATABASE_URL (unset or empty: SQLite).
 ON_SQLITE = (os.environ.get("DATABASE_URL") or "sqlite").startswith("sqlite")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--serial-tests",
+        choices=("only", "exclude"),
+        help="keep only the tests marked serial, or leave them out (scripts/test's two passes)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect by --serial-tests, and start the tests marked slow first: on several processes
+    (-n) a slow test that starts last would be the only one still running."""
+    choice = config.getoption("serial_tests")
+    if choice:
+        kept: list[pytest.Item] = []
+        dropped: list[pytest.Item] = []
+        for item in items:
+            serial = item.get_closest_marker("serial") is not None
+            (kept if serial == (choice == "only") else dropped).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+    items.sort(key=lambda item: not item.get_closest_marker("slow"))
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -25,11 +56,31 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "LEASES_TEST_DB_NAME": str(connection.settings_dict["NAME"]),
+        "LEASES_TEST_OTHER_DB_NAME": str(connections["other"].settings_dict["NAME"]),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }
     env.update(extra)
     return env
+
+
+def free_port() -> int:
+    """Return a loopback TCP port nothing listens on (the kernel's pick, released at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def database_url(
+    *, user: str | None = None, password: str | None = None, port: int | None = None
+) -> str:
+    """Return DATABASE_URL of this run with its user, password or port replaced."""
+    url = urlsplit(os.environ["DATABASE_URL"])
+    user = url.username if user is None else user
+    password = url.password if password is None else password
+    login = quote(user or "") + (f":{quote(password)}" if password else "")
+    netloc = f"{login}@{url.hostname}:{port or url.port}"
+    return urlunsplit(url._replace(netloc=netloc))
 
 
 def wait_for(
@@ -132,8 +183,49 @@ class Processes:
                 proc.stdout.close()
 
 
+@pytest.fixture(autouse=True)
+def unhardened() -> Iterator[None]:
+    """Give back this thread's connections as the test found them. A test that runs a watcher
+    pass or a worker loop in-process hardens them (`db.harden()`), and every later test of the
+    process would see its statement timeout in front of the SQL it captures."""
+    saved = [
+        (
+            conn,
+            conn.settings_dict,
+            list(conn.execute_wrappers),
+            {name: conn.__dict__[name] for name in UNWRAPPED_CALLS if name in conn.__dict__},
+        )
+        for conn in connections.all()
+    ]
+    yield
+    for conn, settings_dict, wrappers, methods in saved:
+        conn.settings_dict = settings_dict
+        conn.execute_wrappers[:] = wrappers
+        for name in UNWRAPPED_CALLS:
+            conn.__dict__.pop(name, None)
+        conn.__dict__.update(methods)
+
+
 @pytest.fixture
 def processes() -> Iterator[Processes]:
     procs = Processes()
     yield procs
     procs.kill_all()
+
+
+@pytest.fixture(scope="session", params=["transaction", "session"])
+def pgbouncer(request: pytest.FixtureRequest) -> Iterator[PgBouncer]:
+    """A PgBouncer of stock configuration in front of the test database's server, in transaction
+    pooling, then in session pooling; one of each per test process (xdist worker)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PgBouncer pools PostgreSQL connections: these tests run on PostgreSQL")
+    if PGBOUNCER is None:
+        pytest.skip("pgbouncer is not installed (Debian and Ubuntu: apt-get install pgbouncer)")
+    mode: str = request.param
+    # Transaction pooling shares 4 server sessions among every client's transactions. Session
+    # pooling gives a client a server session until it disconnects: its pool is PgBouncer's
+    # default, which holds every connection a test opens at once.
+    size = 4 if mode == "transaction" else 20
+    url = os.environ["DATABASE_URL"]
+    with PgBouncer(url, pool_mode=mode, pool_size=size, port=free_port()) as bouncer:
+        yield bouncer

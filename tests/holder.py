@@ -48,7 +48,7 @@ def main() -> None:
     until = time.monotonic() + args.hold
     while renewed and time.monotonic() < until:
         time.sleep(args.heartbeat)
-        renewed = pk in jobs.heartbeat(args.owner, {pk: token}, ttl=args.ttl)
+        renewed = (pk, token) in jobs.heartbeat(args.owner, [(pk, token)], ttl=args.ttl)
     say(heartbeat_refused=not renewed)
     try:
         jobs.complete(pk, args.owner, token)

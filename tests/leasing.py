@@ -7,6 +7,7 @@ from django.db.models.functions import Now
 from django.test.utils import CaptureQueriesContext
 
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.querysets.base import FencingClock
 
 
 def expire(job: PaymentJob, seconds: float = 5) -> None:
@@ -26,9 +27,22 @@ def statements(ctx: CaptureQueriesContext) -> list[str]:
 
 
 def ledger(job: PaymentJob) -> list[tuple[int, int, str, str]]:
-    """The job's attempt ledger: (attempt, token, owner, outcome), oldest first."""
-    return list(
+    """The job's attempt ledger in token order: (attempt, n, owner, outcome), `n` the rank of
+    the row's token among the job's (1 the lowest). Tokens are database-clock numbers; a test
+    states their order (rank == attempt: tokens rise with attempts), not their values."""
+    rows = (
         JobAttempt.objects.filter(job_ref=job.pk)
         .order_by("token")
-        .values_list("attempt", "token", "owner", "outcome")
+        .values_list("attempt", "owner", "outcome")
     )
+    return [(attempt, n, owner, outcome) for n, (attempt, owner, outcome) in enumerate(rows, 1)]
+
+
+def token_of(job: PaymentJob, attempt: int = 1) -> int:
+    """The fencing token the job's `attempt`-th acquisition was given, from the ledger."""
+    return int(JobAttempt.objects.get(job_ref=job.pk, attempt=attempt).token)
+
+
+def database_micros() -> int:
+    """The database clock in microseconds since the epoch: the floor of a new fencing token."""
+    return int(PaymentJob.objects.annotate(now=FencingClock()).values_list("now", flat=True)[0])

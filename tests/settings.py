@@ -1,5 +1,6 @@
 """Test settings: the same suite runs on SQLite, PostgreSQL or MariaDB by DATABASE_URL."""
 
+import copy
 from pathlib import Path
 
 import django
@@ -84,6 +85,17 @@ if DATABASES["default"]["ENGINE"].endswith("mysql"):
     # MariaDB/MySQL build the lease indexes without their WHERE condition (status leads each
     # index, so claims still read one range); Django 6 warns about that on every command.
     SILENCED_SYSTEM_CHECKS = ["models.W037"]
+# A second database on the same server (SQLite: a second file), for the tests of queues on more
+# than one database; created only for the tests that ask for it. Worker subprocesses reach its
+# test database by LEASES_TEST_OTHER_DB_NAME.
+DATABASES["other"] = copy.deepcopy(DATABASES["default"])
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    DATABASES["other"]["NAME"] = str(_sqlite.with_name("other_" + _sqlite.name))
+    DATABASES["other"]["TEST"]["NAME"] = str(_sqlite.with_name("test_other_" + _sqlite.name))
+else:
+    DATABASES["other"]["NAME"] = f"{database_from_env(env, _sqlite)['NAME']}_other"
+if env("LEASES_TEST_OTHER_DB_NAME", default=""):
+    DATABASES["other"]["NAME"] = env("LEASES_TEST_OTHER_DB_NAME")
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"

@@ -22,7 +22,7 @@ from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
 
 from .conftest import Processes, finish, read_until, wait_for
-from .leasing import claim_one, expire, ledger, statements
+from .leasing import claim_one, expire, ledger, statements, token_of
 
 Status = PaymentJob.Status
 FAST = ("--poll-interval", "0.1", "-v", "2")
@@ -92,7 +92,7 @@ def test_complete_many__completes_exactly_the_rows_still_held() -> None:
 
     won = PaymentJob.objects.complete_many("w1", acks)
 
-    assert won == {ok1.pk, ok2.pk}
+    assert won == {(ok1.pk, tokens[ok1.pk]), (ok2.pk, tokens[ok2.pk])}
     rows = {job.pk: job for job in PaymentJob.objects.filter(pk__in=acks)}
     assert {pk: rows[pk].status for pk in acks} == {
         ok1.pk: Status.COMPLETED,
@@ -104,7 +104,7 @@ def test_complete_many__completes_exactly_the_rows_still_held() -> None:
         locked.pk: Status.PROCESSING,  # a job of a lock is completed by complete() only
     }
     assert rows[ok1.pk].completed_at is not None and rows[done.pk].completed_at == done_at
-    assert (rows[taken.pk].lease_owner, rows[taken.pk].lease_token) == ("w2", 2)
+    assert (rows[taken.pk].lease_owner, rows[taken.pk].lease_token) == ("w2", token_of(taken, 2))
     for job in (ok1, ok2, done):
         assert ledger(job) == [(1, 1, "w1", "completed")]
     assert ledger(taken) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
@@ -113,8 +113,8 @@ def test_complete_many__completes_exactly_the_rows_still_held() -> None:
     # Closed rows never change (append-only); the refused acks are noted as fenced, except
     # where the holder itself closed the row (its own release or completion).
     assert {pk: row for pk, row in closed_rows(list(acks)).items() if pk in before} == before
-    fenced = set(JobAttempt.objects.filter(fenced_at__isnull=False).values_list("job_ref", "token"))
-    assert fenced == {(taken.pk, 1), (locked.pk, 1)}
+    fenced = JobAttempt.objects.filter(fenced_at__isnull=False)
+    assert set(fenced.values_list("job_ref", "attempt")) == {(taken.pk, 1), (locked.pk, 1)}
     assert PaymentJob.objects.complete_many("w1", {ok1.pk: tokens[ok1.pk]}) == set()
     assert ledger(ok1) == [(1, 1, "w1", "completed")]
 
@@ -130,7 +130,7 @@ def test_complete_many__one_round_trip_whatever_the_batch_size() -> None:
     counts = []
     for batch in (small, large):
         with CaptureQueriesContext(connection) as ctx:
-            assert PaymentJob.objects.complete_many("w1", batch) == set(batch)
+            assert PaymentJob.objects.complete_many("w1", batch) == set(batch.items())
         counts.append(len(statements(ctx)))
     expected = {"postgresql": 1, "sqlite": 2}.get(connection.vendor, 3)
     assert counts == [expected, expected]
@@ -337,7 +337,7 @@ def test_worker__sigterm_releases_the_jobs_claimed_ahead(processes: Processes) -
     assert {row[2:] for row in ledger(jobs[3])} == {("stopped", "released")}, out
     jobs[3].refresh_from_db()
     assert jobs[3].status == Status.PENDING
-    assert f"released unstarted job_id={jobs[3].pk} token=1" in out
+    assert f"released unstarted job_id={jobs[3].pk} token={token_of(jobs[3])}" in out
     assert "died" not in out
 
 

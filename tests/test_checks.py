@@ -1,5 +1,6 @@
 """System checks for DJANGO_LEASES: each bad value is reported with a stable id."""
 
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,12 +28,13 @@ from django_leases.checks.databases import (
     database_clock_problems,
     sqlite_without_immediate,
 )
+from django_leases.conf import DEFAULTS
 from django_leases.limits import BATCH_SIZE, EXACT_COUNT_LIMIT, MAX_ATTEMPTS, MAX_DURATION
 from django_leases.models import PaymentJob
 from django_leases.querysets import leased_jobs
 from tests.testapp.models import PayoutJob
 
-from .conftest import Processes, subprocess_env, wait_for
+from .conftest import ROOT, Processes, subprocess_env, wait_for
 
 
 def ids(**settings: object) -> list[str]:
@@ -94,7 +96,7 @@ def test_check_settings__policies() -> None:
     assert ids(STUCK_POLICY="ignore") == ["django_leases.E005"]
     assert ids(STUCK_POLICY_BY_KIND={"capture": "maybe"}) == ["django_leases.E006"]
     assert ids(STUCK_POLICY_BY_KIND=["capture"]) == ["django_leases.E006"]
-    assert ids(STUCK_POLICY_BY_KIND={"capture": "review"}) == []
+    assert ids(STUCK_POLICY_BY_KIND={"risky": "review"}) == []
 
 
 def test_check_settings__retention_backoff_and_booleans() -> None:
@@ -116,12 +118,20 @@ def test_check_settings__messages_carry_hints() -> None:
 @override_settings(DJANGO_LEASES={"TTL": 10, "HEARTBEAT": 20})
 def test_check_settings__manage_py_check_fails_on_errors() -> None:
     with pytest.raises(SystemCheckError, match="django_leases.E003"):
-        call_command("check")
+        call_command("check", databases=[])  # Django 6.1 would ask every database
 
 
 def test_check_settings__worker_gone_after_needs_two_heartbeats() -> None:
-    assert ids(HEARTBEAT=20, WORKER_GONE_AFTER=30) == ["django_leases.E010"]
-    assert ids(HEARTBEAT=20, WORKER_GONE_AFTER=40) == []
+    assert ids(TTL=30, HEARTBEAT=20, WORKER_GONE_AFTER=30) == ["django_leases.E010"]
+    assert ids(TTL=30, HEARTBEAT=20, WORKER_GONE_AFTER=40) == []
+
+
+def test_check_settings__warns_of_a_ttl_longer_than_worker_gone_after() -> None:
+    """The docs' own "slow, flaky infrastructure" profile passed: TTL 300, heartbeat 60,
+    WORKER_GONE_AFTER 120. A cut-off worker gives its leases up at WORKER_GONE_AFTER."""
+    assert ids(TTL=300, HEARTBEAT=60, WORKER_GONE_AFTER=120) == ["django_leases.W012"]
+    assert ids(TTL=300, HEARTBEAT=60, WORKER_GONE_AFTER=360) == []
+    assert ids(TTL=120, HEARTBEAT=20, WORKER_GONE_AFTER=120) == []
 
 
 def redactor_hook(exc: BaseException, text: str) -> str:
@@ -419,11 +429,77 @@ def test_check_schedules__missing_or_bad_kind(kind: object) -> None:
     "every", [None, 0, -1, "60", True, float("nan"), 0.5, timedelta(0), MAX_DURATION + 1]
 )
 def test_check_schedules__every_not_a_positive_duration(every: object) -> None:
-    entry = {"kind": "noop"} if every is None else {"kind": "noop", "every": every}
+    entry = {"kind": "noop", "every": every}
     with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": entry}}):
         messages = check_schedules()
     assert [m.id for m in messages] == ["django_leases.E027"]
     assert "['every']" in messages[0].msg
+
+
+def test_check_schedules__cron_schedules_are_clean() -> None:
+    assert (
+        schedule_ids(
+            weekdays={"kind": "noop", "cron": "30 2 * * 1-5", "tz": "Europe/Berlin"},
+            utc={"kind": "noop", "cron": "*/15 * * * *", "catch_up": False},
+            named={"kind": "noop", "cron": "0 9 L * mon-fri", "tz": "America/New_York"},
+        )
+        == []
+    )
+
+
+@pytest.mark.parametrize(
+    ("cron", "says"),
+    [
+        ("61 * * * *", "not a valid cron expression (bad minute)"),
+        ("* * * *", "must have 5 fields, got 4"),
+        ("*/15 * * * * *", "must have 5 fields, got 6"),
+        ("0 0 31 2 *", "not a valid cron expression"),
+        ("* * */20 * 1L", "matches no time in the next 50 years"),
+        ("", "must be a string of 1-200 characters"),
+        ("* " * 101, "must be a string of 1-200 characters"),
+        (None, "must be a string"),
+        (30, "must be a string"),
+    ],
+)
+def test_check_schedules__invalid_cron(cron: object, says: str) -> None:
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": {"kind": "noop", "cron": cron}}}):
+        messages = check_schedules()
+    assert [m.id for m in messages] == ["django_leases.E034"]
+    assert "DJANGO_LEASES['SCHEDULES']['beat']['cron']" in messages[0].msg
+    assert says in messages[0].msg
+
+
+@pytest.mark.parametrize("tz", ["Mars/Olympus", "europe/berlin", "../etc/passwd", "", None, 1])
+def test_check_schedules__unknown_tz(tz: object) -> None:
+    entry = {"kind": "noop", "cron": "30 2 * * *", "tz": tz}
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": entry}}):
+        messages = check_schedules()
+    assert [m.id for m in messages] == ["django_leases.E035"]
+    assert "['tz'] must be the name of a time zone" in messages[0].msg
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ({"kind": "noop"}, "has neither"),
+        ({"kind": "noop", "every": 60, "cron": "30 2 * * *"}, "has both"),
+    ],
+)
+def test_check_schedules__both_or_neither_of_every_and_cron(
+    entry: dict[str, object], says: str
+) -> None:
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": entry}}):
+        messages = check_schedules()
+    assert [m.id for m in messages] == ["django_leases.E036"]
+    assert f"must have exactly one of 'every' and 'cron', {says}" in messages[0].msg
+
+
+def test_check_schedules__tz_without_cron() -> None:
+    entry = {"kind": "noop", "every": 60, "tz": "Europe/Berlin"}
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": entry}}):
+        messages = check_schedules()
+    assert [m.id for m in messages] == ["django_leases.E037"]
+    assert "has 'tz' without 'cron'" in messages[0].msg
 
 
 @pytest.mark.parametrize("payload", [{"at": object()}, {"n": float("inf")}, {"ids": {1, 2}}])
@@ -449,17 +525,103 @@ def test_check_schedules__catch_up_not_a_bool(catch_up: object) -> None:
     ]
 
 
-def test_check_schedules__period_longer_than_retention_warns_when_catching_up() -> None:
+def test_check_schedules__period_longer_than_retention_is_fine() -> None:
+    """W007 is retired: pruning no longer makes a tick run again."""
     entry = {"kind": "noop", "every": 8 * 86400}
-    assert schedule_ids(beat=entry) == ["django_leases.W007"]
-    assert schedule_ids(beat={**entry, "catch_up": False}) == []
     with override_settings(
-        DJANGO_LEASES={"SCHEDULES": {"beat": entry}, "RETENTION": {"completed": 9 * 86400}}
+        DJANGO_LEASES={"SCHEDULES": {"beat": entry}, "RETENTION": {"completed": 60}}
     ):
         assert check_schedules() == []
 
 
 def test_check_schedules__reported_by_manage_py_check() -> None:
     with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": {"kind": "noop"}}}):
-        with pytest.raises(SystemCheckError, match="E027"):
-            call_command("check")
+        with pytest.raises(SystemCheckError, match="E036"):
+            call_command("check", databases=[])
+
+
+@pytest.mark.parametrize(
+    ("by_kind", "hint"),
+    [
+        ({"riskyy": "review"}, "Did you mean 'risky'? "),
+        ({"RISKY": "review", "risky": "retry"}, "Did you mean 'risky'? "),
+        ({"zzzz": "review"}, "Use the kind of a @job_handler"),
+    ],
+)
+def test_check_settings__warns_of_policy_for_no_registered_kind(
+    by_kind: dict[str, str], hint: str
+) -> None:
+    with override_settings(DJANGO_LEASES={"STUCK_POLICY_BY_KIND": by_kind}):
+        (message,) = check_settings()
+    assert message.id == "django_leases.W009"
+    unknown = next(kind for kind in by_kind if kind != "risky")
+    assert f"names {unknown!r}" in message.msg and "STUCK_POLICY ('retry')" in message.msg
+    assert message.hint.startswith(hint)
+
+
+def test_check_settings__policy_for_registered_kinds_passes() -> None:
+    assert ids(STUCK_POLICY_BY_KIND={"risky": "review", "risky_reconciled": "review"}) == []
+    assert ids(STUCK_POLICY="review", STUCK_POLICY_BY_KIND={}) == []
+
+
+# ---- the documented ids ---------------------------------------------------------------------
+
+PACKAGE = ROOT / "django_leases"
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+# A check id as the docs write it: django_leases.E012, E012, or a range E025–E029.
+DOC_ID = re.compile(r"(\w+\.)?\b([EW])(\d{3})\b(?:\s*[–-]\s*(?:\2)?(\d{3})\b)?")
+
+
+def documented_ids(text: str) -> set[str]:
+    """Return the django-leases check ids `text` names, ranges expanded (never models.W037)."""
+    found = set()
+    for prefix, level, first, last in DOC_ID.findall(text):
+        if prefix not in ("", "django_leases."):
+            continue
+        found.update(f"{level}{n:03d}" for n in range(int(first), int(last or first) + 1))
+    return found
+
+
+def code_ids() -> set[str]:
+    """Return the ids of every check message the package can report."""
+    return {
+        match
+        for path in PACKAGE.rglob("*.py")
+        for match in re.findall(r"""id=["']django_leases\.([EW]\d{3})["']""", path.read_text())
+    }
+
+
+def table(heading: str) -> list[list[str]]:
+    """Return the rows of the first table under `heading` of docs/configuration.md, cells
+    stripped."""
+    text = CONFIGURATION.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def named_settings(text: str) -> set[str]:
+    return set(re.findall(r"`([A-Z][A-Z_]+)\b", text)) & set(DEFAULTS)
+
+
+# Ids no check reports any more, named as retired in docs/configuration.md (never reused).
+RETIRED = {"W007"}
+
+
+def test_docs__every_check_id_exists_and_is_in_the_table() -> None:
+    checks_table = {documented_ids(row[0]).pop() for row in table("System checks")}
+    assert checks_table == code_ids()
+    assert not RETIRED & code_ids()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        unknown = documented_ids(path.read_text()) - code_ids() - RETIRED
+        assert not unknown, f"{path.name} names {sorted(unknown)}, which no check reports"
+
+
+def test_docs__settings_and_check_rows_name_each_other() -> None:
+    """A setting's "checks" cell names exactly the ids whose row in the System checks table
+    names that setting."""
+    rows = {documented_ids(row[0]).pop(): row[2] for row in table("System checks")}
+    for name, *_, checks in table("Settings"):
+        setting = name.strip("`")
+        claimed = documented_ids(checks)
+        about = {id_ for id_, text in rows.items() if setting in named_settings(text)}
+        assert claimed == about, f"{setting}: its row says {sorted(claimed)}"

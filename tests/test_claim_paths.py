@@ -71,22 +71,35 @@ def generate(seed: int) -> None:
 def outcome_of(path: ClaimPath, owner: str, limit: int, kinds: list[str] | None) -> Any:
     """Claim with `path`, return what it did, and roll every write back."""
     with transaction.atomic():
-        outcome = claim_outcome(PaymentJob.objects.all()._claim(owner, 60.0, limit, kinds, path))
+        before = dict(PaymentJob.objects.values_list("pk", "lease_token"))
+        jobs = PaymentJob.objects.all()._claim(owner, 60.0, limit, kinds, path)
+        outcome = claim_outcome(jobs, before)
         transaction.set_rollback(True)
     return outcome
 
 
-def claim_outcome(jobs: list[Any]) -> Any:
+def claim_outcome(jobs: list[Any], before: dict[int, int]) -> Any:
     """What a claim that returned `jobs` did: the jobs in claim order, every ledger row and every
-    job's lease state."""
-    claimed = [(job.pk, job.attempts, job.lease_token, job.lease_owner) for job in jobs]
+    job's lease state. A token above the job's in `before` (its token before the claim) reads
+    "new": new tokens are database-clock numbers, never the same in two claims."""
+
+    def token(pk: int, value: int) -> int | str:
+        return "new" if value > before[pk] else value
+
+    claimed = [
+        (job.pk, job.attempts, token(job.pk, job.lease_token), job.lease_owner) for job in jobs
+    ]
     rows = sorted(
-        JobAttempt.objects.values_list(
+        (job, attempt, token(job, value), *rest)
+        for job, attempt, value, *rest in JobAttempt.objects.values_list(
             "job_ref", "attempt", "token", "owner", "outcome", "ended_by"
         )
     )
     states = sorted(
-        PaymentJob.objects.values_list("pk", "status", "attempts", "lease_token", "lock_holder")
+        (pk, status, attempts, token(pk, value), holder)
+        for pk, status, attempts, value, holder in PaymentJob.objects.values_list(
+            "pk", "status", "attempts", "lease_token", "lock_holder"
+        )
     )
     return claimed, rows, states
 
@@ -146,7 +159,7 @@ def held_and_lost(seed: int) -> dict[int, int]:
 def completion_of(path: ClaimPath, owner: str, acks: dict[int, int]) -> Any:
     """Complete `acks` with `path`, return what it did, and roll every write back."""
     with transaction.atomic():
-        won = PaymentJob.objects.all()._complete_many(owner, acks, path)
+        won = PaymentJob.objects.all()._complete_many(owner, list(acks.items()), path)
         states = sorted(
             (*row[:-1], row[-1] is None)
             for row in PaymentJob.objects.values_list(

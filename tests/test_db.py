@@ -1,5 +1,6 @@
 """Network timeouts: options per database, the watchdog, and a worker behind a silent partition."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -10,7 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from django.db import OperationalError, connection, connections
+from django.db import DataError, OperationalError, connection, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.test import override_settings
 
@@ -24,12 +25,16 @@ from django_leases.db import (
     keep_usable,
     merged_options,
     network_timeout,
+    statement_timeout,
     watchdog,
 )
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.querysets.base import bound_cursor, literal_cursor
+from django_leases.sql import sqlstate
 from tests.testapp.models import Charge
 
 from .conftest import ON_SQLITE, Processes, subprocess_env, wait_for
+from .leasing import token_of
 from .proxy import Proxy
 
 Status = PaymentJob.Status
@@ -58,11 +63,13 @@ def test_hardened_options__per_database() -> None:
         "keepalives_interval": 3,
         "keepalives_count": 3,
         "tcp_user_timeout": 20_000,
-        "options": "-c statement_timeout=20000",
     }
+    # The statement timeout goes with each transaction, not in the startup `options`.
+    assert statement_timeout("postgresql", 20, {}) == 20_000
     # Whole seconds for the drivers, never below what they accept.
     assert hardened_options("postgresql", 1.5)["connect_timeout"] == 2
-    assert hardened_options("postgresql", 1.5)["options"] == "-c statement_timeout=1500"
+    assert statement_timeout("postgresql", 1.5, {}) == 1500
+    assert statement_timeout("mysql", 20, {}) is None
     assert hardened_options("mysql", 2.5) == {
         "connect_timeout": 3,
         "read_timeout": 3,
@@ -78,13 +85,15 @@ def test_merged_options__the_projects_values_win() -> None:
     assert merged["keepalives"] == 0
     assert merged["sslmode"] == "require"
     assert merged["tcp_user_timeout"] == 20_000
-    # A project's own `options` keep their settings and gain the statement timeout...
-    assert merged_options("postgresql", 20, {"options": "-c search_path=app"})["options"] == (
-        "-c search_path=app -c statement_timeout=20000"
-    )
+    # A project's own `options` keep their settings, and its transactions get the statement
+    # timeout...
+    theirs = {"options": "-c search_path=app"}
+    assert merged_options("postgresql", 20, theirs)["options"] == "-c search_path=app"
+    assert statement_timeout("postgresql", 20, theirs) == 20_000
     # ...unless they set one themselves.
-    mine = "-c statement_timeout=0"
-    assert merged_options("postgresql", 20, {"options": mine})["options"] == mine
+    mine = {"options": "-c statement_timeout=0"}
+    assert merged_options("postgresql", 20, mine)["options"] == mine["options"]
+    assert statement_timeout("postgresql", 20, mine) is None
     assert merged_options("mysql", 20, {"read_timeout": 120})["read_timeout"] == 120
 
 
@@ -135,8 +144,7 @@ def test_harden__changes_this_connection_only(spare: BaseDatabaseWrapper) -> Non
     assert [d.seconds for d in deadlines] == [2 + CLIENT_SLACK]
     with spare.cursor() as cursor:
         if spare.vendor == "postgresql":
-            cursor.execute("SHOW statement_timeout")
-            assert cursor.fetchone() == ("2s",)
+            assert server_timeout(cursor) == "2s"
             params = spare.connection.info.get_parameters()
             assert params["keepalives"] == "1" and params["tcp_user_timeout"] == "2000"
         else:
@@ -180,6 +188,104 @@ def test_harden__none_leaves_connections_as_configured(spare: BaseDatabaseWrappe
         harden(spare, 6)
     assert spare.settings_dict == before
     assert spare.execute_wrappers == []
+
+
+ON_POSTGRESQL = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="statement_timeout is PostgreSQL's"
+)
+STATEMENT_TIMEOUT = "57014"  # query_canceled: the server ended the statement
+
+
+def cursors(conn: BaseDatabaseWrapper) -> dict[str, Callable[[], Any]]:
+    """The ways the package sends statements on `conn`: Django's cursor (the ORM), the bound
+    and the literal cursors of the lease layer (its completions, the prepared claim)."""
+    assert connections["spare"] is conn
+    return {
+        "django": conn.cursor,
+        "bound": lambda: bound_cursor("spare"),
+        "literal": lambda: literal_cursor("spare"),
+    }
+
+
+def server_timeout(cursor: Any) -> str:
+    """The statement_timeout the server applies to the statement `cursor` sends now."""
+    cursor.execute("SHOW statement_timeout")
+    (value,) = cursor.fetchone()
+    return str(value)
+
+
+@pytest.fixture
+def slow_spare(spare: BaseDatabaseWrapper) -> Iterator[BaseDatabaseWrapper]:
+    """`spare`, hardened with a network timeout of 1 s, as the alias "spare"."""
+    with override_settings(DJANGO_LEASES={"NETWORK_TIMEOUT": 1}):
+        harden(spare, 6)
+    connections["spare"] = spare
+    yield spare
+    del connections["spare"]
+
+
+@ON_POSTGRESQL
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("kind", ["django", "bound", "literal"])
+@pytest.mark.parametrize("in_transaction", [False, True])
+def test_harden__a_statement_stuck_on_a_live_server_ends_with_the_servers_error(
+    slow_spare: BaseDatabaseWrapper, kind: str, in_transaction: bool
+) -> None:
+    """In autocommit and in a transaction (its first statement and a later one), whichever
+    cursor sends it: the server cancels the statement, the watchdog never has to cut the
+    connection, and the connection goes on."""
+    cursor_of = cursors(slow_spare)[kind]
+    fired = watchdog.fired
+    with contextlib.ExitStack() as stack:
+        if in_transaction:
+            stack.enter_context(transaction.atomic(using="spare"))
+            with cursor_of() as cursor:
+                cursor.execute("SELECT 1")
+        with pytest.raises(OperationalError) as caught, cursor_of() as cursor:
+            cursor.execute("SELECT pg_sleep(30)")
+    assert sqlstate(caught.value) == STATEMENT_TIMEOUT
+    assert watchdog.fired == fired
+    with cursor_of() as cursor:
+        cursor.execute("SELECT %s", [2])
+        assert cursor.fetchone() == (2,)
+        assert server_timeout(cursor) == "1s"
+
+
+@ON_POSTGRESQL
+@pytest.mark.django_db(transaction=True)
+def test_harden__a_transactions_own_bound_wins_and_a_savepoint_still_rolls_back(
+    slow_spare: BaseDatabaseWrapper,
+) -> None:
+    with transaction.atomic(using="spare"), slow_spare.cursor() as cursor:
+        cursor.execute("SET LOCAL statement_timeout = 0")
+        with contextlib.suppress(DataError), transaction.atomic(using="spare"):
+            cursor.execute("SELECT 1 / 0")  # aborts the savepoint's part
+        cursor.execute("SELECT pg_sleep(1.5)")  # past the worker's bound of 1 s
+        assert server_timeout(cursor) == "0"
+    with slow_spare.cursor() as cursor:
+        assert server_timeout(cursor) == "1s"  # the next transaction gets the bound again
+
+
+@ON_POSTGRESQL
+@pytest.mark.django_db(transaction=True)
+def test_harden__a_statement_that_needs_no_transaction_block_goes_alone(
+    slow_spare: BaseDatabaseWrapper,
+) -> None:
+    table = slow_spare.ops.quote_name(PaymentJob._meta.db_table)
+    with slow_spare.cursor() as cursor:
+        cursor.execute(f"VACUUM {table}")
+        assert server_timeout(cursor) == "1s"  # and the next statement gets the bound
+
+
+@ON_POSTGRESQL
+@pytest.mark.django_db(transaction=True)
+def test_harden__the_projects_own_statement_timeout_wins(spare: BaseDatabaseWrapper) -> None:
+    options = {**spare.settings_dict["OPTIONS"], "options": "-c statement_timeout=4500"}
+    spare.settings_dict = {**spare.settings_dict, "OPTIONS": options}
+    with override_settings(DJANGO_LEASES={"NETWORK_TIMEOUT": 1}):
+        harden(spare, 6)
+    with spare.cursor() as cursor:
+        assert server_timeout(cursor) == "4500ms"
 
 
 def through(proxy: Proxy, conn: BaseDatabaseWrapper) -> None:
@@ -280,14 +386,15 @@ class Output:
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.lines: list[str] = []
-        self._started = time.monotonic()
+        self.started = time.monotonic()
+        """Monotonic time the lines' timestamps (seconds, at the start of each) count from."""
         self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
         self._thread.start()
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            self.lines.append(f"{time.monotonic() - self._started:7.2f} {line}")
+            self.lines.append(f"{time.monotonic() - self.started:7.2f} {line}")
 
     @property
     def text(self) -> str:
@@ -313,7 +420,7 @@ def attempts(job: PaymentJob) -> list[tuple[int, str, str]]:
     return list(
         JobAttempt.objects.filter(job_ref=job.pk)
         .order_by("token")
-        .values_list("token", "owner", "outcome")
+        .values_list("attempt", "owner", "outcome")  # in token order: tokens rise with attempts
     )
 
 
@@ -343,24 +450,26 @@ def test_worker__partition_loses_the_lease_in_time_and_recovers(processes: Proce
         peer = processes.manage(
             "run_lease_worker", "--worker-id", "peer", "--kind", "charge", *args
         )
-        log.wait_for_line(f"lease lost job_id={job.pk} token=1")
+        log.wait_for_line(f"lease lost job_id={job.pk} token={token_of(job)}")
         log.wait_for(lambda: PaymentJob.objects.get(pk=job.pk).status == Status.COMPLETED)
 
         proxy.restore()
         after = PaymentJob.objects.enqueue("noop")  # only "cut" runs this kind
         log.wait_for(lambda: PaymentJob.objects.get(pk=after.pk).status == Status.COMPLETED)
         # Its handler wakes at 12 s and must be fenced out, not write.
-        log.wait_for_line(f"fenced out job_id={job.pk} token=1")
+        log.wait_for_line(f"fenced out job_id={job.pk} token={token_of(job)}")
 
     assert cut.poll() is None, "the worker recovered without a restart"
     assert PaymentJob.objects.get(pk=after.pk).lease_owner == "cut"
     done = PaymentJob.objects.get(pk=job.pk)
     assert (done.status, done.lease_owner, done.attempts) == (Status.COMPLETED, "peer", 2)
     # Exactly one charge, by the peer: the partitioned worker wrote nothing after its lease.
-    assert list(Charge.objects.values_list("job_ref", "token", "owner")) == [(job.pk, 2, "peer")]
+    assert list(Charge.objects.values_list("job_ref", "token", "owner")) == [
+        (job.pk, token_of(job, 2), "peer")
+    ]
     assert attempts(job) == [(1, "cut", "lease_lost"), (2, "peer", "completed")]
     # The takeover closed the partitioned attempt; its holder never got to close it itself.
-    assert JobAttempt.objects.get(job_ref=job.pk, token=1).ended_by == "peer"
+    assert JobAttempt.objects.get(job_ref=job.pk, attempt=1).ended_by == "peer"
     cut.terminate()
     peer.terminate()
     cut.wait(timeout=60)

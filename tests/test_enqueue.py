@@ -1,13 +1,24 @@
-"""`enqueue()` (querysets/enqueue.py, payments.py): checked arguments, idempotency, own columns."""
+"""`enqueue()` and `enqueue_many()`, awaitable too (querysets/enqueue.py, inserts.py,
+payments.py): checked arguments, idempotency, own columns, the statements they send."""
 
+import json
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
+from asgiref.sync import async_to_sync
+from django.db import connection, transaction
+from django.db.models.functions import Now
+from django.test.utils import CaptureQueriesContext
 
 from django_leases.exceptions import InvalidArgument, InvalidPayload
 from django_leases.models import PaymentJob
 from tests.testapp.models import BareJob, PayoutJob
+
+from .conftest import Processes
 
 pytestmark = pytest.mark.django_db
 
@@ -118,3 +129,312 @@ def test_enqueue__payment_job_keeps_payment_id_and_refuses_a_long_one() -> None:
     with pytest.raises(InvalidArgument, match="payment_id must be a string of at most 64"):
         PaymentJob.objects.enqueue("capture", payment_id="p" * 65)
     assert PaymentJob.objects.count() == 1
+
+
+def test_enqueue_many__one_job_per_payload_in_order_with_the_same_options() -> None:
+    jobs = PaymentJob.objects.enqueue_many(
+        "capture", [{"n": 1}, {"n": 2}, None], priority=3, max_attempts=2
+    )
+    assert [job.payload for job in jobs] == [{"n": 1}, {"n": 2}, {}]
+    assert [job.pk for job in jobs] == sorted(job.pk for job in jobs)
+    stored = PaymentJob.objects.order_by("pk")
+    assert [(j.kind, j.priority, j.max_attempts, j.status) for j in stored] == [
+        ("capture", 3, 2, Status.PENDING)
+    ] * 3
+    assert PaymentJob.objects.enqueue_many("capture", []) == []
+
+
+def test_enqueue_many__jobs_sharing_a_lock_wait_in_the_payloads_order() -> None:
+    jobs = PaymentJob.objects.enqueue_many("capture", [{}, {}, {}], payment_id="pay_9")
+    statuses = [PaymentJob.objects.get(pk=job.pk).status for job in jobs]
+    assert statuses == [Status.PENDING, Status.WAITING, Status.WAITING]
+    assert {job.lock for job in jobs} == {"payment:pay_9"}
+
+
+def test_enqueue_many__idempotency_keys_one_per_payload_return_the_first_job() -> None:
+    first = PaymentJob.objects.enqueue("capture", idempotency_key="k1")
+    jobs = PaymentJob.objects.enqueue_many(
+        "capture", [{}, {}, {}, {}], idempotency_keys=["k1", "k2", None, "k2"]
+    )
+    assert jobs[0].pk == first.pk and jobs[1].pk == jobs[3].pk
+    assert len({job.pk for job in jobs}) == 3 and PaymentJob.objects.count() == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"payloads": {"a": 1}}, "payloads must be a list of payloads"),
+        ({"payloads": "abc"}, "payloads must be a list of payloads"),
+        ({"payloads": [{}], "idempotency_key": "k"}, "takes idempotency_keys=\\[...\\]"),
+        ({"payloads": [{}, {}], "idempotency_keys": ["k"]}, "got 1 for 2 payloads"),
+        ({"payloads": [{}, {}, {"bad": object()}]}, "payloads\\[2\\]: payload"),
+        ({"payloads": [{}, {}], "priority": "high"}, "payloads\\[0\\]: priority"),
+    ],
+)
+def test_enqueue_many__bad_input_raises_naming_it_and_writes_nothing(
+    kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        PaymentJob.objects.enqueue_many("capture", **kwargs)  # type: ignore[arg-type]
+    assert PaymentJob.objects.count() == 0
+
+
+def test_aenqueue__and_aenqueue_many_are_enqueue_awaitable() -> None:
+    async def enqueue_from_async_code() -> tuple[PaymentJob, list[PaymentJob]]:
+        one = await PaymentJob.objects.aenqueue("capture", {"n": 0}, payment_id="pay_1")
+        many = await PaymentJob.objects.aenqueue_many("capture", [{"n": 1}, {"n": 2}])
+        with pytest.raises(InvalidPayload):
+            await PaymentJob.objects.aenqueue("capture", {"bad": object()})
+        return one, many
+
+    one, many = async_to_sync(enqueue_from_async_code)()
+    assert one.lock == "payment:pay_1" and [job.payload for job in many] == [{"n": 1}, {"n": 2}]
+    assert PaymentJob.objects.count() == 3
+
+
+# ---- statements sent: no savepoint where nothing can conflict, NOTIFY once per kind -----------
+
+
+def sent(run: Callable[[], object]) -> list[str]:
+    """The statements `run` sends, upper-cased."""
+    with CaptureQueriesContext(connection) as queries:
+        run()
+    return [query["sql"].upper() for query in queries.captured_queries]
+
+
+def notified(statements: list[str]) -> int:
+    return sum("PG_NOTIFY" in sql for sql in statements)
+
+
+def test_enqueue__in_a_transaction_sends_one_insert_and_no_savepoint() -> None:
+    plain = sent(lambda: PaymentJob.objects.enqueue("capture", {"n": 1}))
+    keyed = sent(lambda: PaymentJob.objects.enqueue("capture", idempotency_key="k-1"))
+    again = sent(lambda: PaymentJob.objects.enqueue("capture", idempotency_key="k-1"))
+    assert [sql.split()[0] for sql in plain] == ["INSERT"]
+    assert [sql.split()[0] for sql in keyed] == ["INSERT"]
+    # The second enqueue of a key: its INSERT skips the row, then reads the first job.
+    assert [sql.split()[0] for sql in again] == ["INSERT", "SELECT"]
+    assert PaymentJob.objects.count() == 2
+
+
+def test_enqueue__of_a_lock_reads_its_holder_and_inserts_without_a_savepoint() -> None:
+    first = sent(lambda: PaymentJob.objects.enqueue("capture", payment_id="p1"))
+    second = sent(lambda: PaymentJob.objects.enqueue("refund", payment_id="p1"))
+    assert [sql.split()[0] for sql in first] == ["SELECT", "INSERT"]
+    assert [sql.split()[0] for sql in second] == ["SELECT", "INSERT"]
+    assert not any("SAVEPOINT" in sql for sql in first + second)
+    assert list(PaymentJob.objects.order_by("pk").values_list("status", "lock_holder")) == [
+        (Status.PENDING, "payment:p1"),
+        (Status.WAITING, None),
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue__notifies_once_per_kind_at_commit_and_never_on_rollback() -> None:
+    def enqueue_in_one_transaction() -> None:
+        with transaction.atomic():
+            inside.extend(
+                sent(
+                    lambda: (
+                        [
+                            PaymentJob.objects.enqueue(kind, idempotency_key=key)
+                            for kind, key in [
+                                ("capture", None),
+                                ("refund", "r1"),
+                                ("capture", "c1"),
+                            ]
+                        ]
+                        + PaymentJob.objects.enqueue_many("refund", [{}, {}])
+                    )
+                )
+            )
+
+    inside: list[str] = []
+    committed = sent(enqueue_in_one_transaction)
+    assert notified(inside) == 0  # nothing is announced before the commit
+
+    def rolled_back_transaction() -> None:
+        with pytest.raises(ZeroDivisionError), transaction.atomic():
+            PaymentJob.objects.enqueue("capture")
+            1 / 0  # noqa: B018
+
+    rolled_back = sent(rolled_back_transaction)
+    after_rollback = sent(lambda: PaymentJob.objects.enqueue("capture"))
+
+    def savepoint_rolled_back() -> None:
+        with transaction.atomic():
+            with pytest.raises(ZeroDivisionError), transaction.atomic():
+                PaymentJob.objects.enqueue("refund")
+                1 / 0  # noqa: B018
+            PaymentJob.objects.enqueue("refund")
+
+    after_savepoint = sent(savepoint_rolled_back)
+    notifies = connection.vendor == "postgresql"
+    assert notified(committed) == (2 if notifies else 0)
+    assert notified(rolled_back) == 0
+    assert notified(after_rollback) == notified(after_savepoint) == (1 if notifies else 0)
+    assert PaymentJob.objects.count() == 7
+
+
+# ---- enqueue_many(): one INSERT per batch, the rules of enqueue() -------------------------------
+
+
+def test_enqueue_many__sends_one_insert_for_a_batch() -> None:
+    statements = sent(
+        lambda: PaymentJob.objects.enqueue_many("capture", [{"n": n} for n in range(50)])
+    )
+    assert [sql.split()[0] for sql in statements] == ["INSERT"]
+    assert sorted(PaymentJob.objects.values_list("payload__n", flat=True)) == list(range(50))
+
+
+def test_enqueue_many__keys_repeated_in_the_batch_and_existing_return_the_first_job() -> None:
+    existing = PaymentJob.objects.enqueue("capture", {"n": 0}, idempotency_key="k0")
+    payloads = [{"n": n} for n in range(1, 6)]
+    keys = ["k0", "k1", "k1", None, "k2"]
+    jobs: list[PaymentJob] = []
+    statements = sent(
+        lambda: jobs.extend(
+            PaymentJob.objects.enqueue_many("capture", payloads, idempotency_keys=keys)
+        )
+    )
+    # One INSERT per run of keyed and keyless jobs (ids in the payloads' order), one SELECT.
+    assert [sql.split()[0] for sql in statements] == ["INSERT", "INSERT", "INSERT", "SELECT"]
+    assert jobs[0].pk == existing.pk and jobs[0].payload == {"n": 0}
+    assert jobs[1].pk == jobs[2].pk and jobs[2].payload == {"n": 2}  # the first of k1
+    assert len({job.pk for job in jobs}) == 4 and PaymentJob.objects.count() == 4
+    new = [jobs[1].pk, jobs[3].pk, jobs[4].pk]
+    assert new == sorted(new)  # ids in the payloads' order
+    for job in jobs:  # each instance is the stored row
+        stored = PaymentJob.objects.get(pk=job.pk)
+        assert (job.payload, job.idempotency_key, job.run_at, job.created_at, job.status) == (
+            stored.payload,
+            stored.idempotency_key,
+            stored.run_at,
+            stored.created_at,
+            stored.status,
+        )
+
+
+def test_enqueue_many__the_first_new_job_of_a_free_lock_takes_it_the_rest_wait() -> None:
+    elsewhere = PaymentJob.objects.enqueue("capture", idempotency_key="k0")  # of no lock
+    jobs = PaymentJob.objects.enqueue_many(
+        "capture", [{}, {}, {}, {}], lock="L", idempotency_keys=["k0", "k1", "k2", "k1"]
+    )
+    assert jobs[0].pk == elsewhere.pk and jobs[1].pk == jobs[3].pk
+    assert [(job.status, job.lock_holder) for job in map(stored, jobs)] == [
+        (Status.PENDING, None),
+        (Status.PENDING, "L"),
+        (Status.WAITING, None),
+        (Status.PENDING, "L"),
+    ]
+    # A held lock: every new job waits behind its holder, in the payloads' order.
+    more = PaymentJob.objects.enqueue_many(
+        "refund", [{}, {}], lock="L", idempotency_keys=["k1", "k3"]
+    )
+    assert more[0].pk == jobs[1].pk and stored(more[1]).status == Status.WAITING
+    assert list(PaymentJob.objects.waiting().order_by("pk").values_list("pk", flat=True)) == [
+        jobs[2].pk,
+        more[1].pk,
+    ]
+
+
+def stored(job: PaymentJob) -> PaymentJob:
+    return PaymentJob.objects.get(pk=job.pk)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"payloads": [{}, {"bad": object()}, {}], "lock": "L"}, "payloads\\[1\\]: payload"),
+        ({"payloads": [{}, {}, {}], "idempotency_keys": ["a", "", "c"]}, "payloads\\[1\\]: idem"),
+        ({"payloads": [{}, {}], "payment_id": "p" * 65}, "payloads\\[0\\]: payment_id"),
+    ],
+)
+def test_enqueue_many__a_bad_item_in_the_middle_writes_nothing(
+    options: dict[str, Any], message: str
+) -> None:
+    PaymentJob.objects.enqueue("capture", idempotency_key="a")
+    with pytest.raises(InvalidArgument, match=message):
+        PaymentJob.objects.enqueue_many("capture", **options)
+    assert PaymentJob.objects.count() == 1
+
+
+def test_enqueue__a_delay_with_a_key_or_a_lock_counts_from_the_database_clock() -> None:
+    keyed = PaymentJob.objects.enqueue("capture", idempotency_key="k", run_at=3600)
+    many = PaymentJob.objects.enqueue_many(
+        "capture", [{}, {}], lock="L", idempotency_keys=["a", "b"], run_at=timedelta(hours=1)
+    )
+    pks = [keyed.pk, *(job.pk for job in many)]
+    in_an_hour = PaymentJob.objects.filter(
+        pk__in=pks,
+        run_at__gt=Now() + timedelta(minutes=59),
+        run_at__lt=Now() + timedelta(minutes=61),
+    )
+    assert in_an_hour.count() == 3
+    assert {stored(job).run_at for job in [keyed, *many]} == {
+        keyed.run_at,
+        *(j.run_at for j in many),
+    }
+    assert PaymentJob.objects.claim("w", ttl=60) == []
+
+
+def test_enqueue_many__on_a_projects_own_tables_with_and_without_a_key_column() -> None:
+    payouts = PayoutJob.objects.enqueue_many(
+        "payout.send", [{}, {}], recipient="acct-1", idempotency_keys=["po-1", "po-1"]
+    )
+    bare = BareJob.objects.enqueue_many("bare", [{}, {}], lock="B")
+    assert payouts[0].pk == payouts[1].pk and PayoutJob.objects.get().recipient == "acct-1"
+    assert [BareJob.objects.get(pk=job.pk).status for job in bare] == [
+        Status.PENDING,
+        Status.WAITING,
+    ]
+
+
+@pytest.mark.skipif(
+    connection.vendor == "postgresql",
+    reason="Django's PostgreSQL backend cannot insert without RETURNING (no lastrowid)",
+)
+def test_enqueue__without_returning_keeps_the_same_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MySQL returns no rows from an INSERT: the enqueues there take the ORM's INSERT in
+    savepoints, with the same outcomes (the switch is the backend's own feature flag)."""
+    monkeypatch.setattr(connection.features, "can_return_columns_from_insert", False)
+    first = PaymentJob.objects.enqueue("capture", payment_id="p1", idempotency_key="k1")
+    again = PaymentJob.objects.enqueue("capture", payment_id="p1", idempotency_key="k1")
+    jobs = PaymentJob.objects.enqueue_many(
+        "refund", [{}, {}, {}], payment_id="p1", idempotency_keys=["k1", "k2", "k2"]
+    )
+    assert again.pk == first.pk == jobs[0].pk and jobs[1].pk == jobs[2].pk
+    assert [(job.status, job.lock_holder) for job in map(stored, [first, jobs[1]])] == [
+        (Status.PENDING, "payment:p1"),
+        (Status.WAITING, None),
+    ]
+    assert PaymentJob.objects.count() == 2
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("many", [0, 4])
+def test_enqueue__racing_enqueues_of_the_same_keys_and_lock_make_each_job_once(
+    processes: Processes, many: int
+) -> None:
+    """Three processes enqueue the same 12 keys of one lock at once (one by one, or in batches
+    of 4): the unique indexes decide, no savepoint catches anything, and every process gets the
+    one job of each key; one job holds the lock, the others wait behind it."""
+    start_at = str(time.time() + 3)  # every enqueuer has started up by then
+    command = ["-m", "tests.enqueuer", "--jobs", "12", "--locks", "race", "--keys"]
+    racers = [
+        processes.start(*command, "--many", str(many), "--start-at", start_at) for _ in range(3)
+    ]
+    orders = []
+    for proc in racers:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        orders.append(json.loads(out.strip().splitlines()[-1])["pks"])
+    assert orders[0] == orders[1] == orders[2]
+    jobs = PaymentJob.objects.order_by("pk")
+    assert sorted(jobs.values_list("idempotency_key", flat=True)) == sorted(
+        f"race-{i}" for i in range(12)
+    )
+    assert [(job.status, job.lock_holder) for job in jobs] == [(Status.PENDING, "race")] + [
+        (Status.WAITING, None)
+    ] * 11

@@ -3,6 +3,7 @@
 
 import threading
 from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -16,7 +17,7 @@ from django_leases.querysets import LeaseQuerySet
 from django_leases.worker import LeaseWorker
 
 from .conftest import wait_for
-from .leasing import expire, ledger, statements
+from .leasing import expire, ledger, statements, token_of
 
 Status = PaymentJob.Status
 
@@ -131,7 +132,7 @@ def test_complete_and_claim__completes_the_rows_still_held_and_claims_the_next()
         "w1", acks, ttl=60, limit=3, kinds=["noop"]
     )
 
-    assert won == {ok.pk, mine_expired.pk}
+    assert won == {(ok.pk, held[ok.pk]), (mine_expired.pk, held[mine_expired.pk])}
     # Claim order: expired leases first, then priority; never a job this call completed (on
     # PostgreSQL the same statement), nor another kind. A refused one is taken over, as after
     # complete_many() then claim().
@@ -140,15 +141,20 @@ def test_complete_and_claim__completes_the_rows_still_held_and_claims_the_next()
     rows = {job.pk: job for job in PaymentJob.objects.all()}
     assert rows[ok.pk].status == rows[mine_expired.pk].status == Status.COMPLETED
     assert (rows[taken.pk].lease_owner, rows[stale.pk].status) == ("w2", Status.PROCESSING)
-    assert (rows[stale_expired.pk].lease_token, rows[stale_expired.pk].attempts) == (2, 2)
+    assert (rows[stale_expired.pk].lease_token, rows[stale_expired.pk].attempts) == (
+        token_of(stale_expired, 2),
+        2,
+    )
     assert rows[due[2].pk].status == rows[other_kind.pk].status == Status.PENDING
     assert ledger(ok) == ledger(mine_expired) == [(1, 1, "w1", "completed")]
     assert ledger(taken) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
     assert ledger(stale) == [(1, 1, "w1", "running")]
     assert ledger(stale_expired) == [(1, 1, "w1", "lease_lost"), (2, 2, "w1", "running")]
     assert ledger(due[1]) == ledger(due[0]) == [(1, 1, "w1", "running")]
-    fenced = set(JobAttempt.objects.filter(fenced_at__isnull=False).values_list("job_ref", "token"))
-    assert fenced == {(taken.pk, 1)}  # no attempt ever had the stale tokens
+    fenced = JobAttempt.objects.filter(fenced_at__isnull=False)
+    assert set(fenced.values_list("job_ref", "attempt")) == {
+        (taken.pk, 1)
+    }  # none had the stale tokens
 
 
 @pytest.mark.django_db
@@ -159,7 +165,7 @@ def test_complete_and_claim__one_statement_on_postgresql_and_nothing_left_to_cla
         won, claimed = PaymentJob.objects.complete_and_claim(
             "w1", {job.pk: job.lease_token}, ttl=60, limit=3
         )
-    assert (won, claimed) == ({job.pk}, [])
+    assert (won, claimed) == ({(job.pk, job.lease_token)}, [])
     # PostgreSQL: one statement; elsewhere complete_many()'s and claim()'s.
     if connection.vendor == "postgresql":
         assert len(statements(ctx)) == 1
@@ -202,7 +208,7 @@ def test_worker__slots_complete_and_claim_their_next_jobs_together() -> None:
     groups: list[tuple[int, int]] = []
     real = LeaseQuerySet.complete_and_claim
 
-    def spy(self: LeaseQuerySet, owner: str, leases: dict[int, int], **kwargs: object) -> object:
+    def spy(self: LeaseQuerySet, owner: str, leases: list[Any], **kwargs: object) -> object:
         won, claimed = real(self, owner, leases, **kwargs)  # type: ignore[arg-type]
         groups.append((len(leases), len(claimed)))
         return won, claimed

@@ -5,10 +5,11 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.db import transaction
 from django.db.models.functions import Now
 
-from django_leases.exceptions import LeaseLost
-from django_leases.lease import Lease
+from django_leases.exceptions import LeaseError, LeaseLost
+from django_leases.lease import Lease, Presence
 from django_leases.models import JobAttempt, PaymentJob
 
 pytestmark = pytest.mark.django_db
@@ -27,7 +28,7 @@ def take_over(lease: Lease, owner: str = "w2") -> PaymentJob:
     """Expire the lease by the database clock and let `owner` claim the job."""
     PaymentJob.objects.filter(pk=lease.pk).update(lease_until=Now() - timedelta(seconds=1))
     (job,) = PaymentJob.objects.claim(owner, ttl=60)
-    assert (job.pk, job.lease_token) == (lease.pk, lease.token + 1)
+    assert job.pk == lease.pk and job.lease_token > lease.token
     return job
 
 
@@ -97,3 +98,42 @@ def test_lease__async_forms_write_through_the_same_conditional_updates() -> None
     assert PaymentJob.objects.get(pk=lease.pk).status == Status.COMPLETED
     with pytest.raises(LeaseLost):
         async_to_sync(lease.aheartbeat)()
+
+
+def test_lease__lost_once_its_worker_may_look_gone_before_its_ttl() -> None:
+    """A worker's registry beat is WORKER_GONE_AFTER old: the watcher may rescue its jobs, so
+    its leases are lost then too, however long their TTL."""
+    job = held().job
+    now = time.monotonic()
+    presence = Presence(gone_after=5)
+    presence.confirmed(now - 4)
+    lease = Lease(job, ttl=60, renewed_at=now, presence=presence)
+    assert not lease.lost and lease.valid_until == pytest.approx(now + 1)
+    presence.confirmed(now - 6)  # an older beat moves nothing back
+    assert not lease.lost
+    stale = Presence(gone_after=5)
+    stale.confirmed(now - 6)
+    gone = Lease(job, ttl=60, renewed_at=now, presence=stale)
+    assert gone.lost
+    with pytest.raises(LeaseLost, match="WORKER_GONE_AFTER"):
+        gone.check()
+    with pytest.raises(LeaseLost), gone.atomic():
+        pass
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING
+
+
+@pytest.mark.django_db(transaction=True)
+def test_lease__atomic_refuses_to_run_inside_another_atomic_block() -> None:
+    """Inside an outer block the completion would commit or roll back with that block: the
+    lease must not be marked finished by a completion that may still roll back."""
+    lease = held()
+    with pytest.raises(LeaseError, match="inside another atomic block"):
+        with transaction.atomic():
+            with lease.atomic():
+                pass
+    assert not lease.finished and lease.outcome is None
+    assert PaymentJob.objects.get(pk=lease.pk).status == Status.PROCESSING
+    with lease.atomic():
+        pass
+    assert lease.finished
+    assert PaymentJob.objects.get(pk=lease.pk).status == Status.COMPLETED

@@ -9,8 +9,9 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from django_leases.exceptions import InvalidDuration, LeaseLost
+from django_leases.limits import CONCURRENCY
 from django_leases.models import JobAttempt, PaymentJob
-from tests.leasing import claim_one, expire, ledger, statements
+from tests.leasing import claim_one, database_micros, expire, ledger, statements, token_of
 from tests.testapp.models import BareJob
 
 pytestmark = pytest.mark.django_db
@@ -21,8 +22,9 @@ Status = PaymentJob.Status
 def test_leases__a_table_without_a_ledger_claims_and_completes() -> None:
     job = BareJob.objects.enqueue("bare")
     (claimed,) = BareJob.objects.claim("w1", ttl=60)
-    assert (claimed.pk, claimed.attempts, claimed.lease_token) == (job.pk, 1, 1)
-    BareJob.objects.complete(job.pk, "w1", 1)
+    assert (claimed.pk, claimed.attempts) == (job.pk, 1) and claimed.lease_token > job.lease_token
+    assert BareJob.objects.get(pk=job.pk).lease_token == claimed.lease_token
+    BareJob.objects.complete(job.pk, "w1", claimed.lease_token)
     assert BareJob.objects.get(pk=job.pk).status == Status.COMPLETED
     assert BareJob.objects.attempt_rows(job.pk) == []
 
@@ -34,10 +36,57 @@ def test_claim__takes_job_and_counts_attempt_in_same_update() -> None:
     job.refresh_from_db()
     assert job.status == Status.PROCESSING
     assert job.lease_owner == "worker-a"
-    assert job.attempts == 1 and job.lease_token == 1
+    assert job.attempts == 1 and job.lease_token == claimed.lease_token == token_of(job) > 0
     assert job.lease_until is not None and job.heartbeat_at is not None
     assert (job.lease_until - job.heartbeat_at).total_seconds() == pytest.approx(60, abs=0.01)
     assert ledger(job) == [(1, 1, "worker-a", "running")]
+
+
+AHEAD = 10**17  # a token ahead of any clock: as after a new primary's clock was set back
+
+
+def claim_by(path: str, pk: int) -> PaymentJob:
+    """Claim job `pk` for "w" by `path`: this database's claim, the ORM path, or `claim_job`."""
+    if path == "claim_job":
+        job = PaymentJob.objects.claim_job(pk, "w", ttl=60)
+        assert job is not None
+        return job
+    jobs = PaymentJob.objects.all()
+    (job,) = jobs.claim("w", ttl=60) if path == "claim" else jobs._claim("w", 60.0, 1, None, "orm")
+    assert job.pk == pk
+    return job
+
+
+@pytest.mark.parametrize("path", ["claim", "orm", "claim_job"])
+def test_claim__token_is_the_database_clock_or_one_more_than_the_last(path: str) -> None:
+    """A new token is GREATEST(last + 1, the database clock in microseconds): above every token
+    of the job, and above every token issued before now, lost in a failover or not."""
+    job = PaymentJob.objects.enqueue("a")
+    floor = database_micros()
+    first = claim_by(path, job.pk)
+    assert floor <= first.lease_token <= database_micros()
+    assert token_of(first) == first.lease_token
+    PaymentJob.objects.filter(pk=job.pk).update(lease_token=AHEAD)
+    expire(first)
+    second = claim_by(path, job.pk)
+    assert second.lease_token == token_of(second, 2) == AHEAD + 1
+
+
+@pytest.mark.parametrize("force", ["requeue", "mark_failed"])
+def test_forced_actions__fence_with_a_token_from_the_same_rule(force: str) -> None:
+    job = PaymentJob.objects.enqueue("a")
+    held = claim_one("w")
+    floor = database_micros()
+    jobs = PaymentJob.objects.filter(pk=job.pk)
+    changed = (
+        jobs.requeue(force=True) if force == "requeue" else jobs.mark_failed(reason="x", force=True)
+    )
+    assert changed == 1
+    fenced = PaymentJob.objects.get(pk=job.pk).lease_token
+    assert fenced > held.lease_token and fenced >= floor
+    PaymentJob.objects.filter(pk=job.pk).update(lease_token=AHEAD, status=Status.PENDING)
+    assert jobs.requeue(force=True) == 1
+    assert PaymentJob.objects.get(pk=job.pk).lease_token == AHEAD + 1
 
 
 def test_claim__live_lease_is_not_claimable() -> None:
@@ -52,7 +101,12 @@ def test_claim__expired_lease_is_taken_over_with_new_token() -> None:
     expire(first)
     second = claim_one("w2")
     assert second.pk == first.pk
-    assert (second.attempts, second.lease_token, second.lease_owner) == (2, 2, "w2")
+    assert (second.attempts, second.lease_token, second.lease_owner) == (
+        2,
+        token_of(first, 2),
+        "w2",
+    )
+    assert second.lease_token > first.lease_token
     assert ledger(second) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
 
 
@@ -131,7 +185,7 @@ def test_claim_job__claims_only_a_claimable_job() -> None:
     assert PaymentJob.objects.claim_job(job.pk, "w2", ttl=60) is None
     expire(won)
     again = PaymentJob.objects.claim_job(job.pk, "w2", ttl=60)
-    assert again is not None and again.lease_token == 2
+    assert again is not None and again.lease_token == token_of(job, 2) > won.lease_token
     assert ledger(job) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
 
 
@@ -149,7 +203,7 @@ def test_heartbeat__renews_many_leases_in_one_statement() -> None:
         renewed = PaymentJob.objects.heartbeat("w1", leases, ttl=120)
     # One UPDATE of the jobs, one of their ledger rows.
     assert len(statements(ctx)) == 2, statements(ctx)
-    assert renewed == set(leases)
+    assert renewed == set(leases.items())
     for job in PaymentJob.objects.filter(pk__in=leases):
         assert (job.lease_until - job.heartbeat_at).total_seconds() == pytest.approx(120, abs=0.01)
     assert set(JobAttempt.objects.values_list("last_heartbeat_at", flat=True)) == set(
@@ -167,9 +221,54 @@ def test_heartbeat__refuses_after_takeover() -> None:
     renewed = PaymentJob.objects.heartbeat(
         "w1", {mine.pk: mine.lease_token, theirs.pk: theirs.lease_token}, ttl=60
     )
-    assert renewed == {mine.pk}
+    assert renewed == {(mine.pk, mine.lease_token)}
     theirs.refresh_from_db()
-    assert (theirs.lease_owner, theirs.lease_token) == ("w2", 2)
+    assert (theirs.lease_owner, theirs.lease_token) == ("w2", taken.lease_token)
+
+
+def test_heartbeat__tells_an_old_lease_from_the_new_one_of_the_same_job() -> None:
+    """The same owner holds the old and the new lease of one job (a forced requeue, then its
+    own claim): only the new one is renewed, whatever the order they are given in."""
+    PaymentJob.objects.enqueue("a")
+    old = claim_one("w1")
+    assert PaymentJob.objects.filter(pk=old.pk).requeue(force=True) == 1
+    new = claim_one("w1")
+    assert new.pk == old.pk and new.lease_token > old.lease_token
+    for leases in ([old, new], [new, old]):
+        keys = [(job.pk, job.lease_token) for job in leases]
+        assert PaymentJob.objects.heartbeat("w1", keys, ttl=60) == {(new.pk, new.lease_token)}
+        won = PaymentJob.objects.complete_and_claim("w1", [], ttl=60)
+        assert won == (set(), [])
+    assert PaymentJob.objects.complete_many("w1", [(old.pk, old.lease_token)]) == set()
+    assert PaymentJob.objects.complete_many(
+        "w1", [(old.pk, old.lease_token), (new.pk, new.lease_token)]
+    ) == {(new.pk, new.lease_token)}
+    assert ledger(new) == [(1, 1, "w1", "requeued"), (2, 2, "w1", "completed")]
+    assert [token_of(new, 1), token_of(new, 2)] == [old.lease_token, new.lease_token]
+
+
+def test_heartbeat__many_leases_at_the_concurrency_maximum() -> None:
+    """A worker at `--concurrency 1000` holds up to 2000 leases (one running and one claimed
+    ahead per slot): they are renewed, completed and noted as fenced on every database (SQLite
+    refused a chain of that many ORs: "Expression tree is too large")."""
+    leases = 2 * CONCURRENCY[1]
+    PaymentJob.objects.bulk_create(PaymentJob(kind="a") for _ in range(leases))
+    held = PaymentJob.objects.claim("w1", ttl=60, limit=leases)
+    keys = [(job.pk, job.lease_token) for job in held]
+    assert len(keys) == leases
+    expire(held[0])
+    renewed = PaymentJob.objects.heartbeat("w1", keys, ttl=120)
+    assert renewed == set(keys[1:])
+    assert JobAttempt.objects.filter(last_heartbeat_at__isnull=False).count() == leases
+    half = keys[: leases // 2]
+    stale = [(pk, token + 7) for pk, token in half]
+    assert PaymentJob.objects.complete_many("w1", half + stale) == set(half)
+    won, claimed = PaymentJob.objects.complete_and_claim("w1", keys, ttl=60, limit=1)
+    assert won == set(keys[leases // 2 :]) and claimed == []
+    assert PaymentJob.objects.filter(status=PaymentJob.Status.COMPLETED).count() == leases
+    # Every lease was completed by its holder; none was fenced (the stale tokens never existed).
+    assert not JobAttempt.objects.filter(fenced_at__isnull=False).exists()
+    assert JobAttempt.objects.filter(outcome="completed", ended_by="w1").count() == leases
 
 
 def test_heartbeat__refuses_an_expired_lease() -> None:
@@ -202,8 +301,13 @@ def test_complete__refuses_after_takeover_and_records_fenced_out() -> None:
     with pytest.raises(LeaseLost):
         PaymentJob.objects.complete(zombie.pk, "w1", zombie.lease_token)
     job = PaymentJob.objects.get(pk=zombie.pk)
-    assert (job.status, job.lease_owner, job.lease_token) == (Status.PROCESSING, "w2", 2)
-    old = JobAttempt.objects.get(job_ref=job.pk, token=1)
+    assert (job.status, job.lease_owner, job.lease_token) == (
+        Status.PROCESSING,
+        "w2",
+        owner.lease_token,
+    )
+    assert owner.lease_token > zombie.lease_token
+    old = JobAttempt.objects.get(job_ref=job.pk, token=zombie.lease_token)
     assert old.outcome == "lease_lost" and old.fenced_at is not None
     PaymentJob.objects.complete(owner.pk, "w2", owner.lease_token)
     assert ledger(job) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "completed")]
@@ -257,7 +361,7 @@ def test_fail__retries_with_backoff_then_fails_at_max_attempts() -> None:
     job.refresh_from_db()
     assert job.status == Status.FAILED and job.completed_at is not None
     assert ledger(job) == [(1, 1, "w1", "retried"), (2, 2, "w1", "failed")]
-    row = JobAttempt.objects.get(job_ref=job.pk, token=2)
+    row = JobAttempt.objects.get(job_ref=job.pk, token=job.lease_token)
     assert (row.error_class, row.error_message) == ("ValueError", "again")
 
 

@@ -3,12 +3,11 @@
 from datetime import timedelta
 
 import pytest
-from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases.exceptions import LeaseLost
 from django_leases.models import JobAttempt, PaymentJob
-from tests.leasing import claim_one, expire, ledger
+from tests.leasing import claim_one, expire, ledger, token_of
 from tests.testapp.models import PayoutAttempt, PayoutJob
 
 pytestmark = pytest.mark.django_db
@@ -22,10 +21,11 @@ def test_attempt_rows__reads_the_tables_own_ledger_oldest_first() -> None:
     PayoutJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=5))
     PayoutJob.objects.claim("w2", ttl=60)
     rows = PayoutJob.objects.attempt_rows(job.pk)
-    assert [(r.token, r.owner, r.outcome) for r in rows] == [
+    assert [(r.attempt, r.owner, r.outcome) for r in rows] == [
         (1, "w1", "lease_lost"),
         (2, "w2", "running"),
     ]
+    assert rows[0].token < rows[1].token == PayoutJob.objects.get(pk=job.pk).lease_token
     assert all(isinstance(row, PayoutAttempt) for row in rows)
     assert JobAttempt.objects.count() == 0
 
@@ -44,7 +44,7 @@ def test_attempts_never_reset_and_ledger_agrees() -> None:
     rows = ledger(job)
     assert job.attempts == len(rows) == 4
     assert [r[0] for r in rows] == [1, 2, 3, 4] and [r[1] for r in rows] == [1, 2, 3, 4]
-    assert PaymentJob.objects.filter(attempts=F("lease_token")).count() == 1
+    assert PaymentJob.objects.filter(lease_token=token_of(job, 4)).count() == 1
 
 
 def test_finished_by__tells_a_lost_acknowledgement_from_a_takeover() -> None:

@@ -6,18 +6,28 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db.models.functions import Now
+from django.test import override_settings
 
-from django_leases.exceptions import InvalidArgument, InvalidDuration, InvalidPayload
+from django_leases import job_handler
+from django_leases.backends import queue_problem
+from django_leases.checks import check_schedules, check_settings
+from django_leases.exceptions import HandlerError, InvalidArgument, InvalidDuration, InvalidPayload
 from django_leases.limits import (
     JSON_INT,
     LATEST_DATETIME,
     MAX_ATTEMPTS,
     MAX_DURATION,
     MAX_JSON_DEPTH,
+    MIN_HEARTBEAT,
+    MIN_POLL_INTERVAL,
+    MIN_TTL,
     PRIORITY,
+    duration_range,
 )
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.worker import LeaseWorker
 
 from .conftest import Processes
 
@@ -109,6 +119,15 @@ BAD_INPUTS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     ("kind NUL", lambda: jobs.enqueue("no\x00op"), InvalidArgument, "kind"),
     ("kind surrogate", lambda: jobs.enqueue("noop\ud83d"), InvalidArgument, "kind"),
     ("kind too long", lambda: jobs.enqueue("k" * 101), InvalidArgument, "kind"),
+    ("kind empty", lambda: jobs.enqueue(""), InvalidArgument, "kind"),
+    # A kind is logged as kind=<kind>: whitespace in it would split or forge a log line.
+    ("kind blank", lambda: jobs.enqueue("   "), InvalidArgument, "kind"),
+    ("kind newline", lambda: jobs.enqueue("noop\nkind=capture"), InvalidArgument, "kind"),
+    ("kind space", lambda: jobs.enqueue("noop owner=w1"), InvalidArgument, "kind"),
+    ("kind tab", lambda: jobs.enqueue("\tnoop"), InvalidArgument, "kind"),
+    ("kind no-break space", lambda: jobs.enqueue("noop\u00a0"), InvalidArgument, "kind"),
+    ("kind bidi override", lambda: jobs.enqueue("noop\u202e"), InvalidArgument, "kind"),
+    ("kind escape", lambda: jobs.enqueue("noop\x1b[2K"), InvalidArgument, "kind"),
     (
         "payment_id NUL",
         lambda: jobs.enqueue("noop", payment_id="p\x00"),
@@ -163,6 +182,12 @@ BAD_INPUTS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     (
         "claim kinds NUL",
         lambda: jobs.claim("w", ttl=60, kinds=["no\x00op"]),
+        InvalidArgument,
+        "kinds",
+    ),
+    (
+        "claim kinds newline",
+        lambda: jobs.claim("w", ttl=60, kinds=["noop\n"]),
         InvalidArgument,
         "kinds",
     ),
@@ -270,6 +295,12 @@ BAD_FLAGS = [
     ("run_lease_worker", "--poll-interval", "1e300"),
     ("run_lease_worker", "--grace-period", "1e300"),
     ("run_lease_worker", "--ttl", "nan"),
+    # Positive, yet below the lower bounds of limits.MIN_SECONDS.
+    ("run_lease_worker", "--ttl", "1e-9"),
+    ("run_lease_worker", "--ttl", "0.5"),
+    ("run_lease_worker", "--heartbeat", "1e-9"),
+    ("run_lease_worker", "--poll-interval", "1e-9"),
+    ("run_lease_worker", "--grace-period", "-5"),
     ("run_lease_worker", "--concurrency", "100000"),
     ("run_lease_worker", "--max-jobs", "1e3"),
     ("watch_stuck_jobs", "--interval", "1e300"),
@@ -296,3 +327,87 @@ def test_command_flags__out_of_range_exit_1_with_one_line_before_any_claim(
     assert len(out.strip().splitlines()) == 1, out
     assert state() == before
     assert jobs.get(pk=job.pk).attempts == 0
+
+
+def handler_error(kind: str) -> str:
+    with pytest.raises(HandlerError) as raised:
+        job_handler(kind)
+    return str(raised.value)
+
+
+def raised_text(call: Callable[[], object]) -> str:
+    with pytest.raises((ValueError, CommandError)) as raised:
+        call()
+    return str(raised.value)
+
+
+def check_texts(**leases: Any) -> str:
+    with override_settings(DJANGO_LEASES=leases):
+        return " ".join(m.msg for m in [*check_settings(), *check_schedules()])
+
+
+# (entry point, call) -> what it said about `kind`
+KIND_ENTRY_POINTS: list[tuple[str, Callable[[str], str]]] = [
+    ("enqueue", lambda kind: raised_text(lambda: jobs.enqueue(kind))),
+    ("claim", lambda kind: raised_text(lambda: jobs.claim("w", ttl=60, kinds=[kind]))),
+    ("job_handler", handler_error),
+    ("LeaseWorker", lambda kind: raised_text(lambda: LeaseWorker(kinds=[kind]))),
+    (
+        "run_lease_worker --kind",
+        lambda kind: raised_text(lambda: call_command("run_lease_worker", "--kind", kind)),
+    ),
+    ("SCHEDULES", lambda kind: check_texts(SCHEDULES={"s": {"kind": kind, "every": 60}})),
+    ("TASKS queue", lambda kind: str(queue_problem(kind.removeprefix("tasks.")))),
+]
+
+
+@pytest.mark.parametrize("kind", ["tasks.a owner=w1", "tasks.a\nkind=capture", "tasks.a\u202eb"])
+@pytest.mark.parametrize("entry", [pytest.param(call, id=name) for name, call in KIND_ENTRY_POINTS])
+def test_kinds__whitespace_and_control_characters_refused_alike_everywhere(
+    entry: Callable[[str], str], kind: str
+) -> None:
+    before = state()
+    said = entry(kind)
+    assert f"must not contain whitespace or control characters, got {kind!r}" in said, said
+    assert "\n" not in said
+    assert state() == before
+
+
+# setting, option, LeaseWorker argument, its lower bound, settings a worker at that bound runs with
+TIMINGS = [
+    ("TTL", "--ttl", "ttl", MIN_TTL, {"HEARTBEAT": 0.3, "NEAR_EXPIRY": 0.5}),
+    ("HEARTBEAT", "--heartbeat", "heartbeat", MIN_HEARTBEAT, {}),
+    ("POLL_INTERVAL", "--poll-interval", "poll_interval", MIN_POLL_INTERVAL, {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("setting", "option", "argument", "minimum", "others"),
+    TIMINGS,
+    ids=[timing[0] for timing in TIMINGS],
+)
+def test_lease_timings__a_lower_bound_and_the_same_range_everywhere(
+    setting: str, option: str, argument: str, minimum: float, others: dict[str, float]
+) -> None:
+    """Positive is not enough (1e-9 passed): `check`, the worker and the command refuse a
+    timing below its bound with the same range, and all three take the bound itself."""
+    bound = duration_range(minimum)
+    assert bound == f"a number of seconds from {minimum:g} to {MAX_DURATION} (100 years)"
+    for tiny in (1e-9, minimum * 0.999):
+        said = {
+            "check": check_texts(**others, **{setting: tiny}),
+            "LeaseWorker": raised_text(lambda: LeaseWorker(**{argument: tiny})),  # noqa: B023
+            option: raised_text(
+                lambda: call_command("run_lease_worker", option, repr(tiny))  # noqa: B023
+            ),
+        }
+        for entry, text in said.items():
+            assert f"must be {bound}" in text, (entry, text)
+        with override_settings(DJANGO_LEASES={**others, setting: tiny}):
+            assert "django_leases.E002" in [m.id for m in check_settings()]
+
+    with override_settings(DJANGO_LEASES={**others, setting: minimum}):
+        assert check_settings() == []
+        worker = LeaseWorker()
+    timings = {"ttl": worker.ttl, "heartbeat": worker.heartbeat_interval}
+    assert timings.get(argument, worker.poll_interval) == minimum

@@ -422,7 +422,7 @@ def test_workers__a_rescued_holder_runs_again_before_the_next_job(processes: Pro
 
     worker(processes, "after-rescue", "--ttl", "5", "--heartbeat", "1")
     wait_for(lambda: all_finished([first, second]), timeout=60)
-    rescued = JobAttempt.objects.get(job_ref=first.pk, token=1)
+    rescued = JobAttempt.objects.get(job_ref=first.pk, attempt=1)
     (after,) = JobAttempt.objects.filter(job_ref=second.pk)
     assert rescued.outcome == "rescued" and rescued.ended_by.startswith("watcher")
     assert after.claimed_at >= rescued.ended_at

@@ -22,13 +22,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from django_leases import metrics, stats
 from django_leases.models import JobAttempt, PaymentJob
 
+from . import throttled
 from .conftest import ROOT, Processes, finish, read_until, subprocess_env, wait_for
+from .testapp.models import PayoutJob
 
 Status = PaymentJob.Status
 LOCAL = ("--metrics-port", "0", "--metrics-address", "127.0.0.1")
 NEAR_EXPIRY = {"NEAR_EXPIRY": 300}
-# The view, routed as a project would route it.
-urlpatterns = [path("metrics/", metrics.queue_metrics)]
+# The view, routed as a project would route it: for JOB_MODEL, and for an own table.
+urlpatterns = [
+    path("metrics/", metrics.queue_metrics),
+    path("metrics/payouts/", metrics.queue_metrics, {"model": "testapp.PayoutJob"}),
+]
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -198,7 +203,7 @@ def test_worker_metrics__a_paused_worker_counts_its_lost_lease_and_fenced_out_wr
         "run_lease_worker", "--worker-id", "owner", "--ttl", "3", "--heartbeat", "0.5",
         "--poll-interval", "0.1", "--kind", "sleep",
     )  # fmt: skip
-    wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, lease_token=2).exists())
+    wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, lease_owner="owner", attempts=2).exists())
     os.killpg(zombie.pid, signal.SIGCONT)
 
     wait_for(lambda: value(scrape(url), "django_leases_leases_lost_total", kind="sleep") == 1)
@@ -386,3 +391,90 @@ def test_watcher_metrics__rescues_and_gauges_of_a_real_watcher(processes: Proces
     proc.send_signal(signal.SIGTERM)
     out = finish(proc)
     assert proc.returncode == 0, out
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("name", ["run_lease_worker", "watch_stuck_jobs"])
+def test_metrics_endpoint__listens_on_this_host_only_by_default(
+    processes: Processes, name: str
+) -> None:
+    # The endpoint is unauthenticated: without --metrics-address it must not face the network.
+    proc = processes.manage(name, "--metrics-port", "0", env=subprocess_env())
+    out = read_until(proc, "/metrics")
+    match = re.search(r"metrics at (http://127\.0\.0\.1:\d+/metrics)", out)
+    assert match, out
+    with urllib.request.urlopen(match.group(1), timeout=10) as response:  # noqa: S310 - local
+        assert response.status == 200  # it answers there
+
+
+def two_tables() -> None:
+    """Jobs of JOB_MODEL (one of them stuck) and of the own table PayoutJob (one held)."""
+    for _ in range(3):
+        PaymentJob.objects.enqueue("capture")
+    stuck = PaymentJob.objects.enqueue("capture", payment_id="stuck")
+    PaymentJob.objects.claim_job(stuck.pk, "w-gone", ttl=600)
+    PaymentJob.objects.filter(pk=stuck.pk).update(lease_until=Now() - timedelta(seconds=1))
+    for recipient in ("a", "b", "held"):
+        PayoutJob.objects.enqueue("payout.send", recipient=recipient)
+    held = PayoutJob.objects.get(recipient="held")
+    PayoutJob.objects.claim_job(held.pk, "w-live", ttl=600)
+
+
+def job_series(samples: Samples) -> Samples:
+    return {key: n for key, n in samples.items() if key[0] == "django_leases_jobs"}
+
+
+PAYOUT_SERIES = {
+    ("django_leases_jobs", (("kind", "payout.send"), ("status", "pending"))): 2,
+    ("django_leases_jobs", (("kind", "payout.send"), ("status", "processing"))): 1,
+}
+
+
+@pytest.mark.django_db
+@pytest.mark.urls(__name__)
+def test_queue_metrics__the_urlconf_chooses_the_job_table(client: Client) -> None:
+    two_tables()
+    payouts = parse(client.get("/metrics/payouts/").content.decode())
+    assert job_series(payouts) == PAYOUT_SERIES
+    assert value(payouts, "django_leases_jobs_stuck") == 0
+    default = parse(client.get("/metrics/").content.decode())
+    assert job_series(default) == {
+        ("django_leases_jobs", (("kind", "capture"), ("status", "pending"))): 3,
+        ("django_leases_jobs", (("kind", "capture"), ("status", "processing"))): 1,
+    }
+    assert value(default, "django_leases_jobs_stuck") == 1
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_watcher_metrics__the_gauges_of_its_model(processes: Processes) -> None:
+    """`watch_stuck_jobs --model X --metrics-port N` serves X's gauges (it served JOB_MODEL's)."""
+    two_tables()
+    proc = processes.manage(
+        "watch_stuck_jobs", "--model", "testapp.PayoutJob", "--interval", "3600", *LOCAL
+    )
+    samples = scrape(endpoint(proc))
+    assert job_series(samples) == PAYOUT_SERIES
+    # JOB_MODEL's stuck job is neither counted nor rescued by a watcher of another table.
+    assert value(samples, "django_leases_jobs_stuck") == 0
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert "0 job(s) acted on" in out, out
+    assert PaymentJob.objects.expired().filter(payment_id="stuck").exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.urls(__name__)
+def test_queue_metrics__report_the_limits_per_kind(client: Client) -> None:
+    throttled.register()
+    try:
+        samples = parse(client.get("/metrics/").content.decode())
+    finally:
+        throttled.unregister()
+    limits = {key: n for key, n in samples.items() if key[0].startswith("django_leases_kind_")}
+    assert limits == {
+        ("django_leases_kind_limit", (("kind", "capped"),)): 2,
+        ("django_leases_kind_rate_jobs", (("kind", "rated"),)): 3,
+        ("django_leases_kind_rate_window_seconds", (("kind", "rated"),)): 1.0,
+    }

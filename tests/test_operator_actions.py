@@ -6,12 +6,14 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 from django.db.models.functions import Now
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_leases.exceptions import LeaseLost
+from django_leases.exceptions import Cancelled, LeaseLost
 from django_leases.models import JobAttempt, JobEvent, PaymentJob
 from django_leases.querysets.operators import OPERATOR_BATCH_SIZE
 from tests.leasing import claim_one, expire, ledger
+from tests.testapp.models import BareJob
 
 from .conftest import Processes, wait_for
 
@@ -46,7 +48,7 @@ def test_requeue__leaves_the_failed_attempt_as_it_was_and_records_an_event() -> 
     assert PaymentJob.objects.filter(pk=job.pk).requeue(by="admin:ops") == 1
 
     assert rows(job) == before
-    assert events(job) == [("requeued", "admin:ops", 1, 1, "")]
+    assert events(job) == [("requeued", "admin:ops", 1, held.lease_token, "")]
     # No attempts were left: the requeued job still runs again.
     again = claim_one("w2")
     assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
@@ -55,7 +57,7 @@ def test_requeue__leaves_the_failed_attempt_as_it_was_and_records_an_event() -> 
 
 def test_mark_failed__of_a_rescued_pending_job_keeps_the_watchers_row() -> None:
     job = PaymentJob.objects.enqueue("a")
-    claim_one("w1")
+    held = claim_one("w1")
     expire(job)
     assert PaymentJob.objects.rescue(PaymentJob.objects.get(pk=job.pk), "retry", by="watcher")
     before = rows(job)
@@ -63,7 +65,7 @@ def test_mark_failed__of_a_rescued_pending_job_keeps_the_watchers_row() -> None:
     assert PaymentJob.objects.filter(pk=job.pk).mark_failed(reason="fraud", by="admin:ops") == 1
 
     assert rows(job) == before and before[0][3:5] == ("rescued", "watcher")
-    assert events(job) == [("failed", "admin:ops", 1, 1, "fraud")]
+    assert events(job) == [("failed", "admin:ops", 1, held.lease_token, "fraud")]
     assert PaymentJob.objects.get(pk=job.pk).status == Status.FAILED
 
 
@@ -91,11 +93,14 @@ def test_forced_actions__close_the_open_attempt_once_then_never_again() -> None:
     assert PaymentJob.objects.filter(pk=job.pk).requeue(by="admin:b") == 1
     assert PaymentJob.objects.filter(pk=job.pk).mark_failed(reason="again", by="admin:c") == 1
     assert rows(job) == closed
-    assert events(job) == [
-        ("failed", "admin:a", 1, held.lease_token, "stuck"),
-        ("requeued", "admin:b", 1, held.lease_token + 1, ""),
-        ("failed", "admin:c", 1, held.lease_token + 2, "again"),
+    recorded = events(job)
+    assert [(*e[:3], e[4]) for e in recorded] == [
+        ("failed", "admin:a", 1, "stuck"),
+        ("requeued", "admin:b", 1, ""),
+        ("failed", "admin:c", 1, "again"),
     ]
+    # Each fencing action gave the job a new token: each event saw the one before it.
+    assert held.lease_token == recorded[0][3] < recorded[1][3] < recorded[2][3]
 
 
 def test_force_requeue__of_a_live_lease_ends_its_attempt_as_requeued_by_the_operator() -> None:
@@ -208,7 +213,7 @@ def test_requeue__refuses_a_healthy_lease_unless_forced() -> None:
     assert PaymentJob.objects.get(pk=job.pk).status == Status.PROCESSING
     assert PaymentJob.objects.filter(pk=job.pk).requeue(force=True) == 1
     requeued = PaymentJob.objects.get(pk=job.pk)
-    assert requeued.status == Status.PENDING and requeued.lease_token == 2
+    assert requeued.status == Status.PENDING and requeued.lease_token > job.lease_token
     # The fenced-out holder can write nothing any more.
     with pytest.raises(LeaseLost):
         PaymentJob.objects.complete(job.pk, "w1", job.lease_token)
@@ -239,15 +244,17 @@ def test_mark_failed_cancel_and_resolve_review() -> None:
     live = claim_one("w1")
     pending = PaymentJob.objects.enqueue("a")
     other = PaymentJob.objects.enqueue("a")
-    # A live lease is neither failed (unless forced) nor cancelled; a pending job is cancelled.
+    # A live lease is neither failed (unless forced) nor cancelled (running=False); a pending
+    # job is cancelled.
     assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops") == 0
-    assert PaymentJob.objects.filter(pk=live.pk).cancel() == 0
+    assert PaymentJob.objects.filter(pk=live.pk).cancel(running=False) == 0
     assert PaymentJob.objects.get(pk=live.pk).status == Status.PROCESSING
     assert PaymentJob.objects.filter(pk=pending.pk).cancel() == 1
     assert PaymentJob.objects.get(pk=pending.pk).status == Status.CANCELLED
     assert PaymentJob.objects.filter(pk=live.pk).mark_failed(reason="ops", force=True) == 1
     failed = PaymentJob.objects.get(pk=live.pk)
-    assert (failed.status, failed.last_error, failed.lease_token) == (Status.FAILED, "ops", 2)
+    assert (failed.status, failed.last_error) == (Status.FAILED, "ops")
+    assert failed.lease_token > live.lease_token
     with pytest.raises(LeaseLost):
         PaymentJob.objects.complete(live.pk, "w1", live.lease_token)
     PaymentJob.objects.filter(pk=other.pk).update(status=Status.REVIEW)
@@ -264,7 +271,7 @@ def test_release_stuck__gives_a_job_without_attempts_left_one_more() -> None:
     assert PaymentJob.objects.all().release_stuck(by="admin:ops") == 1
     again = claim_one("w2")
     assert (again.pk, again.attempts, again.max_attempts) == (job.pk, 2, 2)
-    assert JobAttempt.objects.get(job_ref=job.pk, token=1).ended_by == "admin:ops"
+    assert JobAttempt.objects.get(job_ref=job.pk, attempt=1).ended_by == "admin:ops"
 
 
 def test_resolve_review__records_verdict_and_who_on_the_ledger() -> None:
@@ -288,3 +295,88 @@ def test_cancel__says_who_cancelled() -> None:
     assert PaymentJob.objects.filter(pk=job.pk).cancel(by="admin:ops") == 1
     job.refresh_from_db()
     assert (job.status, job.last_error) == (Status.CANCELLED, "cancelled by admin:ops")
+
+
+def test_cancel__a_running_job_ends_cancelled_and_fences_out_every_holder_write() -> None:
+    PaymentJob.objects.enqueue("a")
+    held = claim_one("w1")
+    key = (held.pk, held.lease_token)
+    assert PaymentJob.objects.filter(pk=held.pk).cancel(by="admin:ops", reason="refunded") == 1
+
+    job = PaymentJob.objects.get(pk=held.pk)
+    assert (job.status, job.lease_token, job.last_error) == (
+        Status.CANCELLED,
+        held.lease_token + 1,
+        "cancelled by admin:ops: refunded",
+    )
+    assert job.completed_at is not None
+    assert [r[3:5] for r in rows(job)] == [("cancelled", "admin:ops")]
+    assert events(job) == [("cancelled", "admin:ops", 1, held.lease_token, "refunded")]
+    assert PaymentJob.objects.cancelled_leases([key]) == {key: "admin:ops"}
+    before = (rows(job), PaymentJob.objects.filter(pk=job.pk).values().get())
+    assert PaymentJob.objects.heartbeat("w1", [key], ttl=60) == set()
+    writes = [
+        lambda: PaymentJob.objects.checkpoint(held.pk, "w1", held.lease_token, "psp_called"),
+        lambda: PaymentJob.objects.complete(held.pk, "w1", held.lease_token),
+        lambda: PaymentJob.objects.fail(held.pk, "w1", held.lease_token, "psp 502"),
+        lambda: PaymentJob.objects.release(held.pk, "w1", held.lease_token),
+    ]
+    for write in writes:
+        with pytest.raises(Cancelled, match="cancelled by admin:ops"):
+            write()
+    after = PaymentJob.objects.filter(pk=job.pk).values().get()
+    assert [r[:7] for r in rows(job)] == [r[:7] for r in before[0]] and after == before[1]
+    # Never claimable again, whatever its lease said; once more is no change.
+    expire(job, seconds=3600)
+    assert PaymentJob.objects.claim("w2", ttl=60) == []
+    assert PaymentJob.objects.filter(pk=job.pk).cancel() == 0
+
+
+def test_cancel__a_lost_lease_that_was_not_cancelled_stays_lease_lost() -> None:
+    PaymentJob.objects.enqueue("a")
+    held = claim_one("w1")
+    assert PaymentJob.objects.filter(pk=held.pk).requeue(force=True) == 1
+    assert PaymentJob.objects.cancelled_leases([(held.pk, held.lease_token)]) == {}
+    with pytest.raises(LeaseLost) as lost:
+        PaymentJob.objects.complete(held.pk, "w1", held.lease_token)
+    assert not isinstance(lost.value, Cancelled)
+
+
+@override_settings(DJANGO_LEASES={"STUCK_POLICY_BY_KIND": {"risky": "review"}})
+def test_cancel__a_review_policy_job_past_its_checkpoint_goes_to_review() -> None:
+    PaymentJob.objects.enqueue("risky", lock="payment:1")
+    behind = PaymentJob.objects.enqueue("a", lock="payment:1")
+    unchecked = PaymentJob.objects.enqueue("risky")
+    held, fresh_risky = PaymentJob.objects.claim("w1", ttl=60, limit=2)
+    PaymentJob.objects.checkpoint(held.pk, "w1", held.lease_token, "psp_called")
+    assert PaymentJob.objects.filter(pk__in=[held.pk, fresh_risky.pk]).cancel(by="ops") == 2
+
+    job = PaymentJob.objects.get(pk=held.pk)
+    # It may have moved money: under review, its lock held, its token kept for the verdict.
+    assert (job.status, job.lease_token, job.lock_holder, job.completed_at) == (
+        Status.REVIEW,
+        held.lease_token,
+        "payment:1",
+        None,
+    )
+    assert [r[3:5] for r in rows(job)] == [("cancelled", "ops")]
+    assert PaymentJob.objects.get(pk=behind.pk).status == Status.WAITING
+    with pytest.raises(Cancelled):
+        PaymentJob.objects.complete(held.pk, "w1", held.lease_token)
+    # Without a checkpoint it never reached the risky step: cancelled.
+    assert PaymentJob.objects.get(pk=unchecked.pk).status == Status.CANCELLED
+    assert PaymentJob.objects.filter(pk=job.pk).resolve_review("failed", by="ops") == 1
+    row = JobAttempt.objects.get(job_ref=job.pk)
+    assert (row.outcome, row.resolution) == ("cancelled", "failed")
+    assert PaymentJob.objects.get(pk=behind.pk).status == Status.PENDING
+
+
+def test_cancel__on_a_table_without_a_ledger_the_holder_learns_it_from_the_job() -> None:
+    BareJob.objects.enqueue("bare")
+    (held,) = BareJob.objects.claim("w1", ttl=60)
+    assert BareJob.objects.filter(pk=held.pk).cancel() == 1
+    assert BareJob.objects.get(pk=held.pk).status == Status.CANCELLED
+    key = (held.pk, held.lease_token)
+    assert BareJob.objects.cancelled_leases([key]) == {key: "an operator"}
+    with pytest.raises(Cancelled):
+        BareJob.objects.complete(held.pk, "w1", held.lease_token)

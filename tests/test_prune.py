@@ -16,7 +16,7 @@ from django.utils import timezone
 from django_leases.checks import check_worker_retention
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, Worker
 
-from .conftest import Processes
+from .conftest import Processes, subprocess_env
 
 pytestmark = pytest.mark.django_db
 
@@ -287,3 +287,31 @@ def test_check_worker_retention__reports_e024(settings: dict, bad: bool) -> None
     assert [m.id for m in messages] == (["django_leases.E024"] if bad else [])
     if bad:
         assert "WORKER_RETENTION" in messages[0].msg and messages[0].hint
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(
+    connection.vendor != "mysql",
+    reason="only MariaDB/MySQL have a session time zone that moves NOW(); PostgreSQL's now() is "
+    "a timestamptz and SQLite's clock is UTC",
+)
+@pytest.mark.parametrize("dry_run", [False, True], ids=["prune", "dry-run"])
+def test_prune_jobs__refuses_a_session_zone_that_is_not_utc(
+    processes: Processes, dry_run: bool
+) -> None:
+    """Under +02:00, NOW() runs two hours ahead of the UTC that workers wrote completed_at in:
+    a job completed seconds ago was pruned with --older-than 3600. Refused like the worker and
+    the watcher refuse that clock, with the same one line."""
+    job = PaymentJob.objects.enqueue("noop")
+    PaymentJob.objects.filter(pk=job.pk).update(status=Status.COMPLETED, completed_at=Now())
+    JobAttempt.objects.create(job=job, job_ref=job.pk, attempt=1, token=1, owner="w")
+    env = subprocess_env(LEASES_TEST_SESSION_TZ="+02:00")
+    args = ["--older-than", "3600", *(["--dry-run"] if dry_run else [])]
+    proc = processes.manage("prune_jobs", *args, env=env)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, out
+    assert out.startswith("CommandError: database 'default': the session time zone is '+02:00'")
+    assert len(out.strip().splitlines()) == 1, out
+    assert PaymentJob.objects.filter(pk=job.pk).exists()
+    assert JobAttempt.objects.filter(job_ref=job.pk).count() == 1

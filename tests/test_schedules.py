@@ -6,26 +6,37 @@ import re
 import shutil
 import signal
 import subprocess
-from datetime import timedelta
+import threading
+import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from django.test import override_settings
 
-from django_leases.models import JobAttempt, PaymentJob
+from django_leases.models import JobAttempt, PaymentJob, ScheduleState, Worker
 from django_leases.schedules import Schedule, Ticker, configured, database_now, enqueue_due
 from django_leases.watcher import StuckWatcher
 
 from .conftest import ON_SQLITE, Processes, subprocess_env, wait_for
+from .ticking import DatabaseClock, database_clock, moved, prune_finished, run, ticks_pass
 
 Status = PaymentJob.Status
 # Ticks of about 115 days: no test here runs across a boundary by chance.
 LONG = {"kind": "noop", "every": 10**7}
+# Fire times a year apart (in local time), for the same.
+YEARLY = {"kind": "noop", "cron": "0 0 1 1 *", "tz": "Europe/Berlin"}
+EVERY_KIND = pytest.mark.parametrize("entry", [LONG, YEARLY], ids=["every", "cron"])
 
 
 def schedules(**entries: object) -> override_settings:
     return override_settings(DJANGO_LEASES={"SCHEDULES": entries})
+
+
+def earlier(schedule: Schedule, tick: int, count: int = 1) -> int:
+    return moved(schedule, tick, count)
 
 
 def ticks(name: str = "beat") -> list[int]:
@@ -37,7 +48,9 @@ def ticks(name: str = "beat") -> list[int]:
 
 
 def current_tick(schedule: Schedule) -> int:
-    return schedule.tick(database_now(connection.alias).timestamp())
+    tick = schedule.tick(database_now(connection.alias).timestamp())
+    assert tick is not None
+    return tick
 
 
 # ---- one pass -------------------------------------------------------------------------------
@@ -68,33 +81,91 @@ def test_enqueue_due__accepts_a_timedelta_and_keys_by_period() -> None:
 
 
 @pytest.mark.django_db
+@EVERY_KIND
 @pytest.mark.parametrize("catch_up", [True, False])
-def test_enqueue_due__missed_ticks_are_caught_up_once_or_skipped(catch_up: bool) -> None:
-    with schedules(beat={**LONG, "catch_up": catch_up}):
+def test_enqueue_due__missed_ticks_are_caught_up_once_or_skipped(
+    entry: dict[str, object], catch_up: bool
+) -> None:
+    with schedules(beat={**entry, "catch_up": catch_up}):
         [schedule] = configured()
         tick = current_tick(schedule)
+        enqueue_due()
         # The schedule last ran five ticks ago; nothing ran during the four ticks since.
-        PaymentJob.objects.enqueue("noop", idempotency_key=schedule.key(tick - 5))
+        ticks_pass(schedule, 5)
         jobs = enqueue_due()
         assert enqueue_due() == []
-    caught_up = [tick - 1] if catch_up else []
+    caught_up = [earlier(schedule, tick)] if catch_up else []
     assert [job.idempotency_key for job in jobs] == [schedule.key(t) for t in [*caught_up, tick]]
-    assert ticks() == [tick - 5, *caught_up, tick]
-    if catch_up:
-        assert jobs[0].run_at == schedule.start(tick - 1)
+    assert ticks() == [earlier(schedule, tick, 5), *caught_up, tick]
+    assert ScheduleState.objects.get().last_tick == tick
+    assert [job.run_at for job in jobs] == [schedule.start(t) for t in [*caught_up, tick]]
 
 
 @pytest.mark.django_db
 def test_enqueue_due__a_new_schedule_or_period_catches_nothing_up() -> None:
     with schedules(beat=LONG):
         [old] = configured()
-        PaymentJob.objects.enqueue("noop", idempotency_key=old.key(current_tick(old) - 3))
+        tick = current_tick(old)
+        enqueue_due()
+        ticks_pass(old, 3)
     with schedules(beat={**LONG, "every": 2 * 10**7}, fresh=LONG):
         jobs = enqueue_due()
     assert sorted(job.idempotency_key.rsplit(":", 1)[0] for job in jobs) == [
         "schedule:beat:20000000",
         "schedule:fresh:10000000",
     ]
+    # Back to the first period: its series goes on from its own row, the missed tick caught up.
+    with schedules(beat=LONG):
+        jobs = enqueue_due()
+    assert [job.idempotency_key for job in jobs] == [old.key(tick - 1), old.key(tick)]
+    assert sorted(ScheduleState.objects.values_list("name", "every", "last_tick")) == [
+        ("beat", 10**7, tick),
+        ("beat", 2 * 10**7, tick // 2),
+        ("fresh", 10**7, tick),
+    ]
+
+
+@pytest.mark.django_db
+@EVERY_KIND
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_enqueue_due__a_pruned_tick_is_never_enqueued_again(
+    entry: dict[str, object], catch_up: bool
+) -> None:
+    """Each tick runs and is pruned before the next one (RETENTION["completed"] shorter than
+    `every`), beside a failed tick's job that stays: every tick is enqueued exactly once."""
+    with schedules(beat={**entry, "catch_up": catch_up}):
+        [schedule] = configured()
+        first = current_tick(schedule)
+        [failed] = enqueue_due()
+        run(failed, fail=True)
+        for _ in range(5):
+            ticks_pass(schedule, 1)
+            # Only the new current tick: not the one before it, whose job was pruned.
+            jobs = enqueue_due()
+            assert [job.idempotency_key for job in jobs] == [schedule.key(first)]
+            run(jobs[0])
+            assert prune_finished() == {"completed": 1}
+            assert enqueue_due() == []
+    # Of the six ticks' jobs only the failed one is left, five ticks back.
+    assert ticks() == [earlier(schedule, first, 5)]
+
+
+@pytest.mark.django_db
+@EVERY_KIND
+def test_enqueue_due__a_clock_that_goes_back_enqueues_nothing_again(
+    entry: dict[str, object],
+) -> None:
+    with schedules(beat=entry):
+        [schedule] = configured()
+        tick = current_tick(schedule)
+        [job] = enqueue_due()
+        run(job)
+        prune_finished()
+        # The database clock is set back two ticks: as if the row had been written in the future.
+        ticks_pass(schedule, -2)
+        assert enqueue_due() == []
+    assert PaymentJob.objects.count() == 0
+    assert ScheduleState.objects.get().last_tick == earlier(schedule, tick, -2)
 
 
 @pytest.mark.django_db
@@ -109,6 +180,59 @@ def test_enqueue_due__a_removed_schedule_enqueues_nothing() -> None:
     assert PaymentJob.objects.count() == 2
 
 
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+@EVERY_KIND
+def test_enqueue_due__two_schedulers_racing_for_each_tick_enqueue_it_once(
+    entry: dict[str, object],
+) -> None:
+    """Two schedulers (threads, each with its own connection) pass at the same instant, tick
+    after tick, the last tick's job pruned before each: one job per tick, from one of them."""
+    rounds = 8
+    together = threading.Barrier(3)
+    won: list[list[str]] = [[], []]
+    failures: list[BaseException] = []
+
+    def scheduler(n: int) -> None:
+        try:
+            for _ in range(rounds):
+                together.wait(timeout=60)  # both pass at once
+                won[n] += [job.idempotency_key for job in enqueue_due()]
+                together.wait(timeout=60)  # the tick is checked, run, pruned; time passes
+        except BaseException as exc:
+            failures.append(exc)
+            together.abort()
+        finally:
+            connections.close_all()
+
+    with schedules(beat=entry):
+        [schedule] = configured()
+        first = current_tick(schedule)
+        threads = [threading.Thread(target=scheduler, args=(n,)) for n in range(2)]
+        for thread in threads:
+            thread.start()
+        per_round = []
+        try:
+            for number in range(rounds):
+                together.wait(timeout=60)
+                together.wait(timeout=60)
+                per_round.append(sorted(won[0] + won[1]))
+                won[0].clear()
+                won[1].clear()
+                # The first tick's job fails and stays (kept 30 days); the others are pruned.
+                for job in PaymentJob.objects.filter(status=Status.PENDING):
+                    run(job, fail=number == 0)
+                prune_finished()
+                ticks_pass(schedule, 1)
+        finally:
+            together.abort()
+            for thread in threads:
+                thread.join(timeout=60)
+    assert failures == []
+    assert per_round == [[schedule.key(first)]] * rounds
+    assert ticks() == [earlier(schedule, first, rounds)]
+
+
 @pytest.mark.django_db
 def test_ticker__reads_the_clock_once_per_tick(django_assert_num_queries: object) -> None:
     with schedules(beat=LONG):
@@ -121,6 +245,127 @@ def test_ticker__reads_the_clock_once_per_tick(django_assert_num_queries: object
     with schedules():
         assert Ticker().next_check == float("inf")
     assert PaymentJob.objects.get() == job
+
+
+# ---- cron schedules: local time, DST ---------------------------------------------------------
+
+DAILY = {"kind": "noop", "cron": "30 2 * * *", "tz": "Europe/Berlin"}
+HALF_HOURLY = {"kind": "noop", "cron": "*/30 * * * *", "tz": "Europe/Berlin"}
+
+
+def utc(text: str) -> datetime:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
+
+
+def walk(clock: DatabaseClock, start: str, end: str) -> list[tuple[datetime, datetime]]:
+    """Move the database clock from `start` to `end` in steps of ten minutes, a scheduler
+    passing at each; return (the clock, the job's `run_at`) of each job the walk enqueued."""
+    enqueued = []
+    moment = utc(start)
+    while moment <= utc(end):
+        clock.set(moment)
+        enqueued += [(moment, job.run_at) for job in enqueue_due()]
+        moment += timedelta(minutes=10)
+    return enqueued
+
+
+@pytest.mark.django_db(transaction=True)  # the database clock (SQLite: see DatabaseClock)
+@pytest.mark.parametrize(
+    ("entry", "start", "end", "fires"),
+    [
+        # 2027-03-28, 02:00 CET becomes 03:00 CEST: 02:30 fires once, at the gap's end.
+        (DAILY, "2027-03-27 12:00", "2027-03-29 12:00", ["2027-03-28 01:00", "2027-03-29 00:30"]),
+        # 2027-10-31, 03:00 CEST becomes 02:00 CET: 02:30 comes twice, fires at the first.
+        (DAILY, "2027-10-30 12:00", "2027-11-01 12:00", ["2027-10-31 00:30", "2027-11-01 01:30"]),
+        # The gap's 02:00 and 02:30 fire with 03:00, once.
+        (
+            HALF_HOURLY,
+            "2027-03-27 23:10",
+            "2027-03-28 02:00",
+            ["2027-03-27 23:30", "2027-03-28 00:00", "2027-03-28 00:30", "2027-03-28 01:00"]
+            + ["2027-03-28 01:30", "2027-03-28 02:00"],
+        ),
+        # The repeated hour's 02:00 and 02:30 fire in its first pass only.
+        (
+            HALF_HOURLY,
+            "2027-10-30 23:10",
+            "2027-10-31 02:30",
+            ["2027-10-30 23:30", "2027-10-31 00:00", "2027-10-31 00:30", "2027-10-31 02:00"]
+            + ["2027-10-31 02:30"],
+        ),
+    ],
+    ids=["daily-spring", "daily-autumn", "half-hourly-spring", "half-hourly-autumn"],
+)
+def test_cron__a_local_time_skipped_or_repeated_by_dst_fires_once(
+    entry: dict[str, object], start: str, end: str, fires: list[str]
+) -> None:
+    with schedules(beat=entry), database_clock() as clock:
+        [schedule] = configured()
+        enqueued = walk(clock, start, end)[1:]  # the first pass: the fire time before the walk
+    # Each job at its fire time (the first pass at or after it), its run_at the fire time.
+    assert enqueued == [(utc(fire), utc(fire)) for fire in fires]
+    last = int(utc(fires[-1]).timestamp())
+    assert ScheduleState.objects.get().last_tick == last
+    assert PaymentJob.objects.filter(idempotency_key=schedule.key(last)).exists()
+
+
+@pytest.mark.django_db(transaction=True)  # the database clock (SQLite: see DatabaseClock)
+@pytest.mark.parametrize("catch_up", [True, False])
+def test_cron__a_fire_time_missed_across_a_dst_change_is_caught_up_once(catch_up: bool) -> None:
+    with schedules(beat={**DAILY, "catch_up": catch_up}), database_clock() as clock:
+        clock.set(utc("2027-03-27 12:00"))
+        [saturday] = enqueue_due()
+        # Nothing runs from Saturday noon to Monday noon: Sunday's 02:30 (03:00 CEST) is missed.
+        clock.set(utc("2027-03-29 12:00"))
+        jobs = enqueue_due()
+        assert enqueue_due() == []
+    late = [utc("2027-03-28 01:00")] if catch_up else []
+    assert saturday.run_at == utc("2027-03-27 01:30")
+    assert [job.run_at for job in jobs] == [*late, utc("2027-03-29 00:30")]
+
+
+@pytest.mark.django_db(transaction=True)  # the database clock (SQLite: see DatabaseClock)
+def test_cron__keys_name_the_fire_instant_and_a_new_expression_or_zone_is_a_new_series() -> None:
+    weekdays = {"kind": "noop", "cron": "30 2 * * 1-5", "tz": "Europe/Berlin"}
+    name = "n" * 100
+    with database_clock() as clock:
+        clock.set(utc("2027-01-13 12:00"))  # a Wednesday
+        with schedules(**{name: weekdays}):
+            [berlin] = configured()
+            [job] = enqueue_due()
+        # The same expression spelled with other spaces and case: the same series.
+        with schedules(**{name: {**weekdays, "cron": " 30  2 *  * 1-5 "}}):
+            assert enqueue_due() == []
+        with schedules(**{name: {**weekdays, "tz": "America/New_York"}}):
+            [new_york] = configured()
+            [other_zone] = enqueue_due()
+        with schedules(**{name: {"kind": "noop", "cron": "30 2 * * *"}}):
+            [utc_default] = enqueue_due()
+    assert job.run_at == utc("2027-01-13 01:30")
+    assert job.idempotency_key == berlin.key(int(job.run_at.timestamp()))
+    assert re.fullmatch(rf"schedule:{name}:cron-[0-9a-f]{{8}}:1799803800", job.idempotency_key)
+    assert len(job.idempotency_key) <= 255
+    assert other_zone.run_at == utc("2027-01-13 07:30")  # 02:30 EST
+    assert other_zone.idempotency_key == new_york.key(1799825400) != new_york.prefix + "1799803800"
+    assert utc_default.run_at == utc("2027-01-13 02:30")
+    assert sorted(ScheduleState.objects.values_list("every", "cron", "tz", "last_tick")) == [
+        (0.0, "30 2 * * *", "UTC", 1799807400),
+        (0.0, "30 2 * * 1-5", "America/New_York", 1799825400),
+        (0.0, "30 2 * * 1-5", "Europe/Berlin", 1799803800),
+    ]
+
+
+@pytest.mark.django_db(transaction=True)  # the database clock (SQLite: see DatabaseClock)
+def test_ticker__waits_until_the_next_fire_time() -> None:
+    with schedules(beat=DAILY), database_clock() as clock:
+        clock.set(utc("2027-01-13 12:00"))
+        ticker = Ticker()
+        before = time.monotonic()
+        [job] = ticker.poll()
+        after = time.monotonic()
+    # Tomorrow's 02:30 CET is 13.5 hours away (and the spread of the boundary, 0.2 s at most).
+    assert before + 13.5 * 3600 <= ticker.next_check <= after + 13.5 * 3600 + 0.2
+    assert job.run_at == utc("2027-01-13 01:30")
 
 
 # ---- real processes -------------------------------------------------------------------------
@@ -201,6 +446,39 @@ def test_schedules__three_workers_and_a_watcher_enqueue_one_job_per_tick(
         str(pk) for pk in PaymentJob.objects.values_list("pk", flat=True)
     }
     assert sum(1 for ids in logged if ids) >= 2, outputs
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_schedules__ticks_pruned_as_they_finish_run_once_each(processes: Processes) -> None:
+    """Two workers tick every second while each tick's job is pruned half a second after it
+    completes (`RETENTION["completed"]` shorter than `every`), beside a failed tick's job kept
+    for days: every tick is enqueued once and run once."""
+    now = database_now(connection.alias).timestamp()
+    failed = PaymentJob.objects.enqueue("noop", idempotency_key=f"schedule:beat:1:{int(now) - 60}")
+    assert PaymentJob.objects.filter(pk=failed.pk).mark_failed(reason="psp down", by="op") == 1
+    workers = [start(processes, f"w{n}", EVERY_SECOND) for n in range(2)]
+    completed = JobAttempt.objects.filter(outcome="completed")
+    pruned = 0
+    while completed.count() < 6:
+        # The ledger stays (job set to NULL): it counts the runs of pruned jobs.
+        pruned += PaymentJob.objects.prune({"completed": 0.5}, keep_ledger=True)["completed"]
+        assert database_now(connection.alias).timestamp() < now + 60, "ticks did not run"
+        wait_for_database_clock(0.1)
+    outputs = stop(*workers)
+
+    logged = [
+        (int(tick), int(pk))
+        for out in outputs
+        for tick, pk in re.findall(r"enqueued schedule=beat tick=(\d+) job_id=(\d+)", out)
+    ]
+    tick_numbers = [tick for tick, _ in logged]
+    assert len(tick_numbers) == len(set(tick_numbers)) >= 6, sorted(logged)
+    assert pruned >= 4
+    # Each job ran once, and only the jobs of logged ticks ran.
+    runs = list(JobAttempt.objects.values_list("job_ref", flat=True))
+    assert len(runs) == len(set(runs)) and set(runs) <= {pk for _, pk in logged}
+    assert PaymentJob.objects.filter(pk=failed.pk, status=Status.FAILED).exists()
 
 
 SKEWED_CLOCKS = [
@@ -331,3 +609,105 @@ def test_schedules__a_removed_schedule_stops_enqueueing(processes: Processes) ->
 
     assert ticks() == before
     assert PaymentJob.objects.get(pk=marker.pk).lease_owner == "later"
+
+
+CRON_YEARLY: dict[str, object] = {"SCHEDULES": {"beat": YEARLY}}
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_cron__workers_enqueue_and_run_the_current_fire_time_once(processes: Processes) -> None:
+    with schedules(beat=YEARLY):
+        [schedule] = configured()
+        current = current_tick(schedule)
+    workers = [start(processes, f"w{n}", CRON_YEARLY) for n in range(2)]
+    # Both in the registry: their signal handlers are in place before they register.
+    wait_for(lambda: Worker.objects.filter(worker_id__in=["w0", "w1"]).count() == 2, timeout=60)
+    settled_ticks(1)
+    stop(*workers)
+
+    [job] = PaymentJob.objects.all()
+    # This year's 1 January, 00:00 in Berlin: 23:00 UTC the day before.
+    assert job.idempotency_key == schedule.key(current)
+    assert job.run_at == schedule.start(current) == datetime.fromtimestamp(current, UTC)
+    assert job.run_at.astimezone(schedule.zone).strftime("%m-%d %H:%M") == "01-01 00:00"
+    assert job.status == Status.COMPLETED and job.attempts == 1
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_cron__watchers_catch_up_a_missed_fire_time_once(processes: Processes) -> None:
+    """Three watchers pass over a cron schedule whose row is three fire times behind: the
+    missed one (late) and the current one are enqueued, once, by one of them."""
+    with schedules(beat=YEARLY):
+        [schedule] = configured()
+        current = current_tick(schedule)
+        enqueue_due()
+        ticks_pass(schedule, 3)
+    env = subprocess_env(LEASES_TEST_SETTINGS=json.dumps(CRON_YEARLY))
+    watchers = [
+        processes.manage("watch_stuck_jobs", "--once", "-v", "2", env=env) for _ in range(3)
+    ]
+    outputs = []
+    for watcher in watchers:
+        out, _ = watcher.communicate(timeout=60)
+        assert watcher.returncode == 0, out
+        outputs.append(out)
+
+    missed = earlier(schedule, current)
+    assert ticks() == [earlier(schedule, current, 3), missed, current]
+    logged = [
+        re.findall(r"enqueued schedule=beat tick=(\d+) job_id=\d+ kind=noop late=(\w+)", out)
+        for out in outputs
+    ]
+    assert sorted(sum(logged, [])) == [(str(missed), "True"), (str(current), "False")]
+    assert sum(1 for lines in logged if lines) == 1, outputs
+
+
+@pytest.mark.django_db
+def test_schedule_state_admin__shows_the_last_tick_read_only(admin_client: Any) -> None:
+    with schedules(beat=LONG):
+        [schedule] = configured()
+        enqueue_due()
+    url = "/admin/django_leases/schedulestate/"
+    response = admin_client.get(url)
+    assert response.status_code == 200
+    assert str(current_tick(schedule)) in response.content.decode()
+    state = ScheduleState.objects.get()
+    assert admin_client.get(f"{url}add/").status_code == 403
+    assert admin_client.post(f"{url}{state.pk}/delete/", {"post": "yes"}).status_code == 403
+    assert ScheduleState.objects.get() == state
+
+
+@pytest.mark.django_db(transaction=True)  # the database clock (SQLite: see DatabaseClock)
+def test_overview__shows_each_schedules_next_fire_time_and_last_job(admin_client: Any) -> None:
+    url = "/admin/django_leases/paymentjob/overview/"
+    with (
+        schedules(hourly={"kind": "noop", "every": 3600}, nightly=DAILY),
+        database_clock() as clock,
+    ):
+        clock.set(utc("2027-01-13 12:10"))
+        assert admin_client.get(url).context["schedules"][0].last_at is None  # nothing yet
+        hourly_job, nightly_job = enqueue_due()
+        run(hourly_job)
+        shown = {row.schedule.name: row for row in admin_client.get(url).context["schedules"]}
+        page = admin_client.get(url).content.decode()
+        prune_finished()
+        after_prune = admin_client.get(url).content.decode()
+    hourly, nightly = shown["hourly"], shown["nightly"]
+    assert (hourly.next_at, hourly.last_job, hourly.last_at) == (
+        utc("2027-01-13 13:00"),
+        hourly_job,
+        utc("2027-01-13 12:00"),
+    )
+    # Tomorrow's 02:30 in Berlin; the last job is today's.
+    assert (nightly.next_at, nightly.last_job, nightly.last_at) == (
+        utc("2027-01-14 01:30"),
+        nightly_job,
+        utc("2027-01-13 01:30"),
+    )
+    assert "<code>30 2 * * *</code> (Europe/Berlin)" in page and "every 3600 s" in page
+    assert "2027-01-14 02:30 CET / 2027-01-14 01:30:00 UTC" in page
+    assert f"/admin/django_leases/paymentjob/{nightly_job.pk}/change/" in page
+    assert "of 2027-01-13 12:00:00 UTC, pruned" in after_prune
+    assert "of 2027-01-13 12:00:00 UTC, pruned" not in page

@@ -1,5 +1,6 @@
 """`LeaseBackend`: Django Tasks enqueued as leased jobs and run by the lease worker."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_leases.backends import LeaseBackend
+from django_leases.exceptions import TaskFailed
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge, PayoutAttempt, PayoutJob
@@ -23,6 +25,7 @@ from tests.testapp.tasks import (
     async_charge,
     async_explode,
     explode,
+    leak_card,
     send_receipt,
     slow_first,
     unstorable,
@@ -59,6 +62,26 @@ def test_lease_backend__task_runs_on_the_worker_and_returns_its_value() -> None:
     assert result.worker_ids == ["task-worker"]
     assert result.started_at is not None and result.finished_at is not None
     assert list(JobAttempt.objects.values_list("outcome", flat=True)) == ["completed"]
+
+
+CARD = "4111111111111111"
+
+
+def test_lease_backend__a_failed_task_is_logged_without_its_raw_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The framework logs a failed task with the exception being handled: never the raw one,
+    whose text and chained driver error quote the card (PostgreSQL, MariaDB)."""
+    result = leak_card.enqueue(CARD)
+    with caplog.at_level(logging.INFO):
+        drain()
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert [e.exception_class_path for e in result.errors] == ["django.db.utils.IntegrityError"]
+    (failed,) = [r for r in caplog.records if r.getMessage().endswith("state=FAILED")]
+    assert failed.exc_info is not None and failed.exc_info[0] is TaskFailed
+    assert str(failed.exc_info[1]).startswith("django.db.utils.IntegrityError: ")
+    assert CARD not in caplog.text, caplog.text
 
 
 @override_settings(DJANGO_LEASES={"JOB_MODEL": "testapp.PayoutJob"})
@@ -154,6 +177,51 @@ def test_lease_backend__options_are_checked() -> None:
     assert ids(MAX_ATTEMPTS=0) == ["django_leases.E014"]
     assert ids(MAX_ATTEMPTS=2**31) == ["django_leases.E014"]
     assert ids(MAX_ATTEMPT=3) == ["django_leases.W004"]
+
+
+BAD_QUEUES = ["q" * 95, "pay\x00ments", "pay\ud800", 7]
+
+
+@pytest.mark.parametrize("queue", ["q" * 94, "emails", "ünïcode"])
+def test_lease_backend__queue_names_a_kind_can_carry_pass(queue: str) -> None:
+    assert list(LeaseBackend("x", {"QUEUES": [queue]}).check()) == []
+
+
+@pytest.mark.parametrize("queue", BAD_QUEUES)
+def test_lease_backend__queue_name_no_kind_can_carry_is_an_error(queue: object) -> None:
+    (message,) = LeaseBackend("x", {"QUEUES": ["default", queue]}).check()
+    assert message.id == "django_leases.E015"
+    assert message.msg.startswith("TASKS['x']['QUEUES'] has ")
+    assert "1 to 94 characters" in message.hint
+
+
+def test_lease_backend__bad_queue_names_are_a_check_not_a_crash_at_setup(
+    processes: Processes, tmp_path: Path
+) -> None:
+    """Every command sets Django up first: a queue name must not fail that, `check` included."""
+    (tmp_path / "bad_queues.py").write_text(
+        "from tests.settings import *  # noqa: F403\n"
+        "TASKS = {'default': {'BACKEND': 'django_leases.backends.LeaseBackend', "
+        f"'QUEUES': {['default', *BAD_QUEUES]!r}}}}}\n"
+    )
+    env = subprocess_env(
+        DJANGO_SETTINGS_MODULE="bad_queues",
+        PYTHONPATH=os.pathsep.join([str(tmp_path), subprocess_env()["PYTHONPATH"]]),
+    )
+    proc = processes.manage("check", env=env)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, out
+    assert "Traceback" not in out, out
+    assert out.count("django_leases.E015") == len(BAD_QUEUES), out
+    proc = processes.manage(
+        "shell",
+        "-c",
+        "from django_leases.handlers import registered_kinds as k; print(k())",
+        env=env,
+    )
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "'tasks.default'" in out and "tasks.q" not in out and "tasks.pay" not in out, out
 
 
 @pytest.mark.parametrize("kind", [*UNSTORABLE, "object"])

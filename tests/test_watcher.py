@@ -16,7 +16,17 @@ from django.test.utils import CaptureQueriesContext
 from django_leases.models import JobAttempt, PaymentJob, Worker
 from django_leases.watcher import StuckWatcher
 
-from .conftest import Processes, subprocess_env, wait_for
+from .conftest import (
+    ON_SQLITE,
+    Processes,
+    database_url,
+    finish,
+    free_port,
+    subprocess_env,
+    wait_for,
+)
+from .leasing import token_of
+from .test_db import Output
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -32,7 +42,7 @@ def ledger(job: PaymentJob) -> list[tuple[int, str, str]]:
     return list(
         JobAttempt.objects.filter(job_ref=job.pk)
         .order_by("token")
-        .values_list("token", "owner", "outcome")
+        .values_list("attempt", "owner", "outcome")  # in token order: tokens rise with attempts
     )
 
 
@@ -211,6 +221,27 @@ def test_watcher__rescues_early_when_the_owner_is_known_gone(processes: Processe
     assert ledger(job) == [(1, "leaver", "rescued")]
 
 
+def test_watch_stuck_jobs__says_who_it_is_and_what_it_watches_at_start(
+    processes: Processes,
+) -> None:
+    """A long-running watcher's first line names it, its interval, model and database (it
+    printed nothing until its first rescue); `--once`, for cron, stays quiet but for its
+    summary."""
+    proc = watcher(processes, "--watcher-id", "w-start", "--interval", "0.5")
+    log = Output(proc)
+    log.wait_for_line("watcher starting", timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, log.finish()
+    lines = log.finish().splitlines()
+    assert lines[0].split(maxsplit=1)[1] == (
+        "watcher starting watcher_id=w-start interval=0.5s model=django_leases.PaymentJob "
+        "database=default"
+    ), lines
+    assert "watcher stopped: 0 job(s) acted on" in lines[-1], lines
+    once = watcher(processes, "--once").communicate(timeout=60)[0]
+    assert "watcher starting" not in once and "0 job(s) acted on" in once, once
+
+
 def test_watch_stuck_jobs__once_prints_each_job_and_a_summary(processes: Processes) -> None:
     for _ in range(3):
         PaymentJob.objects.enqueue("noop")
@@ -220,10 +251,24 @@ def test_watch_stuck_jobs__once_prints_each_job_and_a_summary(processes: Process
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
     for job in jobs:
-        assert f"job_id={job.pk} kind=noop previous_owner=gone-worker attempts=1 token=1" in out
+        assert (
+            f"job_id={job.pk} kind=noop previous_owner=gone-worker attempts=1 token={token_of(job)}"
+            in out
+        )
     assert "3 job(s) acted on: retry=3" in out
     again = watcher(processes, "--once").communicate(timeout=60)[0]
     assert "0 job(s) acted on" in again
+
+
+@pytest.mark.skipif(ON_SQLITE, reason="SQLite is a file: it has no server to be down")
+def test_watch_stuck_jobs__once_exits_1_when_the_database_is_down(processes: Processes) -> None:
+    down = subprocess_env(DATABASE_URL=database_url(port=free_port()))
+    proc = watcher(processes, "--once", env=down)
+    out = finish(proc)
+    assert proc.returncode == 1, out
+    assert out.startswith("CommandError: database unavailable: "), out
+    assert out.rstrip().endswith("the pass did not run"), out
+    assert len(out.strip().splitlines()) == 1, out
 
 
 @pytest.mark.parametrize(

@@ -5,16 +5,19 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 
 import pytest
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, transaction
+from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
-from tests.testapp.models import Charge
+from tests.testapp.models import Charge, LockRun
 
 from .conftest import ON_SQLITE, Processes, finish, read_until, subprocess_env, wait_for
+from .leasing import token_of
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -37,12 +40,13 @@ def fresh(job: PaymentJob) -> PaymentJob:
         return PaymentJob.objects.get(pk=job.pk)
 
 
-def held_by(job: PaymentJob, owner: str, token: int | None = None) -> bool:
+def held_by(job: PaymentJob, owner: str, attempt: int | None = None) -> bool:
+    """Whether `owner` holds the job (under its `attempt`-th acquisition, if given)."""
     job = fresh(job)
     return (
         job.status == Status.PROCESSING
         and job.lease_owner == owner
-        and (token is None or job.lease_token == token)
+        and (attempt is None or job.attempts == attempt)
     )
 
 
@@ -50,7 +54,7 @@ def ledger(job: PaymentJob) -> list[tuple[int, str, str]]:
     return list(
         JobAttempt.objects.filter(job_ref=job.pk)
         .order_by("token")
-        .values_list("token", "owner", "outcome")
+        .values_list("attempt", "owner", "outcome")  # in token order: tokens rise with attempts
     )
 
 
@@ -92,7 +96,10 @@ def test_worker__burst_runs_every_job_and_exits_zero(processes: Processes) -> No
     assert ledger(retried) == [(1, "burst-1", "retried")]
     assert JobAttempt.objects.get(job_ref=failed.pk).error_class == "RuntimeError"
     assert "claimed=23 completed=20 retried=1 failed=2" in out
-    assert f"claimed job_id={ok[0].pk} kind=noop attempt=1 token=1 owner=burst-1" in out
+    assert (
+        f"claimed job_id={ok[0].pk} kind=noop attempt=1 token={token_of(ok[0])} owner=burst-1"
+        in out
+    )
 
 
 def test_worker__max_jobs_stops_after_that_many(processes: Processes) -> None:
@@ -137,7 +144,7 @@ def test_worker__sigkill_mid_job_is_rescued_after_ttl(processes: Processes) -> N
     wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=60)
 
     job = fresh(job)
-    assert (job.attempts, job.lease_token, job.lease_owner) == (2, 2, "rescuer")
+    assert (job.attempts, job.lease_token, job.lease_owner) == (2, token_of(job, 2), "rescuer")
     assert ledger(job) == [(1, "victim", "lease_lost"), (2, "rescuer", "completed")]
 
 
@@ -151,18 +158,60 @@ def test_worker__paused_past_its_lease_writes_nothing(processes: Processes) -> N
     wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
 
     worker(processes, "owner", "--ttl", "3", "--heartbeat", "0.5")
-    wait_for(lambda: held_by(job, "owner", token=2))
+    wait_for(lambda: held_by(job, "owner", attempt=2))
     os.killpg(zombie.pid, signal.SIGCONT)
 
     # The zombie notices: its heartbeat is refused, or its completion is.
     wait_for(
-        lambda: JobAttempt.objects.filter(job_ref=job.pk, token=1, fenced_at__isnull=False).exists()
+        lambda: JobAttempt.objects.filter(
+            job_ref=job.pk, attempt=1, fenced_at__isnull=False
+        ).exists()
     )
     wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=60)
     job = fresh(job)
-    assert (job.lease_owner, job.lease_token, job.attempts) == ("owner", 2, 2)
+    assert (job.lease_owner, job.lease_token, job.attempts) == ("owner", token_of(job, 2), 2)
     assert ledger(job) == [(1, "zombie", "lease_lost"), (2, "owner", "completed")]
     assert zombie.poll() is None, "the zombie must keep running, not crash"
+
+
+def test_worker__never_starts_a_job_whose_lease_ran_out_before_its_slot_got_it(
+    processes: Processes,
+) -> None:
+    """The completion of job `first` claims the slot's next job (`second`) in the same write.
+    That write waits on a row lock longer than a TTL, so `second`'s lease has run out when it
+    comes back (another worker could own it by then): the slot must not start it, whichever way
+    it got the job. It is taken over once its lease expires and runs once, under a new token."""
+    ttl = 2.0
+    first = PaymentJob.objects.enqueue("sleep", {"seconds": 1}, priority=1)
+    second = PaymentJob.objects.enqueue("watches_lease", {"seconds": 0})
+    settings = json.dumps({"NETWORK_TIMEOUT": 10})  # the blocked write must not time out
+    proc = worker(
+        processes, "w", "--concurrency", "1", "--ttl", str(ttl), "--heartbeat", "0.5",
+        env=subprocess_env(LEASES_TEST_SETTINGS=settings),
+    )  # fmt: skip
+    wait_for(lambda: held_by(first, "w"), interval=0.01)
+    with transaction.atomic():
+        # Hold `first`'s row (SQLite: the database) until `second`, claimed with `first`'s
+        # completion when its 1 s handler returns, has been held a whole TTL unstarted.
+        if ON_SQLITE:
+            PaymentJob.objects.filter(pk=first.pk).update(priority=F("priority"))
+        else:
+            PaymentJob.objects.select_for_update().get(pk=first.pk)
+        time.sleep(1 + ttl + 0.5)
+    wait_for(lambda: fresh(second).status == Status.COMPLETED, timeout=60)
+    proc.terminate()
+    out = finish(proc)
+
+    attempts = ledger(second)
+    assert [outcome for _, _, outcome in attempts] == ["lease_lost", "completed"], out
+    first_token, second_token = token_of(second, 1), token_of(second, 2)
+    # Only the takeover's attempt ran the handler; the first one was never started.
+    assert list(LockRun.objects.filter(job_ref=second.pk).values_list("token", flat=True)) == [
+        second_token
+    ], out
+    assert f"fenced out job_id={second.pk} token={first_token}" in out, out
+    assert "not started" in out, out
+    assert fresh(first).status == Status.COMPLETED
 
 
 def test_worker__long_job_with_heartbeats_is_never_claimed_twice(processes: Processes) -> None:
@@ -175,7 +224,7 @@ def test_worker__long_job_with_heartbeats_is_never_claimed_twice(processes: Proc
 
     wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=60)
     job = fresh(job)
-    assert (job.attempts, job.lease_token, job.lease_owner) == (1, 1, "long")
+    assert (job.attempts, job.lease_token, job.lease_owner) == (1, token_of(job), "long")
     assert ledger(job) == [(1, "long", "completed")]
     assert all(p.poll() is None for p in pollers)
 
@@ -230,6 +279,8 @@ def restart_postgresql() -> None:
     connection.close()
 
 
+# Serial: with LEASES_TEST_PG_RESTART it restarts the PostgreSQL server under every test.
+@pytest.mark.serial
 @pytest.mark.skipif(
     ON_SQLITE,
     reason="SQLite is a file inside the worker's process: it has no server to go away",
@@ -242,7 +293,9 @@ def test_worker__survives_the_database_going_away(processes: Processes) -> None:
     ]
     wait_for(lambda: PaymentJob.objects.filter(status=Status.COMPLETED).count() >= 4)
 
-    if connection.vendor == "postgresql" and os.environ.get("LEASES_TEST_PG_RESTART"):
+    # LEASES_TEST_PG_RESTART=1 (CI): restart the real server; unset or 0: cut the connections.
+    restart = os.environ.get("LEASES_TEST_PG_RESTART", "") not in ("", "0")
+    if connection.vendor == "postgresql" and restart:
         restart_postgresql()
     else:
         cut_database_connections()
@@ -299,7 +352,9 @@ def test_worker__sigterm_past_grace_period_abandons_to_lease_expiry(processes: P
 def test_worker__second_signal_exits_at_once(processes: Processes) -> None:
     job = PaymentJob.objects.enqueue("sleep", {"seconds": 60})
     proc = worker(processes, "hasty", "--grace-period", "60")
-    wait_for(lambda: held_by(job, "hasty"))
+    # Started, not just claimed: a job claimed but not started is released on the first signal,
+    # and the worker would be gone before the second.
+    read_until(proc, f"started job_id={job.pk} ")
     proc.send_signal(signal.SIGTERM)
     # Signals do not queue: wait until the first one was handled before sending the second.
     read_until(proc, "stop requested")
@@ -348,14 +403,18 @@ def test_worker__lease_atomic_rolls_back_the_zombies_writes(
     os.killpg(zombie.pid, signal.SIGSTOP)
     wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
     worker(processes, "owner", "--ttl", "1.5", "--heartbeat", "0.3")
-    wait_for(lambda: held_by(job, "owner", token=2))
+    wait_for(lambda: held_by(job, "owner", attempt=2))
     os.killpg(zombie.pid, signal.SIGCONT)
 
     wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=30)
     wait_for(
-        lambda: JobAttempt.objects.filter(job_ref=job.pk, token=1, fenced_at__isnull=False).exists()
+        lambda: JobAttempt.objects.filter(
+            job_ref=job.pk, attempt=1, fenced_at__isnull=False
+        ).exists()
     )
-    assert list(Charge.objects.values_list("job_ref", "token", "owner")) == [(job.pk, 2, "owner")]
+    assert list(Charge.objects.values_list("job_ref", "token", "owner")) == [
+        (job.pk, token_of(job, 2), "owner")
+    ]
     assert ledger(job) == [(1, "zombie", "lease_lost"), (2, "owner", "completed")]
     assert zombie.poll() is None, "the zombie must keep running, not crash"
 
@@ -363,8 +422,12 @@ def test_worker__lease_atomic_rolls_back_the_zombies_writes(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--ttl", "0"], "must be a positive number of seconds"),
-        (["--ttl", "-3"], "must be a positive number of seconds"),
+        (["--ttl", "0"], "'0' must be a number of seconds from 1 to "),
+        (["--ttl", "-3"], "'-3' must be a number of seconds from 1 to "),
+        (["--grace-period", "-5"], "'-5' must be zero or more seconds, up to "),
+        # An empty or blank kind is refused by name, not listed as an invisible unknown one.
+        (["--kind", ""], "kind must be a string of 1 to 100 characters, got ''"),
+        (["--kind", " "], "kind must not contain whitespace or control characters, got ' '"),
         (["--ttl", "10", "--heartbeat", "10"], "heartbeat (10s) must be shorter than ttl (10s)"),
         (["--heartbeat", "abc"], "'abc' is not a number of seconds"),
         (["--concurrency", "0"], "must be from 1 to 1000"),

@@ -10,6 +10,7 @@ from django_leases.models import JobAttempt, PaymentJob
 from tests.testapp.models import Charge
 
 from .conftest import Processes, finish, read_until, wait_for
+from .leasing import token_of
 from .test_worker import fresh, ledger, worker
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
@@ -33,7 +34,7 @@ def test_async_handler__completes_only_after_its_body_ran_once(processes: Proces
     assert proc.returncode == 0, out
     for job in (*atomic, *orm, *returned):
         assert fresh(job).status == Status.COMPLETED, out
-        assert charges(job) == [(1, "awaiter")]
+        assert charges(job) == [(token_of(job), "awaiter")]
         assert ledger(job) == [(1, "awaiter", "completed")]
     assert {fresh(job).checkpoint for job in orm} == {"started"}
     assert "claimed=11 completed=11" in out
@@ -90,7 +91,7 @@ def test_async_handler__blocking_its_loop_is_timed_out_by_the_worker(processes: 
     worker(processes, "blocked", "--concurrency", "1", "--ttl", "5", "--heartbeat", "1")
 
     wait_for(lambda: fresh(behind).status == Status.COMPLETED, timeout=30)
-    row = JobAttempt.objects.get(job_ref=blocked.pk, token=1)
+    row = JobAttempt.objects.get(job_ref=blocked.pk, attempt=1)
     assert (row.outcome, row.ended_by) == ("timed_out", "blocked")
 
 
@@ -106,4 +107,4 @@ def test_async_handler__sigterm_lets_it_finish_within_the_grace_period(
     assert proc.returncode == 0, out
     for job in jobs:
         assert fresh(job).status == Status.COMPLETED
-        assert charges(job) == [(1, "async-graceful")]
+        assert charges(job) == [(token_of(job), "async-graceful")]

@@ -19,6 +19,7 @@ from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
 
 from .conftest import Processes, wait_for
+from .leasing import token_of
 from .test_worker import finish, fresh, held_by, ledger, worker
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
@@ -43,7 +44,7 @@ def test_worker__whatever_a_handler_raises_ends_only_that_attempt(processes: Pro
 
     assert proc.returncode == 0, out
     assert all(fresh(job).status == Status.COMPLETED for job in behind), out
-    rows = {kind: JobAttempt.objects.get(job_ref=job.pk, token=1) for kind, job in faulty.items()}
+    rows = {kind: JobAttempt.objects.get(job_ref=job.pk, attempt=1) for kind, job in faulty.items()}
     assert {kind: row.outcome for kind, row in rows.items()} == dict.fromkeys(faulty, "retried")
     assert rows["exits"].error_class == "SystemExit"
     assert rows["interrupted"].error_class == "tests.testapp.jobs.Interrupted"
@@ -71,7 +72,7 @@ def test_worker__handler_past_its_timeout_is_ended_and_the_slot_goes_on(
 
     # The slot runs the jobs behind it long before the blocked handler returns.
     wait_for(lambda: all(fresh(job).status == Status.COMPLETED for job in behind), timeout=30)
-    row = JobAttempt.objects.get(job_ref=late.pk, token=1)
+    row = JobAttempt.objects.get(job_ref=late.pk, attempt=1)
     assert (row.outcome, row.ended_by) == ("timed_out", "patient")
     assert "timeout of 1.5s" in row.error_message
     # Within timeout + TTL + a few seconds of load, whatever the handler does.
@@ -80,7 +81,7 @@ def test_worker__handler_past_its_timeout_is_ended_and_the_slot_goes_on(
     # it tries to write after its timeout, is refused.
     wait_for(lambda: fresh(late).status == Status.COMPLETED, timeout=60)
     time.sleep(1)  # attempt 1 woke at 4 s; give its refused write time to show if it were not
-    assert list(Charge.objects.values_list("job_ref", "token")) == [(late.pk, 2)]
+    assert list(Charge.objects.values_list("job_ref", "token")) == [(late.pk, token_of(late, 2))]
     assert ledger(late) == [(1, "patient", "timed_out"), (2, "patient", "completed")]
 
 
@@ -275,12 +276,14 @@ def test_worker__an_outcome_the_database_refuses_still_ends_the_attempt(
 def test_worker__reclaiming_its_own_expired_job_keeps_the_new_lease_alive(run_in_thread) -> None:
     # Attempt 1 outlives its (made stale) lease; attempt 2, on the other slot of the same
     # worker, runs for several TTLs and must be renewed all along.
-    job = PaymentJob.objects.enqueue("sleep", {"durations": [3, 4]})
+    # A TTL of 4 s: a busy machine (the suite runs on several processes) may delay one renewal
+    # by a second or two, which a TTL of 1.5 s did not survive.
+    job = PaymentJob.objects.enqueue("sleep", {"durations": [6, 10]})
     lease_worker = LeaseWorker(
-        worker_id="same", concurrency=2, ttl=1.5, heartbeat=0.3, poll_interval=0.05, max_jobs=2
+        worker_id="same", concurrency=2, ttl=4, heartbeat=0.5, poll_interval=0.05, max_jobs=2
     )
     run_in_thread(lease_worker)
-    wait_for(lambda: held_by(job, "same", token=1))
+    wait_for(lambda: held_by(job, "same", attempt=1))
     # The database says the lease ran out (as after an outage longer than the TTL).
     PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now())
 

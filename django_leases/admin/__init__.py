@@ -10,7 +10,7 @@ database clock. A project registers `LeasedJobAdmin` for its own job table to ge
 
 from django.contrib import admin
 
-from django_leases.admin import jobs, ledger, workers
+from django_leases.admin import jobs, ledger, schedules, workers
 from django_leases.admin.jobs import LeasedJobAdmin, PaymentJobAdmin
 
 # The index shows a link to the overview through this template (it extends the stock one),
@@ -18,4 +18,4 @@ from django_leases.admin.jobs import LeasedJobAdmin, PaymentJobAdmin
 if admin.site.index_template is None:
     admin.site.index_template = "admin/django_leases/index.html"
 
-__all__ = ["LeasedJobAdmin", "PaymentJobAdmin", "jobs", "ledger", "workers"]
+__all__ = ["LeasedJobAdmin", "PaymentJobAdmin", "jobs", "ledger", "schedules", "workers"]

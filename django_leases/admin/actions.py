@@ -7,8 +7,10 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.db.models import QuerySet
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
@@ -38,7 +40,8 @@ class Skip:
     NOT_PROCESSING = _("not processing, so there is no lease to release")
     HOLDER_WORKING = _("its lease is live and its holder may still be working")
     FINISHED = _("already finished")
-    NOT_PENDING = _("only pending or waiting jobs can be cancelled")
+    NOT_PENDING = _("only pending or waiting jobs can be cancelled — use “Force cancel”")
+    NOT_CANCELLABLE = _("already finished or under review")
     WAITING = _("it waits for an earlier job of its lock")
     NOT_IN_REVIEW = _("not under review")
 
@@ -91,7 +94,7 @@ def report(
     return message, messages.WARNING
 
 
-AdminAction = Callable[[admin.ModelAdmin, HttpRequest, QuerySet[Any]], None]
+AdminAction = Callable[[admin.ModelAdmin, HttpRequest, QuerySet[Any]], TemplateResponse | None]
 
 
 def operator_action(
@@ -99,6 +102,8 @@ def operator_action(
     write: Callable[[LeaseQuerySet[Any], str], int],
     done: Callable[[int], str],
     skipped: dict[str, Any],
+    *,
+    confirm: Any = None,
 ) -> AdminAction:
     """Build an admin action that makes ONE `LeaseQuerySet` operator call on the selected jobs.
 
@@ -107,15 +112,42 @@ def operator_action(
             returns how many jobs changed.
         done: the message for that number.
         skipped: why a job of a `stats.selection()` category is skipped by `write`.
+        confirm: if given, the warning of a confirmation page shown first (`write` runs once
+            the operator confirms it).
     """
 
     @admin.action(description=description, permissions=["change"])
     def action(
         model_admin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Any]
-    ) -> None:
+    ) -> TemplateResponse | None:
+        if confirm is not None and request.POST.get("post") != "yes":
+            return confirmation(model_admin, request, queryset, description, confirm)
         jobs = cast(LeaseQuerySet[Any], queryset.order_by())
         before = stats.selection(jobs)
         changed = write(jobs, operator(request))
         model_admin.message_user(request, *report(before, changed, done, skipped))
+        return None
 
     return action
+
+
+def confirmation(
+    model_admin: admin.ModelAdmin,
+    request: HttpRequest,
+    queryset: QuerySet[Any],
+    title: Any,
+    warning: Any,
+) -> TemplateResponse:
+    """The page that asks the operator to confirm an action on the selected jobs."""
+    pks = list(queryset.order_by("pk").values_list("pk", flat=True))
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.model._meta,
+        "title": title,
+        "warning": warning,
+        "pks": pks,
+        "selected": len(pks),
+        "action": request.POST.get("action", ""),
+        "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+    }
+    return TemplateResponse(request, "admin/django_leases/confirm_action.html", context)

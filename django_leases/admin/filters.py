@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, cast
 
 from django.contrib import admin
@@ -40,6 +41,28 @@ class LeaseStateFilter(admin.SimpleListFilter):
         if value == stats.RUNNING_LONG:
             default, by_kind = stats.long_running_limits()
             return jobs.running_longer_than(default, by_kind=by_kind)
+        return None
+
+
+class TimeFilter(admin.SimpleListFilter):
+    """What the overview's time-bound cards count: the jobs due now, the jobs finished within
+    its window."""
+
+    title = _("time")
+    parameter_name = "when"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [
+            (stats.DUE, _("Due now (pending, run_at passed)")),
+            (stats.LAST_HOUR, _("Finished in the last hour")),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        jobs = cast(LeaseQuerySet[Any], queryset)
+        if self.value() == stats.DUE:
+            return jobs.due()
+        if self.value() == stats.LAST_HOUR:
+            return jobs.finished_within(timedelta(minutes=stats.RECENT_MINUTES))
         return None
 
 

@@ -14,7 +14,7 @@ from weakref import WeakKeyDictionary
 from django.apps import apps
 from django.contrib import admin, messages
 from django.contrib.admin.options import InlineModelAdmin
-from django.core.exceptions import ValidationError
+from django.core.paginator import Paginator
 from django.db.models import QuerySet
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -27,13 +27,18 @@ from django_leases import stats
 from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
 from django_leases.admin.counts import CountingChangeList, CountingPaginator
 from django_leases.admin.display import EMPTY, human_duration, short_text
-from django_leases.admin.filters import KindFilter, LeaseStateFilter, LockFilter, StatusFilter
+from django_leases.admin.filters import (
+    KindFilter,
+    LeaseStateFilter,
+    LockFilter,
+    StatusFilter,
+    TimeFilter,
+)
+from django_leases.admin.forms import LeasedJobForm
 from django_leases.admin.ledger import AttemptInline, EventInline
 from django_leases.admin.mixins import IndexedSearchMixin, job_id
 from django_leases.admin.overview import OverviewMixin
 from django_leases.conf import leases_settings
-from django_leases.exceptions import InvalidArgument, InvalidPayload
-from django_leases.limits import PRIORITY, check_int, check_json
 from django_leases.models import AbstractJobAttempt, AbstractJobEvent, PaymentJob
 from django_leases.querysets import LeaseQuerySet, ledger_model
 from django_leases.status import (
@@ -72,27 +77,6 @@ TASK_KINDS = "tasks."
 NOT_SAVED: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
 
 
-class LeasedJobForm(ModelForm):
-    """The change form: the bounds of `enqueue()`, the same on every database (SQLite would
-    store a priority PostgreSQL refuses)."""
-
-    def clean_payload(self) -> Any:
-        payload = self.cleaned_data["payload"]
-        try:
-            check_json(payload, "payload")
-        except InvalidPayload as exc:
-            raise ValidationError(str(exc)) from None
-        return payload
-
-    def clean_priority(self) -> Any:
-        priority = self.cleaned_data["priority"]
-        try:
-            check_int(priority, "priority", PRIORITY)
-        except InvalidArgument as exc:
-            raise ValidationError(str(exc)) from None
-        return priority
-
-
 class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     """The admin of a job table: register it for your own `AbstractLeasedJob` model.
 
@@ -115,7 +99,7 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         "last_error_short",
     ]
     list_display_links = ("id", "kind")
-    list_filter = (LeaseStateFilter, StatusFilter, LockFilter, KindFilter)
+    list_filter = (LeaseStateFilter, StatusFilter, LockFilter, KindFilter, TimeFilter)
     search_help_text = _("A job id, or the start of the owner of a processing job.")
     search_fields = ("kind",)  # shows the search box; search() does the search
     # The primary key index serves the default order, however large the table.
@@ -126,9 +110,9 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     form = LeasedJobForm
     change_list_template = "admin/django_leases/leasedjob/change_list.html"
     change_form_template = "admin/django_leases/change_form.html"
-    readonly_fields = ["kind", "lock", "lock_state", *LEASE_FIELDS, "lease", "heartbeat"]
+    readonly_fields = ["kind", "lock", "lock_position", *LEASE_FIELDS, "lease", "heartbeat"]
     fieldsets = (
-        (None, {"fields": ("kind", ("lock", "lock_state"), "priority", "payload")}),
+        (None, {"fields": ("kind", ("lock", "lock_position"), "priority", "payload")}),
         (
             _("Lease"),
             {
@@ -154,6 +138,7 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         "release_stuck",
         "mark_failed",
         "cancel",
+        "force_cancel",
         "resolve_review_completed",
         "resolve_review_retry",
         "resolve_review_failed",
@@ -188,7 +173,13 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         per_page: int,
         orphans: int = 0,
         allow_empty_first_page: bool = True,
-    ) -> CountingPaginator:
+    ) -> Paginator:
+        if queryset.model is not self.model:
+            # The history page pages the job's LogEntry rows through here too: a short list,
+            # and no LeaseQuerySet to count with.
+            return super().get_paginator(
+                request, queryset, per_page, orphans, allow_empty_first_page
+            )
         # Never below "Show all"'s bound: a list counted as short as that is loaded whole.
         limit = max(
             leases_settings.ADMIN_EXACT_COUNT_LIMIT, self.list_per_page, self.list_max_show_all
@@ -308,26 +299,41 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
 
     @admin.display(description=_("lock"), ordering="lock")
     def lock_state(self, job: PaymentJob) -> str:
+        """The list's lock column: the lock, and whether the job waits for it or holds it."""
         if job.status == JobStatus.WAITING:
-            holder = getattr(job, "waiting_for", None)
-            if holder is None:
-                return gettext("waiting for its lock")
-            url = reverse(
-                f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
-                args=[holder],
-                current_app=self.admin_site.name,
-            )
             return format_html(
                 '<span class="dl-badge dl-waiting" title="{}">{}</span>',
                 job.lock,
-                format_html(
-                    gettext("waiting for job {} (same lock)"),
-                    format_html('<a href="{}">#{}</a>', url, holder),
-                ),
+                self._waiting_for(job),
             )
         if job.lock_holder:
             return format_html('<span title="{}">{}</span>', gettext("holds its lock"), job.lock)
         return job.lock or EMPTY
+
+    @admin.display(description=_("lock state"))
+    def lock_position(self, job: PaymentJob) -> str:
+        """The change form's, beside the lock itself: whether the job waits for it or holds it."""
+        if job.status == JobStatus.WAITING:
+            return format_html(
+                '<span class="dl-badge dl-waiting">{}</span>', self._waiting_for(job)
+            )
+        if job.lock_holder:
+            return gettext("holds its lock")
+        return EMPTY
+
+    def _waiting_for(self, job: PaymentJob) -> str:
+        holder = getattr(job, "waiting_for", None)
+        if holder is None:
+            return gettext("waiting for its lock")
+        url = reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
+            args=[holder],
+            current_app=self.admin_site.name,
+        )
+        return format_html(
+            gettext("waiting for job {} (same lock)"),
+            format_html('<a href="{}">#{}</a>', url, holder),
+        )
 
     @admin.display(description=_("last heartbeat"), ordering="-heartbeat_at")
     def heartbeat(self, job: Any) -> str:
@@ -395,9 +401,22 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     )
     cancel = operator_action(
         _("Cancel (pending or waiting jobs only)"),
-        lambda jobs, by: jobs.cancel(by=by),
+        lambda jobs, by: jobs.cancel(running=False, by=by),
         lambda n: ngettext("%d job cancelled", "%d jobs cancelled", n) % n,
         skip_all_but([PENDING, WAITING], Skip.NOT_PENDING),
+    )
+    force_cancel = operator_action(
+        _("Force cancel — running jobs too: tells their holders to stop"),
+        lambda jobs, by: jobs.cancel(by=by),
+        lambda n: ngettext("%d job cancelled by force", "%d jobs cancelled by force", n) % n,
+        skip_all_but([PENDING, WAITING, stats.LIVE_LEASE, stats.STUCK], Skip.NOT_CANCELLABLE),
+        confirm=_(
+            "Cancel the selected jobs, running ones included? Each running job's worker is "
+            "told to stop within one heartbeat interval and is fenced out of every further "
+            "write; a plain (sync) handler is not interrupted and may still finish a call it "
+            "already started. A job of a review-policy kind past its checkpoint goes to review "
+            "instead: it may have moved money."
+        ),
     )
     resolve_review_completed = operator_action(
         _("Resolve review: completed"),
@@ -464,7 +483,7 @@ class PaymentJobAdmin(LeasedJobAdmin):
         "payment_id",
         "idempotency_key",
         "lock",
-        "lock_state",
+        "lock_position",
         *LEASE_FIELDS,
         "lease",
         "heartbeat",
@@ -477,7 +496,7 @@ class PaymentJobAdmin(LeasedJobAdmin):
                     "kind",
                     "payment_id",
                     "idempotency_key",
-                    ("lock", "lock_state"),
+                    ("lock", "lock_position"),
                     "priority",
                     "payload",
                 )

@@ -1,4 +1,5 @@
-"""The queue overview page: counts, throughput chart, stuck jobs and workers."""
+"""The queue overview page: counts, throughput chart, stuck jobs, workers, the kinds'
+limits and the schedules."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 from django.utils.translation import gettext
 
-from django_leases import stats
+from django_leases import schedules, stats
 from django_leases.admin.counts import tally_html
 from django_leases.admin.display import human_duration
 from django_leases.conf import leases_settings
+from django_leases.handlers import throttles
 from django_leases.models import Worker
 from django_leases.status import JobStatus
 
@@ -62,6 +64,9 @@ class OverviewMixin(admin.ModelAdmin):
                 for job in data.long_runners
             ],
             "workers": [(worker, human_duration(worker.seen_ago)) for worker in data.workers],
+            # This process's registry (its jobs.py modules): what every worker enforces.
+            "throttles": sorted(throttles().items()),
+            "schedules": schedules.upcoming(self.model._default_manager.all()),
         }
         return TemplateResponse(request, "admin/django_leases/overview.html", context)
 

@@ -1,8 +1,10 @@
 """System checks for `settings.DJANGO_LEASES` and the database sessions. Ids are stable: never
 renumber or reuse one."""
 
+import difflib
 import math
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import django
 from django.conf import settings
@@ -21,16 +23,25 @@ from django_leases.limits import (
     CONCURRENCY,
     DURATION_RANGE,
     EXACT_COUNT_LIMIT,
-    KIND_LENGTH,
     MAX_ATTEMPTS,
     MAX_DURATION,
+    MIN_SECONDS,
     check_json,
+    check_kind,
     check_text,
+    duration_range,
+    in_duration_range,
     shown,
 )
 from django_leases.querysets import job_model, leased_job_models, ledger_model
-from django_leases.schedules import MIN_EVERY, SCHEDULE_KEYS, SCHEDULE_NAME_LENGTH
-from django_leases.status import COMPLETED, FINAL_STATUSES, StuckPolicy
+from django_leases.querysets.schedules import TZ_LENGTH
+from django_leases.schedules import (
+    MIN_EVERY,
+    SCHEDULE_KEYS,
+    SCHEDULE_NAME_LENGTH,
+    cron_problem,
+)
+from django_leases.status import FINAL_STATUSES, StuckPolicy
 
 DURATIONS = (
     "TTL",
@@ -86,11 +97,12 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
         )
     values = {**DEFAULTS, **user}
     for key in DURATIONS:
-        if not _is_positive_number(values[key]):
+        minimum = MIN_SECONDS.get(key, 0.0)
+        if not (_is_positive_number(values[key]) and in_duration_range(values[key], minimum)):
             messages.append(
                 Error(
-                    f"DJANGO_LEASES[{key!r}] must be a positive number of seconds up to "
-                    f"{MAX_DURATION} (100 years), got {values[key]!r}.",
+                    f"DJANGO_LEASES[{key!r}] must be {duration_range(minimum)}, "
+                    f"got {values[key]!r}.",
                     hint=f"The default is {DEFAULTS[key]!r}.",
                     id="django_leases.E002",
                 )
@@ -135,6 +147,18 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
                 hint="Workers refresh their registry row once per heartbeat; the watcher would "
                 "take live workers for gone and rescue their jobs.",
                 id="django_leases.E010",
+            )
+        )
+    if _is_positive_number(ttl) and _is_positive_number(gone) and gone < ttl:
+        messages.append(
+            Warning(
+                f"DJANGO_LEASES['TTL'] ({ttl!r}) is longer than WORKER_GONE_AFTER ({gone!r}): a "
+                "worker cut off from the database gives its leases up WORKER_GONE_AFTER after "
+                "its last registry beat, not a TTL after its last renewal.",
+                hint="The watcher may rescue a worker's jobs once its registry row is that old, "
+                "so its leases end then too. Set WORKER_GONE_AFTER to at least the TTL (e.g. "
+                "360 with a TTL of 300) to keep the TTL's slack.",
+                id="django_leases.W012",
             )
         )
     near = values["NEAR_EXPIRY"]
@@ -214,6 +238,29 @@ def _check_policies(values: dict[str, Any]) -> list[CheckMessage]:
                 f"{POLICIES}, got {by_kind!r}.",
                 hint="For example {'capture': 'review', 'webhook': 'retry'}.",
                 id="django_leases.E006",
+            )
+        )
+    elif by_kind:
+        messages.extend(_check_policy_kinds(by_kind, values["STUCK_POLICY"]))
+    return messages
+
+
+def _check_policy_kinds(by_kind: dict[str, str], default: str) -> list[CheckMessage]:
+    """Warn of STUCK_POLICY_BY_KIND keys that are no registered kind: a misspelt one leaves the
+    real kind under the default policy (a capture blindly retried past its checkpoint)."""
+    kinds = registered_kinds()
+    folded = {kind.casefold(): kind for kind in kinds}
+    messages: list[CheckMessage] = []
+    for kind in sorted(set(by_kind) - set(kinds)):
+        close = [folded[k] for k in difflib.get_close_matches(kind.casefold(), folded, n=1)]
+        messages.append(
+            Warning(
+                f"DJANGO_LEASES['STUCK_POLICY_BY_KIND'] names {shown(kind)}, for which no "
+                "handler is registered: if it is a misspelt kind, that kind is under "
+                f"STUCK_POLICY ({default!r}), not {by_kind[kind]!r}.",
+                hint=(f"Did you mean {close[0]!r}? " if close else "")
+                + "Use the kind of a @job_handler in a jobs.py module of an installed app.",
+                id="django_leases.W009",
             )
         )
     return messages
@@ -389,8 +436,9 @@ def check_schedules(**kwargs: Any) -> list[CheckMessage]:
 
 
 SCHEDULE_HINT = (
-    "For example {'nightly-sweep': {'kind': 'reconcile_sweep', 'every': 3600}}, optionally "
-    "with 'payload' (JSON) and 'catch_up' (True or False)."
+    "For example {'nightly-sweep': {'kind': 'reconcile_sweep', 'every': 3600}} or "
+    "{'nightly-sweep': {'kind': 'reconcile_sweep', 'cron': '30 2 * * *', 'tz': 'Europe/Berlin'}}, "
+    "optionally with 'payload' (JSON) and 'catch_up' (True or False)."
 )
 
 
@@ -420,7 +468,7 @@ def _check_schedule(name: Any, entry: Any, retention: Any) -> list[CheckMessage]
         )
     kind = entry.get("kind")
     try:
-        check_text(kind, f"{where}['kind']", KIND_LENGTH)
+        check_kind(kind, f"{where}['kind']")
     except InvalidArgument as exc:
         messages.append(
             Error(f"{exc}.", hint="Name the job kind each tick enqueues.", id="django_leases.E026")
@@ -436,23 +484,7 @@ def _check_schedule(name: Any, entry: Any, retention: Any) -> list[CheckMessage]
                     id="django_leases.W006",
                 )
             )
-    every = entry.get("every")
-    try:
-        seconds = to_seconds(every, f"{where}['every']")
-    except InvalidDuration as exc:
-        seconds, wrong = 0.0, str(exc)
-    else:
-        wrong = ""
-        if seconds < MIN_EVERY:
-            wrong = f"{where}['every'] must be at least {MIN_EVERY:g} second, got {every!r}"
-    if wrong:
-        messages.append(
-            Error(
-                f"{wrong}.",
-                hint="Seconds (int or float) or a timedelta, one tick each.",
-                id="django_leases.E027",
-            )
-        )
+    messages.extend(_check_period(where, entry))
     try:
         check_json(entry.get("payload"), f"{where}['payload']")
     except InvalidPayload as exc:
@@ -472,15 +504,87 @@ def _check_schedule(name: Any, entry: Any, retention: Any) -> list[CheckMessage]
                 id="django_leases.E029",
             )
         )
-    kept: Any = retention.get(COMPLETED) if isinstance(retention, dict) else None
-    if catch_up is True and _is_positive_number(kept) and seconds > kept:
+    # django_leases.W007 (a period longer than RETENTION["completed"]) is retired: a schedule's
+    # own row decides which ticks are due, whatever was pruned. Never reuse the id.
+    return messages
+
+
+def _check_period(where: str, entry: dict[Any, Any]) -> list[CheckMessage]:
+    """Check that `entry` has one of `every` and `cron` (with `tz`), and that it is valid."""
+    messages: list[CheckMessage] = []
+    if ("every" in entry) == ("cron" in entry):
         messages.append(
-            Warning(
-                f"{where} runs every {seconds:g}s, longer than DJANGO_LEASES['RETENTION']"
-                f"['completed'] ({kept!r}): its last tick's job may be pruned before the next "
-                "tick, which would then take that tick for missed and enqueue it again.",
-                hint="Keep completed jobs longer than the period, or set 'catch_up': False.",
-                id="django_leases.W007",
+            Error(
+                f"{where} must have exactly one of 'every' and 'cron', "
+                f"{'has both' if 'every' in entry else 'has neither'}.",
+                hint="'every': seconds between ticks (Unix time); 'cron': a five-field cron "
+                "expression in 'tz' (local time).",
+                id="django_leases.E036",
+            )
+        )
+    elif "every" in entry:
+        messages.extend(_check_every(where, entry["every"]))
+    else:
+        messages.extend(_check_cron(where, entry["cron"]))
+        messages.extend(_check_tz(where, entry.get("tz", "UTC")))
+    if "tz" in entry and "cron" not in entry:
+        messages.append(
+            Error(
+                f"{where} has 'tz' without 'cron': a time zone applies to a cron expression "
+                "only ('every' counts Unix seconds).",
+                hint="Remove 'tz', or give a 'cron' expression instead of 'every'.",
+                id="django_leases.E037",
             )
         )
     return messages
+
+
+def _check_every(where: str, every: Any) -> list[CheckMessage]:
+    try:
+        seconds = to_seconds(every, f"{where}['every']")
+    except InvalidDuration as exc:
+        wrong = str(exc)
+    else:
+        wrong = ""
+        if seconds < MIN_EVERY:
+            wrong = f"{where}['every'] must be at least {MIN_EVERY:g} second, got {every!r}"
+    if not wrong:
+        return []
+    return [
+        Error(
+            f"{wrong}.",
+            hint="Seconds (int or float) or a timedelta, one tick each.",
+            id="django_leases.E027",
+        )
+    ]
+
+
+def _check_cron(where: str, cron: Any) -> list[CheckMessage]:
+    wrong = cron_problem(cron)
+    if not wrong:
+        return []
+    return [
+        Error(
+            f"{where}['cron'] {wrong}.",
+            hint="Five fields: minute, hour, day of month, month, day of week, e.g. "
+            "'30 2 * * 1-5' (02:30 on weekdays); for seconds, use 'every'.",
+            id="django_leases.E034",
+        )
+    ]
+
+
+def _check_tz(where: str, tz: Any) -> list[CheckMessage]:
+    if isinstance(tz, str) and 0 < len(tz) <= TZ_LENGTH:
+        try:
+            ZoneInfo(tz)
+        except (ZoneInfoNotFoundError, ValueError):
+            pass
+        else:
+            return []
+    return [
+        Error(
+            f"{where}['tz'] must be the name of a time zone of the IANA database, got {shown(tz)}.",
+            hint="For example 'Europe/Berlin', 'America/New_York' or 'UTC' (the default).",
+            id="django_leases.E035",
+        )
+    ]

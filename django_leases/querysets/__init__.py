@@ -2,7 +2,7 @@
 
 `leases` holds every lease transition; `ledger` the attempt rows they open and close; `prune`
 retention; `enqueue` enqueueing; `payments` `PaymentJob`'s enqueue with a payment id; `workers`
-the worker registry. Their raw SQL is in `sql/`.
+the worker registry; `schedules` the schedules' state rows. Their raw SQL is in `sql/`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet, describe_error
 from django_leases.querysets.payments import PaymentJobQuerySet
 from django_leases.querysets.prune import PrunedBatch
+from django_leases.querysets.schedules import ScheduleStateQuerySet
 from django_leases.querysets.workers import WorkerQuerySet
 
 if TYPE_CHECKING:
@@ -104,6 +105,13 @@ def leased_jobs(model: type[Any] | None = None, using: str | None = None) -> Lea
     return cast(LeaseQuerySet[Any], manager.all())
 
 
+def queue_models(model: type[Any]) -> list[type[models.Model]]:
+    """Return the models whose tables the queue of job model `model` needs: itself, its
+    attempt ledger (if any) and the worker registry."""
+    ledger = ledger_model(model)
+    return [model, *([ledger] if ledger is not None else []), registered_workers().model]
+
+
 def registered_workers(using: str | None = None) -> WorkerQuerySet:
     """Return the worker registry on `using` (default: its write database)."""
     # Imported here: as in `leased_jobs()`.
@@ -114,11 +122,20 @@ def registered_workers(using: str | None = None) -> WorkerQuerySet:
     )
 
 
+def schedule_states(using: str) -> ScheduleStateQuerySet:
+    """Return the schedules' state rows on `using`: the database of the job table they serve."""
+    # Imported here: as in `leased_jobs()`.
+    from django_leases.models import ScheduleState
+
+    return cast(ScheduleStateQuerySet, ScheduleState.objects.db_manager(using).all())
+
+
 __all__ = [
     "AttemptQuerySet",
     "LeaseQuerySet",
     "PaymentJobQuerySet",
     "PrunedBatch",
+    "ScheduleStateQuerySet",
     "WorkerQuerySet",
     "deadlocked",
     "describe_error",
@@ -128,4 +145,5 @@ __all__ = [
     "ledger_model",
     "registered_workers",
     "retry_deadlocks",
+    "schedule_states",
 ]

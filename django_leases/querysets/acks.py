@@ -7,19 +7,19 @@ closed in the same statement or transaction.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from functools import reduce
-from operator import or_
+from collections.abc import Iterable, Mapping
 
 from django.db import connections, transaction
-from django.db.models import Q
 from django.db.models.functions import Now
 
-from django_leases.limits import JOB_ID, check_int
 from django_leases.querysets.base import (
     ClaimPath,
+    LeaseKey,
     bound_cursor,
     check_owner,
+    key_groups,
+    keys_filter,
+    lease_keys,
     quoted_table,
     retry_deadlocks,
 )
@@ -34,9 +34,11 @@ class Acknowledgements(Enqueueing[J]):
         return quoted_table(self.model, self.db)
 
     @retry_deadlocks
-    def complete_many(self, owner: str, leases: Mapping[int, int]) -> set[int]:
-        """Complete every job of `leases` ({pk: token}) that `owner` still holds under that
-        token; return the pks completed.
+    def complete_many(
+        self, owner: str, leases: Iterable[LeaseKey] | Mapping[int, int]
+    ) -> set[LeaseKey]:
+        """Complete every job of `leases` ((job id, token) pairs) that `owner` still holds under
+        that token; return the pairs completed.
 
         One statement on PostgreSQL, one transaction of set-based statements elsewhere. Each row
         is still conditional on its own id, `processing`, owner and token: a job lost, taken
@@ -45,14 +47,11 @@ class Acknowledgements(Enqueueing[J]):
         with a lock is never completed here: `complete()` passes its lock on.
         """
         check_owner(owner)
-        leases = {
-            check_int(pk, "pk", JOB_ID): check_int(token, "token", JOB_ID)
-            for pk, token in leases.items()
-        }
-        if not leases:
+        keys = lease_keys(leases)
+        if not keys:
             return set()
-        won = self._complete_many(owner, leases, self._complete_many_path())
-        lost = {pk: token for pk, token in leases.items() if pk not in won}
+        won = self._complete_many(owner, keys, self._complete_many_path())
+        lost = [key for key in keys if key not in won]
         if lost:
             self._record_fenced(lost)
         return won
@@ -64,7 +63,7 @@ class Acknowledgements(Enqueueing[J]):
             return "orm"
         return "postgresql+ledger" if vendor == "postgresql" else "sqlite"
 
-    def _complete_many(self, owner: str, leases: dict[int, int], path: ClaimPath) -> set[int]:
+    def _complete_many(self, owner: str, keys: list[LeaseKey], path: ClaimPath) -> set[LeaseKey]:
         ledger = self._ledger_names()
         if path == "postgresql+ledger" and ledger is not None:
             # One statement: atomic without a transaction block.
@@ -72,41 +71,51 @@ class Acknowledgements(Enqueueing[J]):
                 self._table(),
                 ledger,
                 owner=owner,
-                pks=list(leases),
-                tokens=list(leases.values()),
+                pks=[pk for pk, _ in keys],
+                tokens=[token for _, token in keys],
                 processing=PROCESSING,
                 completed=COMPLETED,
             )
             with bound_cursor(self.db) as cursor:
                 cursor.execute(*statement)
-                return {pk for (pk,) in cursor.fetchall()}
+                return {(pk, token) for pk, token in cursor.fetchall()}
         # One transaction: the jobs' completions and their ledger rows commit together.
         with transaction.atomic(using=self.db):
             if path == "sqlite" and ledger is not None:
+                done: set[LeaseKey] = set()
                 with connections[self.db].cursor() as cursor:
-                    cursor.execute(
-                        *sqlite.complete_many(
-                            self._table(),
-                            owner=owner,
-                            pairs=leases,
-                            processing=PROCESSING,
-                            completed=COMPLETED,
-                        )
-                    )
-                    won = dict(cursor.fetchall())
-                    if won:
+                    for group in key_groups(keys):
                         cursor.execute(
-                            *sqlite.close_attempts(
-                                self._table(), ledger, owner=owner, pairs=won, outcome=COMPLETED
+                            *sqlite.complete_many(
+                                self._table(),
+                                owner=owner,
+                                pairs=list(group.items()),
+                                processing=PROCESSING,
+                                completed=COMPLETED,
                             )
                         )
-                return set(won)
+                        won = [(pk, token) for pk, token in cursor.fetchall()]
+                        if won:
+                            cursor.execute(
+                                *sqlite.close_attempts(
+                                    self._table(), ledger, owner=owner, pairs=won, outcome=COMPLETED
+                                )
+                            )
+                        done.update(won)
+                return done
             # The specification (and MariaDB/MySQL's path): lock the rows still held, then
             # complete exactly those; the row locks keep the read true until commit.
-            pairs = reduce(or_, (Q(pk=pk, lease_token=token) for pk, token in leases.items()))
-            held = self.filter(pairs, status=PROCESSING, lease_owner=owner, lock="")
-            won = dict(held.select_for_update().values_list("pk", "lease_token"))
-            if won:
-                held.filter(pk__in=won).update(status=COMPLETED, completed_at=Now(), last_error="")
-                self._close_attempts(won, AttemptOutcome.COMPLETED, by=owner)
-        return set(won)
+            done = set()
+            for group in key_groups(keys):
+                held = self.filter(
+                    keys_filter(group), status=PROCESSING, lease_owner=owner, lock=""
+                )
+                locked = dict(held.select_for_update().values_list("pk", "lease_token"))
+                if locked:
+                    held.filter(pk__in=locked).update(
+                        status=COMPLETED, completed_at=Now(), last_error=""
+                    )
+                    done.update(locked.items())
+            if done:
+                self._close_attempts(done, AttemptOutcome.COMPLETED, by=owner)
+        return done

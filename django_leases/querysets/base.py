@@ -4,37 +4,54 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from functools import cache, wraps
 from typing import Any, Literal, TypeVar
 
-from django.db import OperationalError, connections, models
+from django.db import NotSupportedError, OperationalError, connections, models
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
-from django.db.models.functions import Now
+from django.db.models import Case, F, Func, Q, Value, When
+from django.db.models.functions import Greatest, Now
 from django.db.models.query import RawQuerySet
+from django.db.models.sql.compiler import SQLCompiler
 from django.db.models.sql.query import RawQuery
 
-from django_leases.limits import OWNER_LENGTH, check_text
-from django_leases.sql import deadlocked
+from django_leases.limits import JOB_ID, OWNER_LENGTH, check_int, check_text
+from django_leases.sql import deadlocked, mysql, postgresql, sqlite
 
 DEADLOCK_RETRIES = 5
+
+LeaseKey = tuple[int, int]
+"""(job id, fencing token): one acquisition of a job. Writes over many leases are keyed by it,
+never by the job id alone: one worker may hold an old lease and a new one of the same job (an
+operator's forced requeue, then its own next claim)."""
+
+KEYS_PER_STATEMENT = 500
+"""Leases one statement filters on at most (`key_groups()`): its parameters stay far below every
+database's bounds, whatever the worker's concurrency."""
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 M = TypeVar("M", bound=models.Model)
 
 
 def bound_cursor(using: str) -> CursorWrapper:
-    """Return a cursor of `using` that sends parameters apart from the statement's text.
+    """Return a cursor of `using` that sends parameters apart from the statement's text where
+    that is what prepares it.
 
     On PostgreSQL with psycopg 3 the text is then the same at every call, so psycopg prepares
     it once the project allows prepared statements (`"prepare_threshold"` in the database's
     OPTIONS, Django's switch, off by default for connection poolers): the server then parses
-    and plans the lease layer's statements once per connection, not once per job. Elsewhere,
-    or with psycopg 2, Django's usual cursor. Either way through Django's cursor wrapper, so the
-    execute wrappers (the outage watchdog) and query logging apply.
+    and plans the lease layer's statements once per connection, not once per job. Without that
+    option, Django's client-binding cursor, which can carry the worker's statement timeout
+    (`db.StatementTimeout`); elsewhere, or with psycopg 2, Django's usual cursor. Either way
+    through Django's cursor wrapper, so the execute wrappers (the outage watchdog) and query
+    logging apply.
     """
-    return _driver_cursor(using, "ServerBindingCursor")
+    options = connections[using].settings_dict.get("OPTIONS") or {}
+    prepares = options.get("prepare_threshold") is not None
+    return _driver_cursor(using, "ServerBindingCursor" if prepares else "Cursor")
 
 
 @cache
@@ -120,6 +137,43 @@ def ago(seconds: float) -> Any:
     return Now() - timedelta(seconds=seconds)
 
 
+class FencingClock(Func):
+    """The database clock in microseconds since the epoch (each vendor's `FENCING_CLOCK`)."""
+
+    output_field = models.BigIntegerField()
+
+    def as_sql(
+        self,
+        compiler: SQLCompiler,
+        connection: BaseDatabaseWrapper,
+        function: str | None = None,
+        template: str | None = None,
+        arg_joiner: str | None = None,
+        **extra_context: Any,
+    ) -> tuple[str, tuple[Any, ...]]:
+        clock = CLOCKS.get(connection.vendor)
+        if clock is None:
+            raise NotSupportedError(f"django-leases has no fencing clock for {connection.vendor}")
+        return clock, ()
+
+
+CLOCKS = {
+    "postgresql": postgresql.FENCING_CLOCK,
+    "sqlite": sqlite.FENCING_CLOCK,
+    "mysql": mysql.FENCING_CLOCK,
+}
+"""Each database's clock in microseconds, from its module of `sql/`."""
+
+
+def next_token() -> Any:
+    """Return the SQL expression of a job's next fencing token: one more than its last, and at
+    least the database clock in microseconds, so a token issued after a failover that lost
+    commits (and their tokens) is still one no earlier acquisition had."""
+    return Greatest(
+        F("lease_token") + 1, FencingClock(), output_field=models.PositiveBigIntegerField()
+    )
+
+
 def retry_deadlocks(method: F_) -> F_:
     """Run a lease transition again when the database aborted it to break a deadlock.
 
@@ -155,3 +209,50 @@ then conditional UPDATE (MariaDB/MySQL, and the specification the others are tes
 def check_owner(owner: str) -> None:
     """Refuse an owner (a worker id) that does not fit the lease_owner column."""
     check_text(owner, "owner", OWNER_LENGTH)
+
+
+def lease_keys(leases: Iterable[LeaseKey] | Mapping[int, int]) -> list[LeaseKey]:
+    """Return `leases` ((job id, token) pairs, or a mapping of job id to token) as checked pairs,
+    each once, in their order."""
+    pairs = leases.items() if isinstance(leases, Mapping) else leases
+    keys: dict[LeaseKey, None] = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(f"a lease is a (job id, fencing token) pair, got {pair!r}")
+        keys[(check_int(pair[0], "pk", JOB_ID), check_int(pair[1], "token", JOB_ID))] = None
+    return list(keys)
+
+
+def key_groups(keys: Iterable[LeaseKey]) -> Iterator[dict[int, int]]:
+    """Split `keys` into groups of at most KEYS_PER_STATEMENT with one token per job each: what
+    one statement filters on (`keys_filter()`). Nearly always one group; a job held under two
+    tokens puts its second one in a later group."""
+    groups: list[dict[int, int]] = []
+    for pk, token in keys:
+        group = next((g for g in groups if pk not in g and len(g) < KEYS_PER_STATEMENT), None)
+        if group is None:
+            group = {}
+            groups.append(group)
+        group[pk] = token
+    yield from groups
+
+
+JOB_KEY = ("pk", "lease_token")
+"""The job table's fields of a lease key."""
+LEDGER_KEY = ("job_ref", "token")
+"""The attempt ledger's fields of a lease key."""
+
+
+def keys_filter(group: Mapping[int, int], fields: tuple[str, str] = JOB_KEY) -> Q:
+    """Return the filter of the rows whose (job id, token) `fields` are one of `group`
+    ({job id: token}): `id IN (...) AND token = CASE WHEN id = ... THEN ... END`.
+
+    Never a chain of ORs: SQLite refuses expression trees deeper than 1000, and the IN list lets
+    every database find the rows by their key (tested on the three at KEYS_PER_STATEMENT).
+    """
+    job, token = fields
+    tokens = Case(
+        *(When(**{job: pk}, then=Value(t)) for pk, t in group.items()),
+        output_field=models.BigIntegerField(),
+    )
+    return Q(**{f"{job}__in": list(group), token: tokens})

@@ -8,8 +8,10 @@ from the database clock, and opens its ledger row in the same transaction.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from contextlib import nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from django.db import connections, transaction
@@ -18,26 +20,47 @@ from django.db.models.functions import Now
 
 from django_leases import sql
 from django_leases.conf import to_seconds
-from django_leases.limits import CLAIM_LIMIT, JOB_ID, KIND_LENGTH, check_int, check_text
-from django_leases.querysets.acks import Acknowledgements
+from django_leases.handlers import throttles
+from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind
 from django_leases.querysets.base import (
     ClaimPath,
+    LeaseKey,
     after,
     check_owner,
+    lease_keys,
+    next_token,
     retry_deadlocks,
 )
 from django_leases.querysets.ledger import J
 from django_leases.querysets.prepared import prepared_claim_raw
 from django_leases.querysets.reads import takeover_guard
+from django_leases.querysets.throttles import Throttling
 from django_leases.sql import postgresql, sqlite
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
+from django_leases.throttles import Throttle
 
 
-class Claims(Acknowledgements[J]):
+class AllBut(tuple[str, ...]):
+    """Every kind but these: the kinds of a claim of every kind that the throttled ones leave."""
+
+    __slots__ = ()
+
+
+Wanted = list[str] | AllBut | None
+"""The kinds a claim takes: these, every kind but some, or every kind (None)."""
+
+
+def kinds_filter(kinds: Wanted) -> tuple[str, sql.Params]:
+    """Return the claim's fragment of `kinds` (`sql.kinds_filter()`)."""
+    if isinstance(kinds, AllBut):
+        return sql.kinds_filter(None, excluded=kinds)
+    return sql.kinds_filter(kinds)
+
+
+class Claims(Throttling[J]):
     # ---- acquisition -------------------------------------------------------------------------
 
-    @retry_deadlocks
     def claim(
         self,
         owner: str,
@@ -51,40 +74,61 @@ class Claims(Acknowledgements[J]):
 
         Each claimed row gets `attempts + 1`, a new fencing token and a lease of `ttl` seconds
         from the database clock, in the statement that decides ownership, and an open row in the
-        attempt ledger in the same transaction.
+        attempt ledger in the same transaction. Kinds with a `limit=` or `rate=` are claimed
+        first, each in a transaction of its own within its throttle (`Throttling`).
         """
         seconds, kinds = self._claim_args(owner, ttl, limit, kinds)
         if kinds == []:
             return []
-        return self._claim(owner, seconds, limit, kinds, self._claim_path())
+        throttled = self._throttled(kinds)
+        if not throttled:
+            return self._claim(owner, seconds, limit, kinds, self._claim_path())
+        jobs: list[J] = []
+        path = self._claim_path()
+        for kind, throttle in throttled.items():
+            if len(jobs) < limit:
+                take = partial(self._claim, owner, seconds, kinds=[kind], path=path, atomic=False)
+                jobs += self._claim_throttled(kind, throttle, limit - len(jobs), take)
+        rest: Wanted = (
+            AllBut(throttled) if kinds is None else [k for k in kinds if k not in throttled]
+        )
+        if len(jobs) < limit and rest != []:
+            jobs += self._claim(owner, seconds, limit - len(jobs), rest, path)
+        return jobs
+
+    @staticmethod
+    def _throttled(kinds: list[str] | None) -> dict[str, Throttle]:
+        """Return the throttles of `kinds` (None: every kind), in the order claims lock them."""
+        known = throttles()
+        if not known:
+            return {}
+        wanted = sorted(known) if kinds is None else sorted(set(kinds) & known.keys())
+        return {kind: known[kind] for kind in wanted}
 
     def complete_and_claim(
         self,
         owner: str,
-        leases: Mapping[int, int],
+        leases: Iterable[LeaseKey] | Mapping[int, int],
         *,
         ttl: float | timedelta,
         limit: int = 1,
         kinds: Collection[str] | None = None,
-    ) -> tuple[set[int], list[J]]:
-        """`complete_many(owner, leases)`, then `claim(owner, ...)`: return the pks completed
-        and the jobs claimed.
+    ) -> tuple[set[LeaseKey], list[J]]:
+        """`complete_many(owner, leases)`, then `claim(owner, ...)`: return the (job id, token)
+        pairs completed and the jobs claimed.
 
         On PostgreSQL with the stock ledger this is one statement, so a holder's finished job
         and its next one cost one commit, not two; every row is still conditional as in the two
         methods. Elsewhere it is those two transactions, the completions committed first.
         """
         seconds, kinds = self._claim_args(owner, ttl, limit, kinds)
-        if self._claim_path() != "postgresql+ledger" or kinds == []:
+        if self._claim_path() != "postgresql+ledger" or kinds == [] or self._throttled(kinds):
             return self.complete_many(owner, leases), self.claim(
                 owner, ttl=seconds, limit=limit, kinds=kinds
             )
-        leases = {
-            check_int(pk, "pk", JOB_ID): check_int(token, "token", JOB_ID)
-            for pk, token in leases.items()
-        }
-        won, jobs = self._complete_and_claim_postgresql(owner, leases, seconds, limit, kinds)
-        lost = {pk: token for pk, token in leases.items() if pk not in won}
+        keys = lease_keys(leases)
+        won, jobs = self._complete_and_claim_postgresql(owner, keys, seconds, limit, kinds)
+        lost = [key for key in keys if key not in won]
         if lost:
             self._record_fenced(lost)
         return won, jobs
@@ -93,20 +137,21 @@ class Claims(Acknowledgements[J]):
     def _complete_and_claim_postgresql(
         self,
         owner: str,
-        leases: dict[int, int],
+        keys: list[LeaseKey],
         seconds: float,
         limit: int,
         kinds: list[str] | None,
-    ) -> tuple[set[int], list[J]]:
+    ) -> tuple[set[LeaseKey], list[J]]:
         rows = self._claim_postgresql(
             owner,
             seconds,
             limit,
             kinds,
             ledger=self._ledger_names(),
-            completing=(list(leases), list(leases.values()), COMPLETED),
+            completing=([pk for pk, _ in keys], [token for _, token in keys], COMPLETED),
         )
-        won = set(rows[0].completed_ids)  # type: ignore[attr-defined]
+        first: Any = rows[0]
+        won = set(zip(first.completed_ids, first.completed_tokens, strict=True))
         return won, self._in_claim_order([job for job in rows if job.pk is not None])
 
     @staticmethod
@@ -125,7 +170,7 @@ class Claims(Acknowledgements[J]):
         check_int(limit, "limit", CLAIM_LIMIT)
         if kinds is None:
             return seconds, None
-        return seconds, [check_text(kind, "kinds", KIND_LENGTH) for kind in kinds]
+        return seconds, [check_kind(kind, "kinds") for kind in kinds]
 
     def _claim_path(self) -> ClaimPath:
         """Pick the claim's path: the ONE vendor switch. Every path claims the same jobs in the
@@ -136,15 +181,25 @@ class Claims(Acknowledgements[J]):
             return "postgresql+ledger" if self._ledger_names() is not None else "postgresql"
         return "sqlite" if vendor == "sqlite" else "orm"
 
+    @retry_deadlocks
     def _claim(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, path: ClaimPath
+        self,
+        owner: str,
+        seconds: float,
+        limit: int,
+        kinds: Wanted,
+        path: ClaimPath,
+        *,
+        atomic: bool = True,
     ) -> list[J]:
+        """Claim, with the ledger's rows, in a transaction of its own or (not `atomic`) in the
+        caller's."""
         ledger = self._ledger_names() if path == "postgresql+ledger" else None
         if ledger is not None:
             # One statement claims and writes the ledger: atomic without a transaction block.
             jobs = self._claim_postgresql(owner, seconds, limit, kinds, ledger=ledger)
         else:
-            with transaction.atomic(using=self.db):
+            with transaction.atomic(using=self.db) if atomic else nullcontext():
                 if path.startswith("postgresql"):
                     jobs = self._claim_postgresql(owner, seconds, limit, kinds)
                 else:
@@ -157,7 +212,7 @@ class Claims(Acknowledgements[J]):
         owner: str,
         seconds: float,
         limit: int,
-        kinds: list[str] | None,
+        kinds: Wanted,
         *,
         ledger: LedgerNames | None = None,
         completing: tuple[list[int], list[int], str] | None = None,
@@ -167,7 +222,7 @@ class Claims(Acknowledgements[J]):
             owner=owner,
             seconds=seconds,
             limit=limit,
-            kinds=sql.kinds_filter(kinds),
+            kinds=kinds_filter(kinds),
             guard=takeover_guard()[1],
             ledger=ledger,
             pending=PENDING,
@@ -179,7 +234,7 @@ class Claims(Acknowledgements[J]):
         return prepared_claim_raw(self, statement)
 
     def _claim_passes(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, *, sqlite: bool
+        self, owner: str, seconds: float, limit: int, kinds: Wanted, *, sqlite: bool
     ) -> list[J]:
         # Two passes, expired leases first (rare; the pass is one cheap index probe), then due
         # jobs. Each pass's UPDATE restates the full claimable predicate.
@@ -198,7 +253,7 @@ class Claims(Acknowledgements[J]):
         return jobs
 
     def _claim_pass_sqlite(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
+        self, owner: str, seconds: float, limit: int, kinds: Wanted, takeover: bool
     ) -> list[J]:
         statement = sqlite.claim_pass(
             self._table(),
@@ -206,7 +261,7 @@ class Claims(Acknowledgements[J]):
             seconds=seconds,
             limit=limit,
             takeover=takeover,
-            kinds=sql.kinds_filter(kinds),
+            kinds=kinds_filter(kinds),
             guard=takeover_guard()[1] if takeover else ("", {}),
             pending=PENDING,
             processing=PROCESSING,
@@ -214,14 +269,17 @@ class Claims(Acknowledgements[J]):
         return list(self.raw(*statement))
 
     def _claim_pass_locking(
-        self, owner: str, seconds: float, limit: int, kinds: list[str] | None, takeover: bool
+        self, owner: str, seconds: float, limit: int, kinds: Wanted, takeover: bool
     ) -> list[J]:
         # MariaDB/MySQL have no UPDATE ... RETURNING and refuse a LIMIT in an IN subquery on
         # the table being updated. So: lock candidates with FOR UPDATE SKIP LOCKED (MariaDB
         # 10.6+, MySQL 8+), then the conditional UPDATE restating the predicate decides, then
         # read back the rows we now own. The row locks, held to commit, make the read exact.
         # Tested on MariaDB 10.11.
-        base = self._claimable_pass(kinds, takeover)
+        if isinstance(kinds, AllBut):
+            base = self._claimable_pass(None, takeover).exclude(kind__in=kinds)
+        else:
+            base = self._claimable_pass(kinds, takeover)
         order = ("lease_until",) if takeover else ("-priority", "run_at", "id")
         ids = list(
             base.select_for_update(skip_locked=True)
@@ -242,25 +300,41 @@ class Claims(Acknowledgements[J]):
             "lease_owner": owner,
             "lease_until": after(seconds),
             "heartbeat_at": Now(),
-            "lease_token": F("lease_token") + 1,
+            "lease_token": next_token(),
             "attempts": F("attempts") + 1,
         }
 
     @retry_deadlocks
     def claim_job(self, pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
-        """Claim the job `pk` for `owner` if it is claimable; return it, or None if not."""
+        """Claim the job `pk` for `owner` if it is claimable (and its kind's throttle lets it
+        start); return it, or None if not."""
         check_int(pk, "pk", JOB_ID)
         seconds = to_seconds(ttl, "ttl")
         check_owner(owner)
-        with transaction.atomic(using=self.db):
-            # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or
-            # processing with an expired lease). Its row count is the decision.
-            won = self.claimable().filter(pk=pk).update(**self._claim_values(owner, seconds))
-            if not won:
-                return None
-            # We hold the row lock until commit (and SQLite's write lock), so this read is ours.
-            job = self.get(pk=pk)
-            # attempts > 1: a ledger row of an earlier holder may still be open; close it.
-            job.taken_over = job.attempts > 1  # type: ignore[attr-defined]
-            self._open_attempts([job], owner)
-        return job
+        known = throttles()
+        kind = self.filter(pk=pk).values_list("kind", flat=True).first() if known else None
+        if kind is None or kind not in known:
+            with transaction.atomic(using=self.db):
+                jobs = self._claim_one(pk, owner, seconds)
+            return jobs[0] if jobs else None
+        jobs = self._claim_throttled(
+            kind, known[kind], 1, lambda room: self._claim_one(pk, owner, seconds, kind)
+        )
+        return jobs[0] if jobs else None
+
+    def _claim_one(self, pk: int, owner: str, seconds: float, kind: str | None = None) -> list[J]:
+        """`claim_job()` in the caller's transaction: `[job]`, or `[]`; with `kind`, only a
+        job still of that kind (the one a throttled claim counted)."""
+        # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or processing
+        # with an expired lease). Its row count is the decision.
+        claimable = self.claimable().filter(pk=pk)
+        if kind is not None:
+            claimable = claimable.filter(kind=kind)
+        if not claimable.update(**self._claim_values(owner, seconds)):
+            return []
+        # We hold the row lock until commit (and SQLite's write lock), so this read is ours.
+        job = self.get(pk=pk)
+        # attempts > 1: a ledger row of an earlier holder may still be open; close it.
+        job.taken_over = job.attempts > 1  # type: ignore[attr-defined]
+        self._open_attempts([job], owner)
+        return [job]

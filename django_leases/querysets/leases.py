@@ -8,10 +8,8 @@ cannot touch a job that someone else now owns. Every lease time comes from the d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from functools import reduce
-from operator import or_
 from typing import Any
 
 from django.db import connections, transaction
@@ -19,14 +17,18 @@ from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Now
 
 from django_leases.conf import to_seconds
-from django_leases.exceptions import LeaseError, LeaseLost
+from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
 from django_leases.limits import (
     CHECKPOINT_LENGTH,
     check_text,
 )
 from django_leases.querysets.base import (
+    LeaseKey,
     after,
     bound_cursor,
+    key_groups,
+    keys_filter,
+    lease_keys,
     retry_deadlocks,
 )
 from django_leases.querysets.claims import Claims
@@ -57,29 +59,38 @@ class LeaseQuerySet(Claims[J]):
 
     @retry_deadlocks
     def heartbeat(
-        self, owner: str, leases: Mapping[int, int], *, ttl: float | timedelta
-    ) -> set[int]:
-        """Renew every live lease in `leases` ({pk: token}) held by `owner`, in one statement.
+        self,
+        owner: str,
+        leases: Iterable[LeaseKey] | Mapping[int, int],
+        *,
+        ttl: float | timedelta,
+    ) -> set[LeaseKey]:
+        """Renew every live lease of `leases` ((job id, token) pairs) that `owner` holds, in one
+        statement (one per `KEYS_PER_STATEMENT` leases, in one transaction).
 
-        Returns the pks renewed. A lease that already expired is not renewed: its holder must
-        assume somebody else owns the job now.
+        Returns the (job id, token) pairs renewed. A lease that already expired is not renewed:
+        its holder must assume somebody else owns the job now. An older lease of a job that the
+        same owner claimed again is refused like any other lost one: only the current token
+        matches.
         """
         seconds = to_seconds(ttl, "ttl")
-        if not leases:
-            return set()
-        pairs = reduce(or_, (Q(pk=pk, lease_token=token) for pk, token in leases.items()))
-        live = self.filter(pairs, status=PROCESSING, lease_owner=owner, lease_until__gte=Now())
+        keys = lease_keys(leases)
+        renewed: set[LeaseKey] = set()
         with transaction.atomic(using=self.db):
-            won = live.update(lease_until=after(seconds), heartbeat_at=Now())
-            if won == len(leases):
-                renewed = set(leases)
-            else:
-                # Rare: some leases were lost. The rows we renewed are locked by us and still
-                # match; the lost ones cannot match again (tokens only grow).
-                renewed = set(live.values_list("pk", flat=True))
+            for group in key_groups(keys):
+                live = self.filter(
+                    keys_filter(group), status=PROCESSING, lease_owner=owner, lease_until__gte=Now()
+                )
+                won = live.update(lease_until=after(seconds), heartbeat_at=Now())
+                if won == len(group):
+                    renewed.update(group.items())
+                elif won:
+                    # Rare: some leases were lost. The rows we renewed are locked by us and
+                    # still match; the lost ones cannot match again (tokens only grow).
+                    renewed.update(live.values_list("pk", "lease_token"))
             if renewed:
                 self._ledger_update(
-                    {pk: leases[pk] for pk in renewed},
+                    renewed,
                     last_heartbeat_at=self._job_column("heartbeat_at"),
                     lease_until=self._job_column("lease_until"),
                 )
@@ -174,7 +185,7 @@ class LeaseQuerySet(Claims[J]):
                 lock_holder=lock_holder,
             )
             if not won:
-                raise LeaseLost(f"job {pk}: lease lost before its failure could be recorded")
+                raise self._lost(pk, token, "lease lost before its failure could be recorded")
             # The row is ours until commit; read back which branch the UPDATE took.
             new_status, lock = self.filter(pk=pk).values_list("status", "lock").get()
             outcome = AttemptOutcome.FAILED if new_status == FAILED else AttemptOutcome.RETRIED
@@ -218,7 +229,7 @@ class LeaseQuerySet(Claims[J]):
                     self._pass_lock(pk)
         if not won:
             self.record_fenced(pk, token)
-            raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
+            raise self._lost(pk, token, f"{owner} no longer holds token {token}")
         return new_status
 
     def release(self, pk: int, owner: str, token: int) -> None:
@@ -249,7 +260,7 @@ class LeaseQuerySet(Claims[J]):
         # An UPDATE, not SELECT ... FOR UPDATE: it is the conditional write that takes the row
         # lock on every backend, SQLite's database write lock included.
         if not self.held(pk, owner, token).update(heartbeat_at=Now()):
-            raise LeaseLost(f"job {pk}: lease lost; the transaction is rolled back")
+            raise self._lost(pk, token, "lease lost; the transaction is rolled back")
 
     @retry_deadlocks
     def _holder_write(
@@ -270,14 +281,22 @@ class LeaseQuerySet(Claims[J]):
             # One transaction: the job's transition and its ledger row commit together.
             with transaction.atomic(using=self.db):
                 if not self._held_update(held, pk, values):
-                    raise LeaseLost(f"job {pk}: {owner} no longer holds token {token}")
+                    raise self._lost(pk, token, f"{owner} no longer holds token {token}")
                 if outcome is not None:
                     self._close_attempt(pk, token, outcome, by=owner, error=error)
                 elif "checkpoint" in values:
-                    self._ledger_update({pk: token}, checkpoint=values["checkpoint"])
+                    self._ledger_update([(pk, token)], checkpoint=values["checkpoint"])
         except LeaseLost:
             self.record_fenced(pk, token)
             raise
+
+    def _lost(self, pk: int, token: int, why: str) -> LeaseLost:
+        """Return the error of a refused holder write: `Cancelled` if an operator's cancel
+        ended that lease, else `LeaseLost`."""
+        by = self.cancelled_leases([(pk, token)]).get((pk, token))
+        if by is not None:
+            return Cancelled(f"job {pk}: cancelled by {by}")
+        return LeaseLost(f"job {pk}: {why}")
 
     def _held_update(self, held: LeaseQuerySet[J], pk: int, values: dict[str, Any]) -> bool:
         """Apply the holder's write `values` to `held` (the job `pk` as its holder holds it);

@@ -6,9 +6,8 @@ UPDATE, through the methods of `LedgerWrites`; nothing else writes the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from functools import cache, reduce
-from operator import or_
+from collections.abc import Iterable
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
@@ -16,6 +15,7 @@ from django.db import connections, models
 from django.db.models import F, OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
+from django_leases.querysets.base import LEDGER_KEY, LeaseKey, key_groups, keys_filter
 from django_leases.querysets.reads import J, LeaseReads
 from django_leases.redaction import error_text
 from django_leases.sql.postgresql import LedgerNames
@@ -155,13 +155,17 @@ class LedgerWrites(LeaseReads[J]):
         )
 
     def _ledger_update(
-        self, leases: Mapping[int, int], where: Q | None = None, **values: Any
+        self, leases: Iterable[LeaseKey], where: Q | None = None, **values: Any
     ) -> int:
+        """Update the ledger rows of `leases` ((job id, token) pairs) that match `where`."""
         ledger = self._ledger()
         if ledger is None:
             return 0
-        pairs = reduce(or_, (Q(job_ref=pk, token=token) for pk, token in leases.items()))
-        return ledger.objects.using(self.db).filter(pairs, where or Q()).update(**values)
+        rows = ledger.objects.using(self.db)
+        return sum(
+            rows.filter(keys_filter(group, LEDGER_KEY), where or Q()).update(**values)
+            for group in key_groups(leases)
+        )
 
     def _close_attempt(
         self,
@@ -172,17 +176,17 @@ class LedgerWrites(LeaseReads[J]):
         by: str,
         error: tuple[str, str] | None,
     ) -> None:
-        self._close_attempts({pk: token}, outcome, by=by, error=error)
+        self._close_attempts([(pk, token)], outcome, by=by, error=error)
 
     def _close_attempts(
         self,
-        leases: Mapping[int, int],
+        leases: Iterable[LeaseKey],
         outcome: str,
         *,
         by: str,
         error: tuple[str, str] | None = None,
     ) -> None:
-        """Close the open ledger rows of `leases` ({job id: token}) in one UPDATE."""
+        """Close the open ledger rows of `leases` ((job id, token) pairs) in one UPDATE."""
         error_class, message = error or ("", "")
         # Only an open row: a closed attempt is never rewritten.
         self._ledger_update(
@@ -202,9 +206,9 @@ class LedgerWrites(LeaseReads[J]):
         Never on a row the holder closed itself (a repeated completion is refused too, but
         nobody fenced that holder out).
         """
-        self._record_fenced({pk: token})
+        self._record_fenced([(pk, token)])
 
-    def _record_fenced(self, leases: Mapping[int, int]) -> None:
-        """`record_fenced()` for every (job id, token) of `leases`, in one UPDATE."""
+    def _record_fenced(self, leases: Iterable[LeaseKey]) -> None:
+        """`record_fenced()` for every (job id, token) pair of `leases`, in one UPDATE."""
         closed_by_holder = Q(outcome__in=HOLDER_OUTCOMES, ended_by=F("owner"))
         self._ledger_update(leases, ~closed_by_holder & Q(fenced_at__isnull=True), fenced_at=Now())

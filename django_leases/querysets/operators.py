@@ -8,6 +8,7 @@ rescue restates everything its decision read), and says how many it changed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -18,9 +19,20 @@ from django.db.models.functions import Greatest, Now
 
 from django_leases.conf import to_seconds
 from django_leases.exceptions import LeaseError
-from django_leases.querysets.base import after, retry_deadlocks
+from django_leases.querysets.base import (
+    JOB_KEY,
+    LEDGER_KEY,
+    LeaseKey,
+    after,
+    key_groups,
+    keys_filter,
+    lease_keys,
+    next_token,
+    retry_deadlocks,
+)
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, storable
 from django_leases.querysets.locks import LockOrder
+from django_leases.querysets.reads import takeover_guard
 from django_leases.status import (
     CANCELLED,
     COMPLETED,
@@ -139,7 +151,7 @@ class OperatorActions(LockOrder[J]):
             "completed_at": None,
             # A requeued job gets at least one more attempt, whatever it used up.
             "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
-            "lease_token": F("lease_token") + 1,
+            "lease_token": next_token(),
         }
         return self._operator_write(
             eligible, values, by, event=EventAction.REQUEUED, ends=AttemptOutcome.REQUEUED
@@ -174,7 +186,7 @@ class OperatorActions(LockOrder[J]):
             "status": FAILED,
             "completed_at": Now(),
             "last_error": reason[:MAX_ERROR_LENGTH],
-            "lease_token": F("lease_token") + 1,
+            "lease_token": next_token(),
             "lock_holder": None,
         }
         return self._operator_write(
@@ -186,17 +198,59 @@ class OperatorActions(LockOrder[J]):
             reason=reason,
         )
 
-    def cancel(self, *, by: str = "operator") -> int:
-        """Cancel the selected pending or waiting jobs; return how many changed."""
+    def cancel(self, *, by: str = "operator", reason: str = "", running: bool = True) -> int:
+        """Cancel the selected pending, waiting and processing jobs; return how many changed.
+
+        A processing job's holder is fenced out (its token is bumped, its attempt closed as
+        cancelled): its heartbeat is refused and it learns `Cancelled` within one heartbeat
+        interval. A processing job of a review-policy kind past its checkpoint may have moved
+        money: it goes to review instead. `running=False` leaves processing jobs alone.
+        """
+        note = f"cancelled by {by}" + (f": {reason}" if reason else "")
+        eligible = Q(status__in=[PENDING, WAITING])
+        if running:
+            eligible |= Q(status=PROCESSING)
+        guard = takeover_guard()[0]
+        review = Q(status=PROCESSING) & ~guard if guard else Q(pk__in=[])
         values = {
-            "status": CANCELLED,
-            "completed_at": Now(),
-            "last_error": f"cancelled by {by}",
-            "lock_holder": None,
+            # The attempt ends with the cancel; under review the job keeps its token (the
+            # verdict is noted on that attempt's row) and its lock. MariaDB/MySQL evaluate SET
+            # left to right, each assignment seeing the columns set before it: status goes last.
+            "completed_at": Case(When(review, then=None), default=Now()),
+            "last_error": note[:MAX_ERROR_LENGTH],
+            "lease_token": Case(When(review, then=F("lease_token")), default=F("lease_token") + 1),
+            "lock_holder": Case(When(review, then=F("lock_holder")), default=None),
+            "status": Case(When(review, then=Value(REVIEW)), default=Value(CANCELLED)),
         }
         return self._operator_write(
-            Q(status__in=[PENDING, WAITING]), values, by, event=EventAction.CANCELLED
+            eligible,
+            values,
+            by,
+            event=EventAction.CANCELLED,
+            ends=AttemptOutcome.CANCELLED,
+            reason=reason,
         )
+
+    def cancelled_leases(self, leases: Iterable[LeaseKey]) -> dict[LeaseKey, str]:
+        """Return which of `leases` ((job id, token) pairs) an operator's `cancel()` ended, each
+        with who cancelled it: how a holder whose write or renewal was refused tells a cancel
+        from other losses. Without a ledger, a job cancelled under the next token counts."""
+        ledger = self._ledger()
+        found: dict[LeaseKey, str] = {}
+        for group in key_groups(lease_keys(leases)):
+            if ledger is not None:
+                rows = ledger.objects.using(self.db).filter(
+                    keys_filter(group, LEDGER_KEY), outcome=AttemptOutcome.CANCELLED
+                )
+                found.update(
+                    ((pk, token), by) for pk, token, by in rows.values_list(*LEDGER_KEY, "ended_by")
+                )
+                continue
+            jobs = self.filter(pk__in=group, status=CANCELLED).values_list(*JOB_KEY)
+            found.update(
+                ((pk, token - 1), "an operator") for pk, token in jobs if group[pk] == token - 1
+            )
+        return found
 
     def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
         """Resolve the selected jobs under review: "completed", "retry" or "failed".
@@ -296,7 +350,7 @@ class OperatorActions(LockOrder[J]):
                     )
                 if resolution:
                     self._ledger_update(
-                        {pk: token for pk, token, _, _ in rows},
+                        [(pk, token) for pk, token, _, _ in rows],
                         Q(resolution=""),
                         resolution=resolution,
                         resolved_by=by,

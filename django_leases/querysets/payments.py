@@ -22,6 +22,7 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
         payload: Any = None,
         *,
         payment_id: str | None = None,
+        using: str | None = None,
         idempotency_key: str | None = None,
         run_at: datetime | float | timedelta | None = None,
         priority: int = 0,
@@ -37,19 +38,26 @@ class PaymentJobQuerySet(LeaseQuerySet["PaymentJob"]):
         ("payment:<id>"): one job of a payment at a time, in enqueue order; `lock=""` opts it
         out.
         """
+        return super().enqueue(
+            kind,
+            payload,
+            using=using,
+            idempotency_key=idempotency_key,
+            run_at=run_at,
+            priority=priority,
+            max_attempts=max_attempts,
+            **self._enqueue_options({"payment_id": payment_id, "lock": lock, **fields}),
+        )
+
+    def _enqueue_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Check `payment_id` and derive the lock from it (`LOCK_BY_PAYMENT`) unless one is
+        given."""
+        options = dict(options)
+        payment_id = options.pop("payment_id", None)
+        lock = options.pop("lock", None)
         if payment_id is not None:
             check_text(payment_id, "payment_id", PAYMENT_ID_LENGTH, blank=True)
         if lock is None:
             by_payment = payment_id and leases_settings.LOCK_BY_PAYMENT
             lock = f"payment:{payment_id}" if by_payment else ""
-        return super().enqueue(
-            kind,
-            payload,
-            idempotency_key=idempotency_key,
-            run_at=run_at,
-            priority=priority,
-            max_attempts=max_attempts,
-            lock=lock,
-            payment_id=payment_id or "",
-            **fields,
-        )
+        return {**options, "lock": lock, "payment_id": payment_id or ""}

@@ -35,10 +35,16 @@ def in_list(column: str, name: str, values: Sequence[Any]) -> tuple[str, Params]
     return f"{column} IN ({', '.join(f'%({key})s' for key in params)})", params
 
 
-def kinds_filter(kinds: Sequence[str] | None) -> tuple[str, Params]:
-    """Return the claim's `AND kind IN (...)` fragment, or nothing for every kind."""
+def kinds_filter(
+    kinds: Sequence[str] | None, excluded: Sequence[str] | None = None
+) -> tuple[str, Params]:
+    """Return the claim's `AND kind IN (...)` fragment, or nothing for every kind, or for every
+    kind but `excluded` its `AND kind NOT IN (...)` (parameters `other_kind_0`, ...)."""
     if not kinds:
-        return "", {}
+        if not excluded:
+            return "", {}
+        sql, params = in_list("kind", "other_kind", excluded)
+        return f"AND NOT {sql}", params
     sql, params = in_list("kind", "kind", kinds)
     return f"AND {sql}", params
 

@@ -4,10 +4,16 @@ on the table being updated, so their claim is not written by hand."""
 
 from typing import Any
 
+from django_leases.sql.insert import InsertDialect
+
 Params = dict[str, Any]
 
 DEADLOCK_ERRORS = (1205, 1213)
 """1205: lock wait timeout; 1213: deadlock found. InnoDB rolls the transaction back for both."""
+
+FENCING_CLOCK = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
+"""The database clock in microseconds since the epoch, whatever the session's time zone: the
+floor of every new fencing token."""
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
@@ -19,6 +25,17 @@ def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
     """
     sql = f"SELECT id FROM {table} WHERE lock_holder = %(lock)s LOCK IN SHARE MODE"  # noqa: S608
     return sql, {"lock": lock}
+
+
+INSERT = InsertDialect(
+    skip_verb="INSERT IGNORE",
+    now_plus="CURRENT_TIMESTAMP(6) + INTERVAL %(delay)s MICROSECOND",
+    delay=lambda seconds: round(seconds * 1e6),
+)
+"""The enqueue's INSERT (`sql.insert.insert_jobs`): INSERT IGNORE leaves out the rows a unique
+index refuses, and RETURNING (MariaDB 10.5+, not MySQL) returns only the rows inserted (tested
+on MariaDB 10.11). IGNORE would also turn a bad value into a warning: the enqueue has checked
+every value before."""
 
 
 SESSION_CLOCK = (

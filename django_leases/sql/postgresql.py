@@ -9,12 +9,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from django_leases.sql.insert import InsertDialect
 from django_leases.sql.merge import merge_keys
 
 Params = dict[str, Any]
 
 DEADLOCK_SQLSTATES = ("40001", "40P01")
 """serialization_failure, deadlock_detected: the transaction was rolled back."""
+
+FENCING_CLOCK = "(EXTRACT(EPOCH FROM STATEMENT_TIMESTAMP()) * 1000000)::bigint"
+"""The database clock in microseconds since the epoch: the floor of every new fencing token."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,7 +116,8 @@ def claim(
     completes those jobs as `complete_many()` does, so that a holder's finished job and its next
     claim share one commit; a job it completes is never taken over by it (the others may be, as
     after `complete_many()` then `claim()`). It then returns the claimed rows, or one row of
-    NULLs if none, each with `completed_ids`: the pks whose completion won.
+    NULLs if none, each with `completed_ids` and `completed_tokens`: the (pk, token) pairs
+    whose completion won, side by side.
     """
     kind_sql, kind_params = kinds
     guard_sql, guard_params = guard
@@ -162,7 +167,7 @@ def _claim_text(
             lease_owner = %(owner)s,
             lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %(seconds)s),
             heartbeat_at = STATEMENT_TIMESTAMP(),
-            lease_token = job.lease_token + 1,
+            lease_token = GREATEST(job.lease_token + 1, {FENCING_CLOCK}),
             attempts = job.attempts + 1
         FROM picked
         WHERE job.id = picked.id
@@ -201,8 +206,9 @@ def _claim_text(
         takeover += " AND id NOT IN (SELECT id FROM done)"
         main = main.replace(
             "SELECT * FROM claimed",
-            "SELECT claimed.*, finished.completed_ids FROM "
-            "(SELECT coalesce(array_agg(id), '{}') AS completed_ids FROM done) AS finished "
+            "SELECT claimed.*, finished.completed_ids, finished.completed_tokens FROM "
+            "(SELECT coalesce(array_agg(id), '{}') AS completed_ids, "
+            "coalesce(array_agg(lease_token), '{}') AS completed_tokens FROM done) AS finished "
             "LEFT JOIN claimed ON TRUE",
         )
         completing_params = {"completed": completed}
@@ -380,7 +386,9 @@ def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params])
     of a kind's first rows are locked by concurrent claims. Tested on 15.
     """
     kind_sql, kind_params = kinds
-    if len(kind_params) < 2:
+    # Every kind but some (`other_kind_*`, `kind NOT IN (...)`) is one range too.
+    named = [name for name in kind_params if name.startswith("kind_")]
+    if len(named) < 2:
         return f"""
             SELECT id FROM {table} WHERE {where} {kind_sql}
             ORDER BY {", ".join(order)} LIMIT %(window)s
@@ -389,7 +397,7 @@ def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params])
     arms = " UNION ALL ".join(
         f"(SELECT {keys} FROM {table} WHERE {where} AND kind = %({name})s"  # noqa: S608
         f" ORDER BY {', '.join(order)} LIMIT %(candidates)s)"
-        for name in kind_params
+        for name in named
     )
     return f"""
             SELECT job.id FROM ({arms}) AS candidate
@@ -447,10 +455,10 @@ def complete_many(
     """Return the completion of a batch of jobs without a lock in one statement: `complete()`
     for every (pk, token) pair at once, each row still conditional on its own id, status,
     owner and token. Only the ledger rows of the jobs whose UPDATE won are closed; the
-    statement returns their ids."""
+    statement returns their ids and tokens."""
     sql = f"""
         WITH {_done(table)}, closed AS ({_close_done(ledger)})
-        SELECT id FROM done
+        SELECT id, lease_token FROM done
     """  # noqa: S608 - names quoted by the caller, values are parameters
     params = {
         "pks": pks,
@@ -472,9 +480,34 @@ def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
     return sql, {"lock": lock}
 
 
+INSERT = InsertDialect(
+    skip_suffix="ON CONFLICT DO NOTHING",
+    now_plus="STATEMENT_TIMESTAMP() + make_interval(secs => %(delay)s)",
+    delay=float,
+)
+"""The enqueue's INSERT (`sql.insert.insert_jobs`): a row that a unique index refuses is left
+out (after waiting for the transaction of a conflicting row not yet committed)."""
+
+
 def notify(channel: str, message: str) -> tuple[str, Params]:
     """Return the NOTIFY of an enqueue. NOTIFY is transactional: listeners hear it at commit."""
     return "SELECT pg_notify(%(channel)s, %(message)s)", {"channel": channel, "message": message}
+
+
+def statement_timeout(milliseconds: int) -> str:
+    """Return the text to put in front of a transaction's first statement (sent with it, as one
+    simple query) to bound each statement of the transaction by `milliseconds` on the server."""
+    return f"SET LOCAL statement_timeout = {int(milliseconds)}; "
+
+
+OUTSIDE_TRANSACTIONS = re.compile(
+    r"\s*(VACUUM|CLUSTER|REINDEX|CHECKPOINT|BEGIN|START|COMMIT|END|ROLLBACK|ABORT"
+    r"|(CREATE|DROP|ALTER)\s+(DATABASE|TABLESPACE|SYSTEM|SUBSCRIPTION)"
+    r"|(CREATE|DROP)\s+(UNIQUE\s+)?INDEX\s+CONCURRENTLY)\b",
+    re.IGNORECASE,
+)
+"""Statements that run only outside a transaction block (or control one): nothing may be sent in
+front of them, which would open a block (a simple query of several statements is one)."""
 
 
 def listen(channel: str) -> Any:

@@ -1,8 +1,10 @@
 """SQLite statements: one pass of the claim, the batched completion, the enqueue's read of a
 lock holder. Needs SQLite 3.35+ for RETURNING."""
 
+from collections.abc import Sequence
 from typing import Any
 
+from django_leases.sql.insert import InsertDialect
 from django_leases.sql.merge import merge_keys
 from django_leases.sql.postgresql import LedgerNames
 
@@ -11,19 +13,26 @@ Params = dict[str, Any]
 NOW = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"
 """The database clock, in the text format Django stores datetimes in (UTC)."""
 
+FENCING_CLOCK = (
+    "(CAST(STRFTIME('%%s', 'NOW') AS INTEGER) * 1000000"
+    " + CAST(SUBSTR(STRFTIME('%%f', 'NOW'), 4) AS INTEGER) * 1000)"
+)
+"""The database clock in microseconds since the epoch (SQLite's clock has milliseconds; its
+`unixepoch('subsec')` needs 3.42): the floor of every new fencing token."""
 
-def pairs_in(columns: str, pairs: dict[int, int]) -> tuple[str, Params]:
-    """Return `(a, b) IN (VALUES (...), ...)` for `pairs` ({pk: token}), two parameters each:
-    a row-value list, never a chain of ORs (SQLite refuses expressions deeper than 1000)."""
+
+def pairs_in(columns: str, pairs: Sequence[tuple[int, int]]) -> tuple[str, Params]:
+    """Return `(a, b) IN (VALUES (...), ...)` for `pairs` ((pk, token) each), two parameters
+    each: a row-value list, never a chain of ORs (SQLite refuses expressions deeper than 1000)."""
     rows = ", ".join(f"(%(pk_{i})s, %(token_{i})s)" for i in range(len(pairs)))
     params: Params = {}
-    for i, (pk, token) in enumerate(pairs.items()):
+    for i, (pk, token) in enumerate(pairs):
         params[f"pk_{i}"], params[f"token_{i}"] = pk, token
     return f"({columns}) IN (VALUES {rows})", params
 
 
 def complete_many(
-    table: str, *, owner: str, pairs: dict[int, int], processing: str, completed: str
+    table: str, *, owner: str, pairs: Sequence[tuple[int, int]], processing: str, completed: str
 ) -> tuple[str, Params]:
     """Return the completion of a batch of jobs without a lock: one UPDATE, each row still
     conditional on its own id, status, owner and fencing token, RETURNING the rows that won
@@ -39,7 +48,7 @@ def complete_many(
 
 
 def close_attempts(
-    table: str, ledger: LedgerNames, *, owner: str, pairs: dict[int, int], outcome: str
+    table: str, ledger: LedgerNames, *, owner: str, pairs: Sequence[tuple[int, int]], outcome: str
 ) -> tuple[str, Params]:
     """Return the closing of the open ledger rows of `pairs` ({job id: token}) as `outcome`,
     by `owner`, each keeping its job's checkpoint: one UPDATE for the whole batch."""
@@ -57,6 +66,15 @@ def close_attempts(
         WHERE {held} AND {ledger.ended_at} IS NULL
     """  # noqa: S608 - names quoted by the caller, values are parameters
     return sql, {**params, "owner": owner, "outcome": outcome}
+
+
+INSERT = InsertDialect(
+    skip_suffix="ON CONFLICT DO NOTHING",
+    now_plus="STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %(delay)s)",
+    delay=lambda seconds: f"+{seconds:.6f} seconds",
+)
+"""The enqueue's INSERT (`sql.insert.insert_jobs`): the upsert clause skips unique conflicts
+only, unlike INSERT OR IGNORE; RETURNING needs SQLite 3.35+."""
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
@@ -101,7 +119,7 @@ def claim_pass(
             lease_owner = %(owner)s,
             lease_until = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %(lease)s),
             heartbeat_at = {NOW},
-            lease_token = lease_token + 1,
+            lease_token = MAX(lease_token + 1, {FENCING_CLOCK}),
             attempts = attempts + 1
         WHERE id IN ({picked}
         )
@@ -128,7 +146,9 @@ def _picked(table: str, where: str, order: str, kinds: tuple[str, Params]) -> st
     orders and limits those (no row locks to skip here: one writer at a time).
     """
     kind_sql, kind_params = kinds
-    if len(kind_params) < 2:
+    # Every kind but some (`other_kind_*`, `kind NOT IN (...)`) is one range too.
+    named = [name for name in kind_params if name.startswith("kind_")]
+    if len(named) < 2:
         return f"""
             SELECT id FROM {table} WHERE {where} {kind_sql}
             ORDER BY {order} LIMIT %(limit)s"""  # noqa: S608 - names quoted by the caller
@@ -136,6 +156,6 @@ def _picked(table: str, where: str, order: str, kinds: tuple[str, Params]) -> st
     arms = " UNION ALL ".join(
         f"SELECT * FROM (SELECT {keys} FROM {table} WHERE {where} AND kind = %({name})s"  # noqa: S608
         f" ORDER BY {order} LIMIT %(limit)s)"
-        for name in kind_params
+        for name in named
     )
     return f"SELECT key_id FROM ({arms}) ORDER BY {by_key} LIMIT %(limit)s"  # noqa: S608

@@ -9,7 +9,7 @@ from django.db import connection, transaction
 from django.db.backends.signals import connection_created
 from django.db.models.functions import Now
 
-from django_leases import PermanentError, job_handler
+from django_leases import LeaseLost, PermanentError, job_handler
 from django_leases.models import PaymentJob
 
 from .models import Charge, LockRun
@@ -52,6 +52,42 @@ def sleep(job, lease):
     time.sleep(duration(job, lease))
 
 
+@job_handler("watches_lease")
+def watches_lease(job, lease):
+    """Run as long as the payload says, or until the lease is lost; record the run by the
+    database clock, with what this holder believed of its lease at the end (as its lock)."""
+    run = LockRun.objects.create(job_ref=job.pk, lock="", token=lease.token)
+    deadline = time.monotonic() + duration(job, lease)
+    while time.monotonic() < deadline and not lease.lost:
+        time.sleep(0.05)
+    LockRun.objects.filter(pk=run.pk).update(finished_at=Now(), lock=f"lost={lease.lost}")
+
+
+@job_handler("watches_cancel")
+def watches_cancel(job, lease):
+    """Reach the payload's checkpoint, if any, then loop on `lease.check()` for as long as the
+    payload says; record (as the run's lock) what `check()` raised and what a write got then."""
+    if job.payload.get("checkpoint"):
+        lease.checkpoint(job.payload["checkpoint"])
+    run = LockRun.objects.create(job_ref=job.pk, lock="", token=lease.token)
+    deadline = time.monotonic() + duration(job, lease)
+    seen = "nothing"
+    try:
+        while time.monotonic() < deadline:
+            lease.check()
+            time.sleep(0.02)
+    except LeaseLost as exc:
+        seen = type(exc).__name__
+    try:
+        lease.checkpoint("after the check")
+        wrote = "written"
+    except LeaseLost as exc:
+        wrote = type(exc).__name__
+    LockRun.objects.filter(pk=run.pk).update(
+        finished_at=Now(), lock=f"saw={seen} lost={lease.lost} write={wrote}"
+    )
+
+
 @job_handler("boom")
 def boom(job, lease):
     raise RuntimeError(job.payload.get("message", "boom"))
@@ -91,6 +127,28 @@ def ask_the_psp(job):
 
 @job_handler("risky_reconciled", reconcile=ask_the_psp)
 def risky_reconciled(job, lease):
+    lease.checkpoint("psp_called")
+    time.sleep(duration(job, lease))
+
+
+def quote_the_card(job):
+    """A reconcile hook whose query fails with a database error that quotes the card: on
+    PostgreSQL a value out of range, on MariaDB/MySQL an incorrect integer value holding a quote
+    (SQLite's messages quote no value)."""
+    value = job.payload["value"]
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT %s::integer", [value])
+        else:
+            table = connection.ops.quote_name(PaymentJob._meta.db_table)
+            update = "UPDATE <table> SET priority = %s WHERE id = %s"
+            cursor.execute(update.replace("<table>", table), [value, job.pk])
+            insert = "INSERT INTO <table> (id) SELECT id FROM <table> WHERE id = %s"
+            cursor.execute(insert.replace("<table>", table), [job.pk])
+
+
+@job_handler("risky_unreconcilable", reconcile=quote_the_card)
+def risky_unreconcilable(job, lease):
     lease.checkpoint("psp_called")
     time.sleep(duration(job, lease))
 
@@ -182,6 +240,21 @@ async def async_hangs(job, lease):
     """Await far past the timeout: the worker cancels it; the charge below is never written."""
     await asyncio.sleep(60)
     await Charge.objects.acreate(job_ref=job.pk, token=lease.token, owner="after the timeout")
+
+
+@job_handler("async_watches_cancel")
+async def async_watches_cancel(job, lease):
+    """Await as long as the payload says; record (as the run's lock) whether the worker
+    cancelled the coroutine, and what the lease said then."""
+    run = await LockRun.objects.acreate(job_ref=job.pk, lock="", token=lease.token)
+    try:
+        await asyncio.sleep(duration(job, lease))
+    except asyncio.CancelledError:
+        await LockRun.objects.filter(pk=run.pk).aupdate(
+            finished_at=Now(), lock=f"coroutine cancelled lease.cancelled={lease.cancelled}"
+        )
+        raise
+    await LockRun.objects.filter(pk=run.pk).aupdate(finished_at=Now(), lock="not cancelled")
 
 
 @job_handler("async_blocks_its_loop", timeout=1)

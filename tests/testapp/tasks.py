@@ -78,3 +78,12 @@ async def async_charge(job_ref):
 async def async_explode():
     await asyncio.sleep(0)
     raise ValueError("async nope")
+
+
+@task
+def leak_card(card):
+    """Insert a job whose idempotency key already exists: the IntegrityError quotes the card."""
+    from django_leases.models import PaymentJob  # a task module is imported before the models
+
+    PaymentJob.objects.enqueue("noop", idempotency_key=card)
+    PaymentJob.objects.create(kind="noop", idempotency_key=card)

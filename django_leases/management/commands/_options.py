@@ -14,34 +14,61 @@ from typing import Any, NoReturn
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError, connections
 
-from django_leases.limits import MAX_DURATION, PORT
+from django_leases.exceptions import DatabaseMisconfigured, InvalidArgument
+from django_leases.limits import (
+    PORT,
+    ZERO_OR_MORE_SECONDS,
+    check_kind,
+    duration_range,
+    in_duration_range,
+)
+from django_leases.outages import OUTAGES, misconfiguration
 from django_leases.querysets import job_model
+from django_leases.redaction import error_text
 
 WORKER_ID = re.compile(r"^[\w.:@/-]{1,255}$")
 
 
-def positive_seconds(value: str) -> float:
-    """Parse seconds: a positive number up to `limits.MAX_DURATION`, fractions allowed ("0.5")."""
+def _seconds(value: str) -> float:
     try:
-        seconds = float(value)
+        return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if not 0 < seconds <= MAX_DURATION:  # NaN fails too
-        raise argparse.ArgumentTypeError(
-            f"{value!r} must be a positive number of seconds up to {MAX_DURATION} (100 years)"
-        )
-    return seconds
+
+
+def seconds_from(minimum: float) -> Callable[[str], float]:
+    """Return an argparse type that parses seconds in `limits.duration_range(minimum)`."""
+
+    def parse(value: str) -> float:
+        seconds = _seconds(value)
+        if not in_duration_range(seconds, minimum):
+            raise argparse.ArgumentTypeError(f"{value!r} must be {duration_range(minimum)}")
+        return seconds
+
+    parse.__name__ = "seconds"  # argparse names the type in its own messages
+    return parse
+
+
+positive_seconds = seconds_from(0.0)
+"""Parse seconds: a positive number up to `limits.MAX_DURATION`, fractions allowed ("0.5")."""
 
 
 def non_negative_seconds(value: str) -> float:
     """Parse seconds that may be zero (e.g. a grace period)."""
+    seconds = _seconds(value)
+    if seconds != 0 and not in_duration_range(seconds):
+        raise argparse.ArgumentTypeError(f"{value!r} must be {ZERO_OR_MORE_SECONDS}")
+    return seconds
+
+
+def job_kind(value: str) -> str:
+    """Parse a job kind (`--kind`), as `enqueue()` checks it."""
     try:
-        if float(value) == 0:
-            return 0.0
-    except ValueError:
-        pass
-    return positive_seconds(value)
+        return check_kind(value)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def whole_number(bounds: tuple[int, int]) -> Callable[[str], int]:
@@ -85,6 +112,48 @@ def add_model_argument(parser: CommandParser) -> None:
         metavar="APP_LABEL.MODEL",
         help="the job table to work on (default: DJANGO_LEASES['JOB_MODEL'])",
     )
+
+
+def database_alias(value: str) -> str:
+    """argparse type: an alias of DATABASES."""
+    if value not in connections.settings:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a database of DATABASES ({', '.join(connections.settings)})"
+        )
+    return value
+
+
+def add_database_argument(parser: CommandParser) -> None:
+    parser.add_argument(
+        "--database",
+        type=database_alias,
+        default=None,
+        metavar="ALIAS",
+        help="the database whose queue to work on (default: where the routers send writes of "
+        "the job model, else 'default')",
+    )
+
+
+def one_line(text: str) -> str:
+    """Return `text` (a driver's message, often several lines) on one line."""
+    return " ".join(text.split())
+
+
+@contextmanager
+def one_line_database_errors(alias: str) -> Iterator[None]:
+    """Report a database error of the block as one line (exit 1): what to fix for a
+    configuration error, "database unavailable" for an outage. For commands that run once."""
+    try:
+        yield
+    except DatabaseMisconfigured as exc:
+        raise CommandError(str(exc)) from None
+    except DatabaseError as exc:
+        message = misconfiguration(exc, alias)
+        if message is None and not isinstance(exc, OUTAGES):
+            raise
+        raise CommandError(
+            message or f"database unavailable: {one_line(error_text(exc))}"
+        ) from None
 
 
 def configure_logging(logger_name: str, verbosity: int) -> None:
@@ -155,8 +224,10 @@ def add_metrics_arguments(parser: CommandParser, what: str) -> None:
     parser.add_argument(
         "--metrics-address",
         metavar="ADDRESS",
-        default="0.0.0.0",  # noqa: S104 - Prometheus scrapes from another host
-        help="address the metrics endpoint listens on (default: %(default)r)",
+        # The endpoint has no authentication: only this host reaches it unless told otherwise.
+        default="127.0.0.1",
+        help="address the metrics endpoint listens on (default: %(default)r, this host only; "
+        "0.0.0.0 for every interface)",
     )
 
 

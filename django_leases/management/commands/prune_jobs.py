@@ -4,19 +4,29 @@ import logging
 import time
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count
 
+from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings
 from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_database_argument,
     add_model_argument,
     configure_logging,
+    one_line_database_errors,
     positive_seconds,
     whole_number,
 )
-from django_leases.querysets import PrunedBatch, leased_jobs, registered_workers
+from django_leases.outages import check_tables
+from django_leases.querysets import (
+    LeaseQuerySet,
+    PrunedBatch,
+    leased_jobs,
+    queue_models,
+    registered_workers,
+)
 
 logger = logging.getLogger("django_leases.prune")
 
@@ -31,7 +41,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "jobs are never touched. Registry rows of workers stopped or unseen for longer than "
         "WORKER_RETENTION are deleted too. Safe while workers run; meant for cron. -v 2 logs "
         "each batch. "
-        "Exit status 1: bad options."
+        "Exit status 1: bad options; a database that is down, refuses the connection settings "
+        "(login, database name, options), is not migrated, or whose session clock is not UTC "
+        "(one line saying which)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -46,6 +58,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             f"(default: DJANGO_LEASES['PRUNE_BATCH_SIZE'], {leases_settings.PRUNE_BATCH_SIZE})",
         )
         add_model_argument(parser)
+        add_database_argument(parser)
         parser.add_argument(
             "--older-than",
             type=positive_seconds,
@@ -62,6 +75,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         batch_size: int | None,
         older_than: float | None,
         model: type[Any] | None,
+        database: str | None,
         verbosity: int,
         **options: Any,
     ) -> None:
@@ -69,8 +83,25 @@ class Command(OneLineErrorsMixin, BaseCommand):
         retention = dict(leases_settings.RETENTION)
         if older_than is not None:
             retention = dict.fromkeys(retention, older_than)
-        jobs = leased_jobs(model)
-        workers = registered_workers()
+        jobs = leased_jobs(model, database)
+        with one_line_database_errors(jobs.db):
+            check_tables(jobs.db, queue_models(jobs.model))
+            # Ages are compared with the database's NOW(), as the worker and the watcher compare
+            # leases: a session clock off UTC would prune (or count) jobs early by its offset.
+            problems = database_clock_problems(jobs.db)
+            if problems:
+                raise CommandError(problems[0])
+            self._prune(jobs, retention, dry_run=dry_run, batch_size=batch_size)
+
+    def _prune(
+        self,
+        jobs: LeaseQuerySet[Any],
+        retention: dict[str, float],
+        *,
+        dry_run: bool,
+        batch_size: int | None,
+    ) -> None:
+        workers = registered_workers(jobs.db)
         if dry_run:
             counts = dict(
                 jobs.prunable(retention).order_by().values_list("status").annotate(n=Count("pk"))

@@ -4,19 +4,28 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings
-from django_leases.exceptions import WorkerIdTaken
-from django_leases.limits import ACK_BATCH_SIZE, CONCURRENCY, MAX_JOBS
+from django_leases.exceptions import DatabaseMisconfigured, WorkerIdTaken
+from django_leases.limits import (
+    ACK_BATCH_SIZE,
+    CONCURRENCY,
+    MAX_JOBS,
+    MIN_HEARTBEAT,
+    MIN_POLL_INTERVAL,
+    MIN_TTL,
+)
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
+    add_database_argument,
     add_metrics_arguments,
     add_model_argument,
     configure_logging,
+    job_kind,
     metrics_endpoint,
     non_negative_seconds,
     positive_seconds,
     prometheus_metrics,
+    seconds_from,
     stop_signals,
     whole_number,
     worker_id,
@@ -34,7 +43,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "The first SIGTERM/SIGINT stops claiming, lets running jobs finish within the grace "
         "period, releases unstarted ones and exits 0; a second one exits at once with status "
         "128 + the signal number (130 for SIGINT, 143 for SIGTERM), leaving leases to expire. "
-        "Exit status 1: bad options or settings, a database session clock that is not UTC, "
+        "Exit status 1: bad options or settings; a database that refuses the connection "
+        "settings (login, database name, options), is not migrated or has a session clock "
+        "that is not UTC (a database that is down is waited for); "
         "or another live worker process running under "
         "the same --worker-id. Exit status 3: the worker stopped itself for its supervisor to "
         "restart it (more handler threads still running past their kind's timeout than "
@@ -44,13 +55,13 @@ class Command(OneLineErrorsMixin, BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--ttl",
-            type=positive_seconds,
+            type=seconds_from(MIN_TTL),
             default=None,
             help=f"lease length in seconds (default: DJANGO_LEASES['TTL'], {leases_settings.TTL})",
         )
         parser.add_argument(
             "--heartbeat",
-            type=positive_seconds,
+            type=seconds_from(MIN_HEARTBEAT),
             default=None,
             help="seconds between lease renewals; shorter than --ttl "
             f"(default: DJANGO_LEASES['HEARTBEAT'], {leases_settings.HEARTBEAT})",
@@ -66,6 +77,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
             "--kind",
             action="extend",
             nargs="+",
+            type=job_kind,
             dest="kinds",
             metavar="K",
             default=None,
@@ -91,12 +103,13 @@ class Command(OneLineErrorsMixin, BaseCommand):
         )
         parser.add_argument(
             "--poll-interval",
-            type=positive_seconds,
+            type=seconds_from(MIN_POLL_INTERVAL),
             default=None,
             help="seconds between polls when idle, jittered "
             f"(default: DJANGO_LEASES['POLL_INTERVAL'], {leases_settings.POLL_INTERVAL})",
         )
         add_model_argument(parser)
+        add_database_argument(parser)
         parser.add_argument(
             "--grace-period",
             type=non_negative_seconds,
@@ -135,16 +148,22 @@ class Command(OneLineErrorsMixin, BaseCommand):
         ack_batch_size: int | None,
         ack_flush_interval: float | None,
         model: type[Any] | None,
+        database: str | None,
         metrics_port: int | None,
         metrics_address: str,
         verbosity: int,
         **options: Any,
     ) -> None:
         configure_logging("django_leases.worker", verbosity)
-        recorder = None if metrics_port is None else prometheus_metrics().WorkerMetrics()
+        recorder = (
+            None
+            if metrics_port is None
+            else prometheus_metrics().WorkerMetrics(model=model, using=database)
+        )
         try:
             worker = LeaseWorker(
                 model=model,
+                using=database,
                 ttl=ttl,
                 heartbeat=heartbeat,
                 concurrency=concurrency,
@@ -160,15 +179,12 @@ class Command(OneLineErrorsMixin, BaseCommand):
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-        problems = database_clock_problems(worker.using)
-        if problems:
-            raise CommandError(problems[0])
         registry = None if recorder is None else recorder.registry
         with metrics_endpoint(self, registry, metrics_port or 0, metrics_address):
             with stop_signals(worker.stop):
                 try:
                     stats = worker.run()
-                except WorkerIdTaken as exc:
+                except (WorkerIdTaken, DatabaseMisconfigured) as exc:
                     raise CommandError(str(exc)) from None
         if worker.failure is not None:
             raise CommandError(

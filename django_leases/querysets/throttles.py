@@ -1,0 +1,109 @@
+"""Throttles: the claims of kinds with a `limit=` or `rate=` (`django_leases.throttles`).
+
+A layer of `LeaseQuerySet`, and the queryset of the per-kind gate rows. A throttled kind is
+claimed in a transaction of its own that first writes the kind's gate row: the row lock
+(PostgreSQL, MariaDB/MySQL) or the write lock (SQLite) serialises every claimer of that kind,
+on every host, until commit. Under it the claim counts what the kind already has running
+(live leases) and started (`KindStart` rows within the rate window), claims at most what is
+left, and records its starts: the check and the claim are one decision. Each later statement
+of the transaction sees what earlier holders of the lock committed (READ COMMITTED takes a new
+snapshot per statement; SQLite has one writer), and a lock holder's claim times follow the
+previous holder's commit, so the starts of one window are never spread over two decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.db import models, transaction
+from django.db.models import Count, Q, Sum
+from django.db.models.functions import Now
+
+from django_leases.querysets.acks import Acknowledgements
+from django_leases.querysets.base import ago, retry_deadlocks
+from django_leases.querysets.ledger import J
+from django_leases.status import PROCESSING
+from django_leases.throttles import Throttle
+
+STALE_STARTS = 32
+"""Start rows past their window that a claim lets wait before it deletes them all."""
+
+
+class KindGateQuerySet(models.QuerySet[Any]):
+    """One row per job table and throttled kind: what its claims lock, and their starts."""
+
+    def lock(self, job_model: type[models.Model], kind: str) -> None:
+        """Lock the gate row of `kind` on `job_model`'s table until commit (creating it the
+        first time)."""
+        row = self.of(job_model, kind)
+        # An UPDATE, not SELECT FOR UPDATE: SQLite has no row locks, and only a write takes
+        # its write lock at once (a read first would fail to upgrade under a concurrent writer).
+        if not row.update(last_claim_at=Now()):
+            # ON CONFLICT DO NOTHING / INSERT IGNORE: a racing first claim creates it too.
+            label = job_model._meta.label_lower
+            self.bulk_create([self.model(job_model=label, kind=kind)], ignore_conflicts=True)
+            row.update(last_claim_at=Now())
+
+    def of(self, job_model: type[models.Model], kind: str) -> KindGateQuerySet:
+        """The gate row of `kind` on `job_model`'s table."""
+        return self.filter(job_model=job_model._meta.label_lower, kind=kind)
+
+    def started(self, gate: int, window: float) -> tuple[int, int]:
+        """Return the jobs started through `gate` within the last `window` seconds of the
+        database clock, and how many older start rows wait to be deleted."""
+        counts = self._starts(gate).aggregate(
+            fresh=Sum("count", filter=Q(at__gt=ago(window)), default=0),
+            stale=Count("pk", filter=Q(at__lte=ago(window))),
+        )
+        return int(counts["fresh"]), int(counts["stale"])
+
+    def record_starts(self, gate: int, count: int, window: float, *, stale: int) -> None:
+        """Record `count` jobs started through `gate` now; delete the rows past `window`."""
+        starts = self._starts(gate)
+        # In batches: a row past the window only costs the next counts a row each.
+        if stale >= STALE_STARTS:
+            starts.filter(at__lte=ago(window)).delete()
+        # `at` from the clock of this statement, after the claim's (and its ledger's): a start
+        # is never recorded earlier than its attempt's `claimed_at`.
+        starts.create(gate_id=gate, count=count, at=Now())
+
+    def _starts(self, gate: int) -> models.QuerySet[Any]:
+        # Imported here: models.py imports this package.
+        from django_leases.models import KindStart
+
+        return KindStart.objects.using(self.db).filter(gate_id=gate)
+
+
+class Throttling(Acknowledgements[J]):
+    @retry_deadlocks
+    def _claim_throttled(
+        self, kind: str, throttle: Throttle, limit: int, take: Callable[[int], list[J]]
+    ) -> list[J]:
+        """Claim at most `limit` jobs of `kind` with `take(room)`, within its throttle."""
+        gates = kind_gates(self.db)
+        with transaction.atomic(using=self.db):
+            gates.lock(self.model, kind)
+            room, stale, gate = limit, 0, 0
+            if throttle.limit is not None:
+                live = self.filter(kind=kind, status=PROCESSING, lease_until__gte=Now()).count()
+                room = min(room, throttle.limit - live)
+            if throttle.rate is not None and room > 0:
+                count, window = throttle.rate
+                gate = int(gates.of(self.model, kind).values_list("pk", flat=True).get())
+                fresh, stale = gates.started(gate, window)
+                room = min(room, count - fresh)
+            if room <= 0:
+                return []
+            jobs = take(room)
+            if throttle.rate is not None and jobs:
+                gates.record_starts(gate, len(jobs), throttle.rate[1], stale=stale)
+        return jobs
+
+
+def kind_gates(using: str) -> KindGateQuerySet:
+    """Return the gate rows on `using`: the database of the job table they throttle."""
+    # Imported here: models.py imports this package.
+    from django_leases.models import KindGate
+
+    return KindGate.objects.db_manager(using).all()

@@ -1,0 +1,210 @@
+"""Queues on more than one database: `enqueue(using=)`, the routers, and a worker, a watcher and
+`prune_jobs` per database (`--database`), with real processes on two databases of one server."""
+
+import json
+import re
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db.models.functions import Now
+from django.test import override_settings
+from django.urls import path
+
+from django_leases import metrics
+from django_leases.exceptions import InvalidArgument
+from django_leases.models import JobAttempt, PaymentJob, ScheduleState, Worker
+
+from .conftest import Processes, finish, read_until, subprocess_env
+from .test_metrics import parse, scrape
+
+urlpatterns = [
+    path("metrics/", metrics.queue_metrics),
+    path("metrics/other/", metrics.queue_metrics, {"using": "other"}),
+]
+
+pytestmark = [pytest.mark.django_db(databases=["default", "other"], transaction=True)]
+
+Status = PaymentJob.Status
+BOTH = ("default", "other")
+
+
+class OtherRouter:
+    """Sends the queue's tables to "other"."""
+
+    def db_for_write(self, model: type[Any], **hints: Any) -> str | None:
+        return "other" if model._meta.app_label == "django_leases" else None
+
+    db_for_read = db_for_write
+
+
+def counts() -> dict[str, int]:
+    return {alias: PaymentJob.objects.using(alias).count() for alias in BOTH}
+
+
+def test_enqueue__using_puts_the_job_on_that_database_only() -> None:
+    job = PaymentJob.objects.enqueue("noop", {"n": 1}, using="other")
+    also = PaymentJob.objects.using("other").enqueue("noop", {"n": 2})
+    assert job._state.db == also._state.db == "other"
+    assert counts() == {"default": 0, "other": 2}
+    assert PaymentJob.objects.using("other").get(pk=job.pk).payload == {"n": 1}
+
+
+def test_enqueue__locks_and_idempotency_keys_work_on_the_database_chosen() -> None:
+    first = PaymentJob.objects.enqueue("noop", payment_id="p1", using="other")
+    second = PaymentJob.objects.enqueue("noop", payment_id="p1", using="other")
+    keyed = PaymentJob.objects.enqueue("noop", idempotency_key="k", using="other")
+    again = PaymentJob.objects.enqueue("noop", idempotency_key="k", using="other")
+    on_other = PaymentJob.objects.using("other")
+    assert on_other.get(pk=first.pk).status == Status.PENDING
+    assert on_other.get(pk=second.pk).status == Status.WAITING
+    assert again.pk == keyed.pk and counts() == {"default": 0, "other": 3}
+    # The same key on the other database is another job: each database has its own queue.
+    assert PaymentJob.objects.enqueue("noop", idempotency_key="k")._state.db == "default"
+
+
+def test_enqueue__follows_the_routers_when_no_database_is_given() -> None:
+    with override_settings(DATABASE_ROUTERS=[OtherRouter()]):
+        job = PaymentJob.objects.enqueue("noop", payment_id="p1")
+        many = PaymentJob.objects.enqueue_many("noop", [{}, {}])
+    assert job._state.db == "other" and {j._state.db for j in many} == {"other"}
+    assert counts() == {"default": 0, "other": 3}
+
+
+@pytest.mark.parametrize("using", ["nope", 3, ""])
+def test_enqueue__an_unknown_database_is_refused_and_nothing_is_written(using: Any) -> None:
+    with pytest.raises(InvalidArgument, match="using must name a database of DATABASES"):
+        PaymentJob.objects.enqueue("noop", using=using)
+    with pytest.raises(InvalidArgument, match="using must name a database of DATABASES"):
+        PaymentJob.objects.enqueue_many("noop", [{}], using=using)
+    assert counts() == {"default": 0, "other": 0}
+
+
+def test_commands__each_runs_on_its_database_only(processes: Processes) -> None:
+    here = [PaymentJob.objects.enqueue("noop") for _ in range(5)]
+    there = [PaymentJob.objects.enqueue("noop", using="other") for _ in range(6)]
+    # A handler's own lease writes (a checkpoint) go to the database its job was claimed on.
+    there.append(PaymentJob.objects.enqueue("risky", using="other"))
+    proc = processes.manage("run_lease_worker", "--burst", "--database", "other", "-v", "2")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    on_other = PaymentJob.objects.using("other")
+    assert {on_other.get(pk=job.pk).status for job in there} == {Status.COMPLETED}
+    assert JobAttempt.objects.using("other").filter(outcome="completed").count() == 7
+    assert on_other.get(pk=there[-1].pk).checkpoint == "psp_called"
+    assert Worker.objects.using("other").count() == 1
+    # Nothing on the default database was touched: not its jobs, ledger or registry.
+    assert {PaymentJob.objects.get(pk=job.pk).status for job in here} == {Status.PENDING}
+    assert JobAttempt.objects.count() == 0 and Worker.objects.count() == 0
+
+    proc = processes.manage("run_lease_worker", "--burst", "--database", "default")
+    assert finish(proc) is not None and proc.returncode == 0
+    assert {PaymentJob.objects.get(pk=job.pk).status for job in here} == {Status.COMPLETED}
+    assert JobAttempt.objects.count() == 5
+    assert JobAttempt.objects.using("other").count() == 7
+
+
+def test_watcher__one_per_database_rescues_that_databases_leases(processes: Processes) -> None:
+    stuck = {}
+    for alias in BOTH:
+        job = PaymentJob.objects.enqueue("noop", using=alias)
+        [claimed] = PaymentJob.objects.using(alias).claim("gone-worker", ttl=60)
+        PaymentJob.objects.using(alias).filter(pk=claimed.pk).update(
+            lease_until=Now() - timedelta(seconds=5)
+        )
+        stuck[alias] = job
+    proc = processes.manage("watch_stuck_jobs", "--once", "--database", "other")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert f"job_id={stuck['other'].pk} " in out
+    on_other = PaymentJob.objects.using("other").get(pk=stuck["other"].pk)
+    assert on_other.status == Status.PENDING
+    assert JobAttempt.objects.using("other").get(job_ref=on_other.pk).outcome == "rescued"
+    assert PaymentJob.objects.get(pk=stuck["default"].pk).status == Status.PROCESSING
+
+
+def test_prune_jobs__prunes_the_database_given(processes: Processes) -> None:
+    for alias in BOTH:
+        job = PaymentJob.objects.enqueue("noop", using=alias)
+        PaymentJob.objects.using(alias).filter(pk=job.pk).update(
+            status=Status.COMPLETED, completed_at=Now() - timedelta(days=400)
+        )
+    proc = processes.manage("prune_jobs", "--database", "other")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert counts() == {"default": 1, "other": 0}
+
+
+@pytest.mark.parametrize("command", ["run_lease_worker", "watch_stuck_jobs", "prune_jobs"])
+def test_commands__an_unknown_database_is_one_line_and_exit_1(
+    processes: Processes, command: str
+) -> None:
+    job = PaymentJob.objects.enqueue("noop")
+    proc = processes.manage(
+        command, "--burst" if command == "run_lease_worker" else "-v1", "--database", "nope"
+    )
+    out = finish(proc, timeout=30)
+    assert proc.returncode == 1, out
+    assert "'nope' is not a database of DATABASES (default, other)" in out
+    assert len(out.strip().splitlines()) == 1
+    assert PaymentJob.objects.get(pk=job.pk).status == Status.PENDING
+
+
+def test_watcher_metrics__gauges_of_the_database_it_watches(processes: Processes) -> None:
+    for _ in range(3):
+        PaymentJob.objects.enqueue("noop", using="other")
+    PaymentJob.objects.enqueue("noop")
+    proc = processes.manage(
+        "watch_stuck_jobs", "--database", "other", "--metrics-port", "0", "--interval", "60"
+    )
+    out = read_until(proc, "/metrics")
+    match = re.search(r"metrics at (http://127\.0\.0\.1:\d+/metrics)", out)
+    assert match, out
+    samples = scrape(match.group(1))
+    assert samples[("django_leases_jobs", (("kind", "noop"), ("status", "pending")))] == 3
+    # Each endpoint names the database and table it serves, for a join in PromQL.
+    info = ("database", "other"), ("table", "django_leases_paymentjob")
+    assert samples[("django_leases_queue_info", info)] == 1
+
+
+def test_worker_metrics__name_the_database_the_worker_serves(processes: Processes) -> None:
+    proc = processes.manage(
+        "run_lease_worker", "--database", "other", "--metrics-port", "0", "--poll-interval", "0.2"
+    )
+    out = read_until(proc, "/metrics")
+    match = re.search(r"metrics at (http://127\.0\.0\.1:\d+/metrics)", out)
+    assert match, out
+    samples = scrape(match.group(1))
+    info = ("database", "other"), ("table", "django_leases_paymentjob")
+    assert samples[("django_leases_queue_info", info)] == 1
+    assert not [key for key in samples if key[0] == "django_leases_queue_info" and key[1] != info]
+
+
+@pytest.mark.urls("tests.test_databases")
+def test_queue_metrics__the_urlconf_chooses_the_database(client: Any) -> None:
+    for _ in range(2):
+        PaymentJob.objects.enqueue("noop", using="other")
+    PaymentJob.objects.enqueue("noop")
+    samples = parse(client.get("/metrics/other/").content.decode())
+    assert samples[("django_leases_jobs", (("kind", "noop"), ("status", "pending")))] == 2
+    info = ("database", "other"), ("table", "django_leases_paymentjob")
+    assert samples[("django_leases_queue_info", info)] == 1
+    default = parse(client.get("/metrics/").content.decode())
+    assert default[("django_leases_jobs", (("kind", "noop"), ("status", "pending")))] == 1
+    info = ("database", "default"), ("table", "django_leases_paymentjob")
+    assert default[("django_leases_queue_info", info)] == 1
+
+
+def test_schedules__each_database_gets_one_job_per_tick(processes: Processes) -> None:
+    """SCHEDULES run on every database a watcher or worker serves, each with its own record of
+    the last tick: two watchers on each database enqueue one job per database, not one in all."""
+    hourly = json.dumps({"SCHEDULES": {"sweep": {"kind": "noop", "every": 3600}}})
+    env = subprocess_env(LEASES_TEST_SETTINGS=hourly)
+    for database in ("default", "other", "default", "other"):
+        proc = processes.manage("watch_stuck_jobs", "--once", "--database", database, env=env)
+        out = finish(proc)
+        assert proc.returncode == 0, out
+    for database in ("default", "other"):
+        keys = PaymentJob.objects.using(database).values_list("idempotency_key", flat=True)
+        assert len(keys) == 1 and keys[0].startswith("schedule:sweep:3600:"), (database, keys)
+        assert ScheduleState.objects.using(database).count() == 1
