@@ -11,6 +11,12 @@ of its LISTEN connection) are not counted.
 PostgreSQL is measured twice: with DJANGO_LEASES["USE_NOTIFY"] on (the default: the enqueue
 sends a NOTIFY that wakes the worker) and off (the worker finds the job at its next poll).
 SQLite and MariaDB have no NOTIFY: polling is their only mode.
+
+`--load RATE` measures the same latency under load instead: --workers worker processes
+(--concurrency slots each) drain a steady stream of RATE jobs/s for --seconds, enqueued one at a
+time in autocommit, each at its own moment of the schedule (n / RATE), by one child; every job of
+the stream is a sample. The first second of the stream (the workers' ramp) is not counted. The
+claim is where the handler starts: the slot runs it as soon as the claim returns.
 """
 
 from __future__ import annotations
@@ -57,6 +63,43 @@ def enqueue_one_by_one(
         )
     )
     return {"ms": [(claimed[pk] - created[pk]).total_seconds() * 1000 for pk in counted]}
+
+
+def enqueue_stream(rate: float, seconds: float, job_timeout: float) -> dict[str, Any]:
+    """Enqueue `rate` jobs a second for `seconds`, one per autocommit INSERT at its moment of the
+    schedule; wait until all are completed; return each counted job's claimed_at - created_at
+    in ms, how many fell behind the schedule, and the rate reached."""
+    from django_leases.models import JobAttempt, PaymentJob
+
+    total = int(rate * seconds)
+    pks = []
+    late = 0
+    start = time.monotonic()
+    for n in range(total):
+        delay = start + n / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        elif delay < -0.01:
+            late += 1
+        pks.append(PaymentJob.objects.enqueue("noop", {}).pk)
+    reached = total / (time.monotonic() - start)
+    deadline = time.monotonic() + job_timeout
+    while PaymentJob.objects.filter(pk__in=pks).exclude(status="completed").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the stream was not drained within {job_timeout:.0f}s")
+        time.sleep(0.05)
+    counted = pks[int(rate) :]  # the first second is the workers' ramp
+    created = dict(PaymentJob.objects.filter(pk__in=counted).values_list("pk", "created_at"))
+    claimed = dict(
+        JobAttempt.objects.filter(job_ref__in=counted, attempt=1).values_list(
+            "job_ref", "claimed_at"
+        )
+    )
+    return {
+        "ms": [(claimed[pk] - created[pk]).total_seconds() * 1000 for pk in counted],
+        "late": late,
+        "rate": reached,
+    }
 
 
 # ---- orchestration ---------------------------------------------------------------------------
@@ -107,6 +150,80 @@ def measure(
             procs.stop(worker)
         results.append((db.vendor, notify, ms))
     return results
+
+
+def measure_loaded(
+    args: argparse.Namespace, procs: common.Processes, db: common.BenchDB
+) -> list[tuple[str, bool, dict[str, Any]]]:
+    common.note(f"{db.vendor}: migrating {db.name} ...")
+    procs.call(db, "bench._common:migrate")
+    notify = db.vendor == "postgresql"
+    env = common.child_env(db, BENCH_USE_NOTIFY="1" if notify else "0")
+    workers = []
+    conn = db.connect()
+    try:
+        for n in range(args.workers):
+            argv = common.django_command(
+                "run_lease_worker",
+                "--kind=noop",
+                f"--concurrency={args.concurrency}",
+                f"--poll-interval={args.poll_interval}",
+                f"--ttl={args.ttl}",
+                f"--worker-id=bench-load-{n}",
+            )
+            workers.append(procs.spawn(argv, env, f"worker-{n}", pipes=False))
+        common.poll_until(
+            db,
+            conn,
+            f"SELECT CASE WHEN count(*) >= {args.workers} THEN 1 END FROM "
+            f"{common.WORKER_TABLE} WHERE worker_id LIKE 'bench-load-%'",
+            timeout=args.timeout,
+            what="worker registration",
+            watch=workers,
+        )
+        common.note(f"{db.vendor}: {args.load:g} jobs/s for {args.seconds:g}s ...")
+        result = procs.call(
+            db,
+            "bench.wakeup_latency:enqueue_stream",
+            timeout=args.seconds + 2 * args.timeout,
+            rate=args.load,
+            seconds=args.seconds,
+            job_timeout=args.timeout,
+        )
+    finally:
+        conn.close()
+        for worker in workers:
+            procs.stop(worker)
+    return [(db.vendor, notify, result)]
+
+
+def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
+    skipped: dict[str, str] = {}
+    results = common.each_database(
+        args, "wakeup", lambda db: measure_loaded(args, procs, db), skipped
+    )
+    rows = []
+    for vendor, notify, result in results:
+        ms = result["ms"]
+        rows.append(
+            [
+                NAMES[vendor],
+                "LISTEN/NOTIFY" if notify else "polling",
+                f"{result['rate']:.0f}",
+                result["late"],
+                len(ms),
+                *(f"{common.percentile(ms, q):.1f}" for q in (50, 95, 99)),
+                f"{max(ms):.1f}",
+            ]
+        )
+    common.print_table(
+        f"enqueue -> claim under a steady stream of {args.load:g} jobs/s, {args.workers} "
+        f"workers x --concurrency {args.concurrency}, ms on the database clock",
+        ["database", "wake-up", "jobs/s sent", "late", "jobs", "p50", "p95", "p99", "max"],
+        rows,
+    )
+    common.print_skipped(skipped)
+    print("\n'late' = enqueues more than 10 ms behind the stream's schedule.")
 
 
 NAMES = {"postgresql": "PostgreSQL", "sqlite": "SQLite", "mysql": "MariaDB/MySQL"}
@@ -172,11 +289,38 @@ def main(argv: list[str] | None = None) -> int:
         default=0.6,
         help="longest such pause (default: %(default)r)",
     )
+    parser.add_argument(
+        "--load",
+        type=common.positive_float,
+        default=None,
+        metavar="RATE",
+        help="measure under a steady stream of RATE jobs/s instead of one idle worker",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=common.positive_float,
+        default=10.0,
+        help="how long the --load stream runs (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=common.positive_int,
+        default=2,
+        help="worker processes draining the --load stream (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=common.positive_int,
+        default=4,
+        help="slots of each --load worker (default: %(default)r)",
+    )
     common.add_common_arguments(parser, databases="postgresql,sqlite,mysql", timeout=60)
     args = parser.parse_args(argv)
     if args.gap_max < args.gap_min:
         parser.error("--gap-max must be at least --gap-min")
-    return common.run_main(run, args)
+    if args.load is not None and args.load * args.seconds < 2 * args.load:
+        parser.error("--seconds must be at least 2 with --load (the first second is the ramp)")
+    return common.run_main(run if args.load is None else run_loaded, args)
 
 
 if __name__ == "__main__":
