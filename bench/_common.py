@@ -465,6 +465,35 @@ def poll_until(
         time.sleep(every)
 
 
+def wait_for_claim(
+    db: BenchDB, conn: Any, job: int, *, timeout: float, what: str, watch: Sequence[Any]
+) -> None:
+    """Wait until job `job` has an attempt-ledger row (a worker claimed it); see `poll_until`."""
+    poll_until(
+        db,
+        conn,
+        f"SELECT (SELECT claimed_at FROM {LEDGER_TABLE} WHERE job_ref = {int(job)})",
+        timeout=timeout,
+        what=what,
+        watch=watch,
+    )
+
+
+def add_case_argument(
+    parser: argparse.ArgumentParser, parse: Callable[[str], Any], fields: str, defaults: Any
+) -> None:
+    """Add the repeatable `--case FIELDS` option, parsed by `parse` into `args.cases` (None
+    when not given); its help lists `defaults`, objects with a `label()`."""
+    parser.add_argument(
+        "--case",
+        dest="cases",
+        type=parse,
+        action="append",
+        default=None,
+        help=f"{fields}, repeatable (default: " + " ".join(c.label() for c in defaults) + ")",
+    )
+
+
 class ChildError(RuntimeError):
     """A child process failed; the message ends with the tail of its log."""
 

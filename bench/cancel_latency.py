@@ -94,14 +94,7 @@ def sample(
     worker = procs.spawn(argv, common.child_env(db), "worker", pipes=False)
     conn = db.connect()
     try:
-        common.poll_until(
-            db,
-            conn,
-            f"SELECT (SELECT claimed_at FROM {common.LEDGER_TABLE} WHERE job_ref = {job})",
-            timeout=args.timeout,
-            what="the claim",
-            watch=[worker],
-        )
+        common.wait_for_claim(db, conn, job, timeout=args.timeout, what="the claim", watch=[worker])
         time.sleep(random.uniform(0, case.heartbeat))  # noqa: S311
         done = procs.call(db, "bench.cancel_latency:cancel_job", id=job)
         if done["changed"] != 1:
@@ -154,16 +147,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(__doc__)
-    parser.add_argument(
-        "--case",
-        dest="cases",
-        type=case,
-        action="append",
-        default=None,
-        help="KIND/HEARTBEAT/SAMPLES, repeatable (default: "
-        + " ".join(c.label() for c in DEFAULT_CASES)
-        + ")",
-    )
+    common.add_case_argument(parser, case, "KIND/HEARTBEAT/SAMPLES", DEFAULT_CASES)
     common.add_common_arguments(parser, databases="postgresql,sqlite,mysql", timeout=60.0)
     args = parser.parse_args(argv)
     args.cases = args.cases or DEFAULT_CASES

@@ -96,13 +96,8 @@ def sample(args: argparse.Namespace, procs: common.Processes, db: common.BenchDB
         cut = procs.spawn(argv, env, "cut", pipes=False)
         log = Path(cut.log_path)  # type: ignore[attr-defined]
         try:
-            common.poll_until(
-                db,
-                conn,
-                f"SELECT (SELECT claimed_at FROM {common.LEDGER_TABLE} WHERE job_ref = {job})",
-                timeout=args.timeout,
-                what="claim through the proxy",
-                watch=[cut],
+            common.wait_for_claim(
+                db, conn, job, timeout=args.timeout, what="claim through the proxy", watch=[cut]
             )
             time.sleep(random.uniform(0, args.heartbeat))  # noqa: S311
             proxy.blackhole()

@@ -213,16 +213,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.make_parser(__doc__)
-    parser.add_argument(
-        "--case",
-        dest="cases",
-        type=case,
-        action="append",
-        default=None,
-        help="TTL/HEARTBEAT/WATCH_INTERVAL/SAMPLES, repeatable (default: "
-        + " ".join(c.label() for c in DEFAULT_CASES)
-        + ")",
-    )
+    common.add_case_argument(parser, case, "TTL/HEARTBEAT/WATCH_INTERVAL/SAMPLES", DEFAULT_CASES)
     parser.add_argument(
         "--poll-interval",
         type=common.positive_float,
