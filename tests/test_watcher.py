@@ -22,6 +22,7 @@ from .conftest import (
     database_url,
     finish,
     free_port,
+    read_until,
     subprocess_env,
     wait_for,
 )
@@ -207,8 +208,12 @@ def test_claim__does_not_take_over_a_job_the_review_policy_holds() -> None:
 
 def test_watcher__rescues_early_when_the_owner_is_known_gone(processes: Processes) -> None:
     job = PaymentJob.objects.enqueue("sleep", {"durations": [60, 0]})
-    proc = worker(processes, "leaver", "--ttl", "600", "--heartbeat", "5", "--grace-period", "0.2")
-    wait_for(lambda: fresh(job).lease_owner == "leaver")
+    proc = worker(
+        processes, "leaver", "--ttl", "600", "--heartbeat", "5", "--grace-period", "0.2", "-v", "2"
+    )
+    # Started, not only claimed: a job still queued for a slot is released at shutdown, and the
+    # watcher would find nothing to rescue.
+    read_until(proc, f"started job_id={job.pk} ", timeout=60)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert Worker.objects.get(worker_id="leaver").stopped_at is not None
