@@ -4,7 +4,6 @@ import codecs
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from django_leases.db import UNWRAPPED_CALLS
 
 from .pgbouncer import EXECUTABLE as PGBOUNCER
 from .pgbouncer import PgBouncer
+from .ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # The database under test, as chosen by DATABASE_URL (unset or empty: SQLite).
@@ -62,13 +62,6 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    """Return a loopback TCP port nothing listens on (the kernel's pick, released at once)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def database_url(

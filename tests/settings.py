@@ -67,6 +67,12 @@ DATABASES = {"default": database_from_env(env, _sqlite)}
 # Worker subprocesses spawned by the tests connect to the test database by this name.
 if env("LEASES_TEST_DB_NAME", default=""):
     DATABASES["default"]["NAME"] = env("LEASES_TEST_DB_NAME")
+# A primary and its standby (tests/pgcluster.py): libpq's two-host form, which connects to
+# whichever of them takes writes, as a project behind a failover manager would.
+if env("LEASES_TEST_DB_HOSTS", default=""):
+    DATABASES["default"]["HOST"] = env("LEASES_TEST_DB_HOSTS")
+    DATABASES["default"]["PORT"] = env("LEASES_TEST_DB_PORTS")
+    DATABASES["default"].setdefault("OPTIONS", {})["target_session_attrs"] = "read-write"
 # Worker subprocesses of the connection tests run with Django's default CONN_MAX_AGE = 0.
 if env("LEASES_TEST_CONN_MAX_AGE", default=""):
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("LEASES_TEST_CONN_MAX_AGE")

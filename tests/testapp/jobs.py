@@ -52,6 +52,15 @@ def sleep(job, lease):
     time.sleep(duration(job, lease))
 
 
+@job_handler("recorded")
+def recorded(job, lease):
+    """Append "pk token owner" to the file `payload["log"]` (outside the database, so that it
+    survives a failover that loses commits), then sleep as the payload says."""
+    with open(job.payload["log"], "a") as log:
+        log.write(f"{job.pk} {lease.token} {lease.owner}\n")
+    time.sleep(duration(job, lease))
+
+
 @job_handler("watches_lease")
 def watches_lease(job, lease):
     """Run as long as the payload says, or until the lease is lost; record the run by the
