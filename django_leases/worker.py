@@ -251,9 +251,10 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
                 self._ticker.poll()
                 free = self._claimable()
                 claimed = self.run_once() if free > 0 and not self._quota_reached() else 0
-                if self._finished(claimed):
+                # A claim the database did not answer found nothing out: --burst waits on.
+                if claimed is not None and self._finished(claimed):
                     break
-                if claimed >= free:
+                if claimed is not None and claimed >= free:
                     self._wait_for_slot()
                 else:
                     self._wait_for_work(listener)
@@ -270,8 +271,9 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         logger.info("worker stopped worker_id=%s %s", self.worker_id, self.stats.summary())
         return self.stats
 
-    def run_once(self) -> int:
-        """Claim jobs for the idle slots and hand them over; return how many were claimed."""
+    def run_once(self) -> int | None:
+        """Claim jobs for the idle slots and hand them over; return how many were claimed, or
+        None if the database could not be asked (an outage, logged and backed off)."""
         free = self._claimable()
         if self.max_jobs is not None:
             free = min(free, self.max_jobs - self.stats.claimed)
@@ -283,7 +285,7 @@ class LeaseWorker(RunsAttempts, RenewsLeases):
         except DatabaseError as exc:
             outage_or_raise(exc, self.using)  # the loop stops for a configuration error
             self._outage("claim", exc)
-            return 0
+            return None
         self._hand_out(self._leases(jobs, started))
         self._note_claimed(jobs)
         return len(jobs)

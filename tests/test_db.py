@@ -427,6 +427,40 @@ def attempts(job: PaymentJob) -> list[tuple[int, str, str]]:
 @NEEDS_NETWORK
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
+def test_worker__burst_waits_out_an_outage_instead_of_calling_the_queue_empty(
+    processes: Processes,
+) -> None:
+    """A `--burst` worker whose claim the database does not answer has learnt nothing about
+    the queue: it waits the outage out, then runs what is left, and only then exits 0. (It
+    exited 0 at the first failed claim, leaving the job it had been running behind.)"""
+    settings: dict[str, Any] = connections["default"].settings_dict
+    port = int(settings["PORT"] or default_port(connection))
+    job = PaymentJob.objects.enqueue("charge", {"durations": [3, 0]})
+    with Proxy(port) as proxy:
+        proc = processes.manage(
+            "run_lease_worker", "--burst", "--worker-id", "burst", "--kind", "charge",
+            "--poll-interval", "0.2", "--ttl", "4", "--heartbeat", "1", "-v", "2",
+            env=subprocess_env(DATABASE_URL=proxied_url(proxy.port)),
+        )  # fmt: skip
+        log = Output(proc)
+        log.wait_for_line(f"started job_id={job.pk}")
+        proxy.blackhole()
+        # The lease runs out behind the black hole; the claims that follow get no answer.
+        log.wait_for_line(f"lease lost job_id={job.pk}")
+        log.wait_for_line("database unavailable during claim")
+        assert proc.poll() is None, log.text
+        proxy.restore()
+        assert proc.wait(timeout=60) == 0, log.finish()
+
+    said = log.finish()
+    done = PaymentJob.objects.get(pk=job.pk)
+    assert (done.status, done.attempts) == (Status.COMPLETED, 2), said
+    assert attempts(job) == [(1, "burst", "lease_lost"), (2, "burst", "completed")], said
+
+
+@NEEDS_NETWORK
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
 def test_worker__partition_loses_the_lease_in_time_and_recovers(processes: Processes) -> None:
     """Worker "cut" reaches the database through a proxy that turns into a black hole while it
     runs a job: it must give the lease up by its deadline, write nothing for that job, and run
