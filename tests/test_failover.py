@@ -9,10 +9,12 @@ import os
 
 import pytest
 
-from tests import failover
-from tests.pgcluster import Cluster, bindir
-
 from .conftest import ON_SQLITE
+
+pytest.importorskip("psycopg", reason="the cluster is PostgreSQL: psycopg is not installed")
+
+from tests import failover  # noqa: E402
+from tests.pgcluster import Cluster, bindir  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(

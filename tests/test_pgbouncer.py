@@ -6,7 +6,6 @@ from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
 
-import psycopg
 import pytest
 from django.db import OperationalError, connection, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -21,6 +20,9 @@ from tests.testapp.models import Charge, LockRun
 from .conftest import Processes, database_url, finish, subprocess_env
 from .pgbouncer import PgBouncer
 from .test_db import STATEMENT_TIMEOUT, server_timeout
+
+# PgBouncer pools PostgreSQL: without psycopg (a SQLite-only install) there is nothing to test.
+psycopg = pytest.importorskip("psycopg")
 
 Status = PaymentJob.Status
 
