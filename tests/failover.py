@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psycopg
 
+from django_leases.status import AttemptOutcome, JobStatus
 from tests.pgcluster import Cluster, Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +77,9 @@ def environment(cluster: Cluster) -> dict[str, str]:
 
 def completed(server: Server) -> set[int]:
     with server.connect(DATABASE) as conn:
-        rows = conn.execute("SELECT id FROM django_leases_paymentjob WHERE status = 'completed'")
+        rows = conn.execute(
+            "SELECT id FROM django_leases_paymentjob WHERE status = %s", [JobStatus.COMPLETED.value]
+        )
         return {pk for (pk,) in rows}
 
 
@@ -86,7 +89,8 @@ def wait_for_completed(server: Server, count: int, timeout: float) -> None:
         try:
             with server.connect(DATABASE) as conn:
                 row = conn.execute(
-                    "SELECT count(*) FROM django_leases_paymentjob WHERE status = 'completed'"
+                    "SELECT count(*) FROM django_leases_paymentjob WHERE status = %s",
+                    [JobStatus.COMPLETED.value],
                 ).fetchone()
             if row is not None and row[0] >= count:
                 return
@@ -150,8 +154,8 @@ def run(
         with cluster.standby.connect(DATABASE) as conn:
             after = conn.execute(
                 "SELECT extract(epoch FROM ended_at), owner FROM django_leases_jobattempt "
-                "WHERE outcome = 'completed' AND ended_at > to_timestamp(%s) ORDER BY ended_at",
-                [killed_at],
+                "WHERE outcome = %s AND ended_at > to_timestamp(%s) ORDER BY ended_at",
+                [AttemptOutcome.COMPLETED.value, killed_at],
             ).fetchall()
         survivors = [name for name, proc in procs.items() if proc.poll() is None]
     finally:
