@@ -193,10 +193,11 @@ def test_worker_metrics__a_paused_worker_counts_its_lost_lease_and_fenced_out_wr
     job = PaymentJob.objects.enqueue("sleep", {"durations": [20, 1]})
     zombie = processes.manage(
         "run_lease_worker", "--worker-id", "zombie", "--ttl", "2", "--heartbeat", "0.4",
-        "--poll-interval", "0.1", "--kind", "sleep", *LOCAL,
+        "--poll-interval", "0.1", "--kind", "sleep", "-v", "2", *LOCAL,
     )  # fmt: skip
     url = endpoint(zombie)
-    wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, lease_owner="zombie").exists())
+    # Paused in the handler: a lease found run out before its start is never started.
+    read_until(zombie, f"started job_id={job.pk} ")
     os.killpg(zombie.pid, signal.SIGSTOP)
     wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
     processes.manage(

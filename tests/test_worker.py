@@ -153,7 +153,9 @@ def test_worker__paused_past_its_lease_writes_nothing(processes: Processes) -> N
     # the new owner is still running, even on a loaded machine.
     job = PaymentJob.objects.enqueue("sleep", {"durations": [4, 10]})
     zombie = worker(processes, "zombie", "--ttl", "2", "--heartbeat", "0.4")
-    wait_for(lambda: held_by(job, "zombie"))
+    # Paused in the handler, not between the claim and its start (a lease found run out
+    # there is never started: nothing to fence).
+    read_until(zombie, f"started job_id={job.pk} ")
     os.killpg(zombie.pid, signal.SIGSTOP)
     wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
 
@@ -399,7 +401,9 @@ def test_worker__lease_atomic_rolls_back_the_zombies_writes(
 ) -> None:
     job = PaymentJob.objects.enqueue(kind, {"durations": [3, 2]})
     zombie = worker(processes, "zombie", "--ttl", "1.5", "--heartbeat", "0.3")
-    wait_for(lambda: held_by(job, "zombie"))
+    # Paused in the handler, not between the claim and its start (a lease found run out
+    # there is never started: nothing to fence).
+    read_until(zombie, f"started job_id={job.pk} ")
     os.killpg(zombie.pid, signal.SIGSTOP)
     wait_for(lambda: PaymentJob.objects.expired().filter(pk=job.pk).exists())
     worker(processes, "owner", "--ttl", "1.5", "--heartbeat", "0.3")
