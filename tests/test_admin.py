@@ -253,7 +253,8 @@ def test_lease_filter__running_long_by_the_kinds_limit(
         row(changelist(admin_client), jobs["near"]),
     )
     assert re.search(r"Running long</span> <span class=\"dl-when\">1 h 0 min", long_row)
-    assert "Running long" not in short_row and ">10 min 0 s<" in short_row
+    # Seconds pass between the UPDATE and the page on a loaded machine.
+    assert "Running long" not in short_row and re.search(r">10 min \d{1,2} s<", short_row)
 
 
 def test_changelist__sorts_by_running_time(
