@@ -40,6 +40,7 @@ from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_leases.conf import leases_settings
+from django_leases.dialects import dialect_of, named
 from django_leases.limits import DAY
 from django_leases.sql import postgresql
 
@@ -53,8 +54,6 @@ TIMEOUT_RANGE = (1.0, float(DAY))
 # The watchdog waits this much longer than the server's statement_timeout, so that a slow
 # statement on a live server ends with the server's own error, not a cut connection.
 CLIENT_SLACK = 1.0
-# Keepalive probes sent before the kernel gives up on an idle connection.
-KEEPALIVE_PROBES = 3
 
 
 def network_timeout(ttl: float | None = None) -> float | None:
@@ -78,23 +77,8 @@ def auto_timeout(ttl: float) -> float:
 
 def hardened_options(vendor: str, timeout: float) -> dict[str, Any]:
     """Return the connection `OPTIONS` that bound every wait on a `vendor` connection by
-    `timeout` seconds (nothing for SQLite, which has no network)."""
-    seconds = max(1, math.ceil(timeout))
-    if vendor == "postgresql":
-        return {
-            # libpq reads connect_timeout in whole seconds and takes 1 as 2.
-            "connect_timeout": max(2, seconds),
-            # An idle connection is probed after half the timeout and given up on by the end.
-            "keepalives": 1,
-            "keepalives_idle": max(1, seconds // 2),
-            "keepalives_interval": max(1, seconds // (2 * KEEPALIVE_PROBES)),
-            "keepalives_count": KEEPALIVE_PROBES,
-            # Data sent and not acknowledged for this long (ms) closes the connection.
-            "tcp_user_timeout": seconds * 1000,
-        }
-    if vendor == "mysql":
-        return {"connect_timeout": seconds, "read_timeout": seconds, "write_timeout": seconds}
-    return {}
+    `timeout` seconds (nothing for SQLite, which has no network): `Dialect.network_options()`."""
+    return named(vendor).network_options(timeout)
 
 
 def merged_options(vendor: str, timeout: float, user: dict[str, Any]) -> dict[str, Any]:
@@ -105,10 +89,8 @@ def merged_options(vendor: str, timeout: float, user: dict[str, Any]) -> dict[st
 def statement_timeout(vendor: str, timeout: float, user: dict[str, Any]) -> int | None:
     """Return the `statement_timeout` (ms) that bounds each transaction on a `vendor` connection
     of `OPTIONS` `user` for a network timeout of `timeout` seconds; None on other databases, or
-    where the project's own `options` set one (theirs wins)."""
-    if vendor != "postgresql" or "statement_timeout" in str(user.get("options") or ""):
-        return None
-    return round(timeout * 1000)
+    where the project's own `options` set one (theirs wins): `Dialect.statement_timeout()`."""
+    return named(vendor).statement_timeout(timeout, user)
 
 
 class Watchdog:
@@ -277,18 +259,16 @@ def harden(connection: BaseDatabaseWrapper, ttl: float | None = None) -> None:
     if any(isinstance(wrapper, Deadline) for wrapper in connection.execute_wrappers):
         return
     timeout = network_timeout(ttl)
-    if timeout is None or connection.vendor not in ("postgresql", "mysql"):
-        return
+    dialect = dialect_of(connection)
+    if timeout is None or not dialect.network_options(timeout):
+        return  # no network (SQLite)
     settings = connection.settings_dict
     user = dict(settings.get("OPTIONS") or {})
     # A copy: the dict is shared by every thread's connection to this alias.
-    connection.settings_dict = {
-        **settings,
-        "OPTIONS": merged_options(connection.vendor, timeout, user),
-    }
+    connection.settings_dict = {**settings, "OPTIONS": {**dialect.network_options(timeout), **user}}
     deadline = Deadline(connection, timeout + CLIENT_SLACK)
     connection.execute_wrappers.append(deadline)
-    milliseconds = statement_timeout(connection.vendor, timeout, user)
+    milliseconds = dialect.statement_timeout(timeout, user)
     driver = connection.Database  # type: ignore[attr-defined]
     # psycopg 3's client-binding cursors carry it; psycopg 2 has the watchdog alone.
     if milliseconds is not None and hasattr(driver, "ClientCursor"):

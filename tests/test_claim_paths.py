@@ -16,10 +16,11 @@ from django.db import connection, transaction
 from django.db.models.functions import Now
 
 from django_leases import sql
+from django_leases.dialects import ClaimPath
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets.base import ClaimPath
 from django_leases.querysets.ledger import ledger_names
 from django_leases.sql import postgresql
+from django_leases.sql import prepared as prepared_sql
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
 pytestmark = pytest.mark.django_db
@@ -203,22 +204,16 @@ def claim_statement(
     *,
     owner: str = "w",
     limit: int = 4,
-    pending: str = PENDING,
 ) -> tuple[str, dict[str, Any]]:
-    return postgresql.claim(
-        '"job"',
-        owner=owner,
-        seconds=60.0,
-        limit=limit,
-        kinds=sql.kinds_filter(kinds),
-        guard=sql.takeover_guard(review_by_default=False, exceptions=review),
-        ledger=ledger_names(PaymentJob, connection.alias),
-        pending=pending,
-        processing=PROCESSING,
-        running=AttemptOutcome.RUNNING,
-        lease_lost=AttemptOutcome.LEASE_LOST,
-        completing=None if completing is None else (*completing, COMPLETED),
+    claim = sql.Claim(
+        owner,
+        60.0,
+        limit,
+        sql.kinds_filter(kinds),
+        sql.takeover_guard(review_by_default=False, exceptions=review),
+        completing,
     )
+    return postgresql.claim('"job"', claim, ledger=ledger_names(PaymentJob, connection.alias))
 
 
 def test_postgresql_claim__one_text_per_shape_with_the_status_words_written_in() -> None:
@@ -233,7 +228,7 @@ def test_postgresql_claim__one_text_per_shape_with_the_status_words_written_in()
     assert (params["pks"], params["tokens"]) == ([1, 2], [7, 8])
     for word in STATUS_WORDS:
         assert f"'{word}'" in text
-    assert not set(params) & set(postgresql.STATUS_PARAMETERS)
+    assert not set(params) & {"pending", "processing", "completed", "running", "lease_lost"}
     assert "%(" + "pks)s" in text and "%(" + "pks)s" not in claim_statement(["capture"], None)[0]
     shapes = {
         claim_statement(kinds, completing, review)[0]
@@ -243,20 +238,22 @@ def test_postgresql_claim__one_text_per_shape_with_the_status_words_written_in()
     }
     assert len(shapes) == 12
     with pytest.raises(ValueError, match="not a status word"):
-        claim_statement(["capture"], None, pending="pending' OR '1")
+        sql.literal("pending' OR '1")
 
 
 def test_prepared_claim__is_named_by_a_digest_of_its_text_with_its_window_written_in() -> None:
     statement = claim_statement(["capture"], ([1, 2], [3, 4]), limit=3)
-    prepared, params = postgresql.prepared_claim(statement)
-    assert prepared.name.startswith(postgresql.PREPARED_PREFIX) and len(prepared.name) <= 63
+    prepared, params = prepared_sql.prepared_claim(statement)
+    assert prepared.name.startswith(prepared_sql.PREPARED_PREFIX) and len(prepared.name) <= 63
     assert "LIMIT 4" in prepared.prepare and "%(" not in prepared.prepare  # window 4 for limit 3
     assert params == {k: v for k, v in statement[1].items() if k not in ("window", "candidates")}
     assert params["limit"] == 3  # the claim still takes 3
     arguments = ", ".join(f"%({name})s" for name in params)
     assert prepared.execute == f"EXECUTE {prepared.name} ({arguments})"
     # The same text, window and types: the very same statement, whatever the values.
-    same, _ = postgresql.prepared_claim(claim_statement(["refund"], ([5], [6]), owner="x", limit=4))
+    same, _ = prepared_sql.prepared_claim(
+        claim_statement(["refund"], ([5], [6]), owner="x", limit=4)
+    )
     assert same is prepared
     # Another window, or another number of kinds: another text, so another name.
     for other in [
@@ -264,7 +261,7 @@ def test_prepared_claim__is_named_by_a_digest_of_its_text_with_its_window_writte
         claim_statement(["capture", "refund"], ([1], [2]), limit=3),
         claim_statement(["capture"], None, limit=3),
     ]:
-        assert postgresql.prepared_claim(other)[0].name != prepared.name
+        assert prepared_sql.prepared_claim(other)[0].name != prepared.name
 
 
 class Kind(enum.StrEnum):
@@ -279,7 +276,7 @@ def test_prepared__types_its_parameters_and_refuses_what_it_cannot_type_or_write
     statement = ("SELECT %(a)s || '%%', %(b)s, %(c)s, %(d)s LIMIT %(n)s", {
         "a": "x", "b": True, "c": 1.5, "d": [1, 2], "n": 3
     })  # fmt: skip
-    prepared, values = postgresql.prepared(statement, written_in={"n": 3})
+    prepared, values = prepared_sql.prepared(statement, written_in={"n": 3})
     assert prepared.prepare == (
         f"PREPARE {prepared.name} (text, boolean, double precision, bigint[]) AS "
         "SELECT $1 || '%', $2, $3, $4 LIMIT 3"
@@ -288,14 +285,14 @@ def test_prepared__types_its_parameters_and_refuses_what_it_cannot_type_or_write
     # Subclasses take their base's type: a StrEnum kind, IntEnum pks (a bool is not a bigint).
     statement = ("SELECT %(k)s, %(p)s, %(f)s", {"k": Kind.CAPTURE, "p": [Pk.ONE], "f": [False]})
     with pytest.raises(TypeError, match="no type to prepare parameter f"):
-        postgresql.prepared(statement, written_in={})
+        prepared_sql.prepared(statement, written_in={})
     del statement[1]["f"]
     statement = (statement[0].replace(", %(f)s", ""), statement[1])
-    prepared, _ = postgresql.prepared(statement, written_in={})
+    prepared, _ = prepared_sql.prepared(statement, written_in={})
     assert prepared.prepare == f"PREPARE {prepared.name} (text, bigint[]) AS SELECT $1, $2"
     with pytest.raises(TypeError, match="no type"):
-        postgresql.prepared(("SELECT %(a)s", {"a": None}), written_in={})
+        prepared_sql.prepared(("SELECT %(a)s", {"a": None}), written_in={})
     with pytest.raises(TypeError, match="no type"):
-        postgresql.prepared(("SELECT %(a)s", {"a": [1, "x"]}), written_in={})
+        prepared_sql.prepared(("SELECT %(a)s", {"a": [1, "x"]}), written_in={})
     with pytest.raises(TypeError, match="only integers"):
-        postgresql.prepared(("SELECT 1 LIMIT %(n)s", {"n": 2.5}), written_in={"n": 2.5})  # type: ignore[dict-item]
+        prepared_sql.prepared(("SELECT 1 LIMIT %(n)s", {"n": 2.5}), written_in={"n": 2.5})  # type: ignore[dict-item]

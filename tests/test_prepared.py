@@ -17,8 +17,8 @@ from django.db import connection, transaction
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets import prepared as prepared_module
 from django_leases.querysets.base import literal_cursor
-from django_leases.sql import postgresql
-from django_leases.sql.postgresql import PREPARED_PREFIX
+from django_leases.sql import prepared as prepared_sql
+from django_leases.sql.prepared import PREPARED_PREFIX
 
 from .test_claim_kinds import (
     SERVED,
@@ -239,7 +239,7 @@ def test_prepared_claim__its_generic_plan_reads_none_of_another_kinds_backlog(
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {PaymentJob._meta.db_table}")
     statement, *_ = claim_statements(kinds, limit=2)
-    prepared, params = postgresql.prepared_claim(statement)
+    prepared, params = prepared_sql.prepared_claim(statement)
     with transaction.atomic(), literal_cursor(connection.alias) as cursor:
         cursor.execute(prepared.prepare)
         # The plan a kept prepared statement runs, made without the parameters' values.
@@ -267,7 +267,7 @@ def test_prepared_claim__locks_no_more_than_limit_rows_with_a_wider_window(
     enqueue_mix(seed=7, per_kind=10)
     due = len(claim_order(kinds))
     statement, *_ = claim_statements(kinds, limit=3)
-    prepared, params = postgresql.prepared_claim(statement)
+    prepared, params = prepared_sql.prepared_claim(statement)
     assert "LIMIT 4" in prepared.prepare  # the window is wider than the limit
 
     def claim() -> int:

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
 
-from django_leases.sql import mysql, postgresql
+from django_leases.dialects import dialect_of
 
 # The names MariaDB/MySQL report for a UTC session zone (named zones need the zone tables).
 UTC_ZONES = {"+00:00", "-00:00", "utc", "etc/utc", "gmt", "etc/gmt", "universal", "zulu"}
@@ -24,10 +24,11 @@ def database_clock_problems(alias: str) -> list[str]:
     `now()` is a `timestamptz` and SQLite's is UTC, whatever the session says: nothing to check.
     """
     connection = connections[alias]
-    if connection.vendor != "mysql":
+    clock = dialect_of(connection).session_clock
+    if clock is None:
         return []
     with connection.cursor() as cursor:
-        cursor.execute(mysql.SESSION_CLOCK)
+        cursor.execute(clock)
         session_zone, system_zone, offset = cursor.fetchone()
     zone = system_zone if session_zone == "SYSTEM" else session_zone
     if offset == 0 and str(zone).lower() in UTC_ZONES:
@@ -65,10 +66,11 @@ def autovacuum_problems(alias: str) -> list[str]:
     processed since the last manual VACUUM (bench/README.md: about one index page per 95 jobs).
     """
     connection = connections[alias]
-    if connection.vendor != "postgresql":
+    autovacuum = dialect_of(connection).autovacuum
+    if autovacuum is None:
         return []
     with connection.cursor() as cursor:
-        cursor.execute(postgresql.AUTOVACUUM)
+        cursor.execute(autovacuum)
         (running,) = cursor.fetchone()
     if running:
         return []

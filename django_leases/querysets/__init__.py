@@ -14,7 +14,8 @@ from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import models, router
 
 from django_leases.conf import leases_settings
-from django_leases.querysets.base import deadlocked, retry_deadlocks
+from django_leases.dialects import deadlocked
+from django_leases.querysets.base import retry_deadlocks
 from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet, describe_error
 from django_leases.querysets.payments import PaymentJobQuerySet

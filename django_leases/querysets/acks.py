@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 from django.db import connections, transaction
 from django.db.models.functions import Now
 
+from django_leases.dialects import ClaimPath, dialect_of
 from django_leases.querysets.base import (
-    ClaimPath,
     LeaseKey,
     bound_cursor,
     check_owner,
@@ -25,7 +25,6 @@ from django_leases.querysets.base import (
 )
 from django_leases.querysets.enqueue import Enqueueing
 from django_leases.querysets.ledger import J
-from django_leases.sql import postgresql, sqlite
 from django_leases.status import COMPLETED, PROCESSING, AttemptOutcome
 
 
@@ -58,64 +57,39 @@ class Acknowledgements(Enqueueing[J]):
 
     def _complete_many_path(self) -> ClaimPath:
         """The raw statements need the stock ledger (for their ledger UPDATE); else the ORM."""
-        vendor = connections[self.db].vendor
-        if self._ledger_names() is None or vendor not in ("postgresql", "sqlite"):
-            return "orm"
-        return "postgresql+ledger" if vendor == "postgresql" else "sqlite"
+        return dialect_of(connections[self.db]).complete_many_path(self._ledger_names())
 
     def _complete_many(self, owner: str, keys: list[LeaseKey], path: ClaimPath) -> set[LeaseKey]:
+        """`complete_many()` by `path`, of the jobs without a lock."""
         ledger = self._ledger_names()
+        dialect = dialect_of(connections[self.db])
+        groups = list(key_groups(keys))
         if path == "postgresql+ledger" and ledger is not None:
             # One statement: atomic without a transaction block.
-            statement = postgresql.complete_many(
-                self._table(),
-                ledger,
-                owner=owner,
-                pks=[pk for pk, _ in keys],
-                tokens=[token for _, token in keys],
-                processing=PROCESSING,
-                completed=COMPLETED,
-            )
             with bound_cursor(self.db) as cursor:
-                cursor.execute(*statement)
-                return {(pk, token) for pk, token in cursor.fetchall()}
+                return dialect.complete_many(cursor, self._table(), ledger, owner, groups)
         # One transaction: the jobs' completions and their ledger rows commit together.
         with transaction.atomic(using=self.db):
-            if path == "sqlite" and ledger is not None:
-                done: set[LeaseKey] = set()
+            if path != "orm" and ledger is not None:
                 with connections[self.db].cursor() as cursor:
-                    for group in key_groups(keys):
-                        cursor.execute(
-                            *sqlite.complete_many(
-                                self._table(),
-                                owner=owner,
-                                pairs=list(group.items()),
-                                processing=PROCESSING,
-                                completed=COMPLETED,
-                            )
-                        )
-                        won = [(pk, token) for pk, token in cursor.fetchall()]
-                        if won:
-                            cursor.execute(
-                                *sqlite.close_attempts(
-                                    self._table(), ledger, owner=owner, pairs=won, outcome=COMPLETED
-                                )
-                            )
-                        done.update(won)
-                return done
-            # The specification (and MariaDB/MySQL's path): lock the rows still held, then
-            # complete exactly those; the row locks keep the read true until commit.
-            done = set()
-            for group in key_groups(keys):
-                held = self.filter(
-                    keys_filter(group), status=PROCESSING, lease_owner=owner, lock=""
+                    done = dialect.complete_many(cursor, self._table(), ledger, owner, groups)
+            else:
+                done = self._complete_unlocked(owner, groups)
+        return done
+
+    def _complete_unlocked(self, owner: str, groups: list[dict[int, int]]) -> set[LeaseKey]:
+        """The specification (and MariaDB/MySQL's path) of the batched completion of the jobs
+        without a lock, in the caller's transaction: lock the rows still held, then complete
+        exactly those; the row locks keep the read true until commit."""
+        done: set[LeaseKey] = set()
+        for group in groups:
+            held = self.filter(keys_filter(group), status=PROCESSING, lease_owner=owner, lock="")
+            locked = dict(held.select_for_update().values_list("pk", "lease_token"))
+            if locked:
+                held.filter(pk__in=locked).update(
+                    status=COMPLETED, completed_at=Now(), last_error=""
                 )
-                locked = dict(held.select_for_update().values_list("pk", "lease_token"))
-                if locked:
-                    held.filter(pk__in=locked).update(
-                        status=COMPLETED, completed_at=Now(), last_error=""
-                    )
-                    done.update(locked.items())
-            if done:
-                self._close_attempts(done, AttemptOutcome.COMPLETED, by=owner)
+                done.update(locked.items())
+        if done:
+            self._close_attempts(done, AttemptOutcome.COMPLETED, by=owner)
         return done

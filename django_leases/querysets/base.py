@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from functools import cache, wraps
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from django.db import NotSupportedError, OperationalError, connections, models
+from django.db import OperationalError, connections, models
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Case, F, Func, Q, Value, When
@@ -18,8 +18,8 @@ from django.db.models.query import RawQuerySet
 from django.db.models.sql.compiler import SQLCompiler
 from django.db.models.sql.query import RawQuery
 
+from django_leases.dialects import dialect_of
 from django_leases.limits import JOB_ID, OWNER_LENGTH, check_int, check_text
-from django_leases.sql import deadlocked, mysql, postgresql, sqlite
 
 DEADLOCK_RETRIES = 5
 
@@ -49,9 +49,10 @@ def bound_cursor(using: str) -> CursorWrapper:
     through Django's cursor wrapper, so the execute wrappers (the outage watchdog) and query
     logging apply.
     """
-    options = connections[using].settings_dict.get("OPTIONS") or {}
+    connection = connections[using]
+    options = connection.settings_dict.get("OPTIONS") or {}
     prepares = options.get("prepare_threshold") is not None
-    return _driver_cursor(using, "ServerBindingCursor" if prepares else "Cursor")
+    return dialect_of(connection).cursor(connection, server_binding=prepares)
 
 
 @cache
@@ -68,28 +69,8 @@ def literal_cursor(using: str) -> CursorWrapper:
     there, whatever Django's `server_side_binding` option says. Through Django's cursor wrapper,
     as `bound_cursor()`.
     """
-    return _driver_cursor(using, "Cursor")
-
-
-def _driver_cursor(using: str, cursor_class: str) -> CursorWrapper:
-    """Return a cursor of Django's psycopg 3 class `cursor_class` on `using`, through Django's
-    cursor wrapper; elsewhere, or with psycopg2, Django's usual cursor."""
     connection = connections[using]
-    if connection.vendor != "postgresql":
-        return connection.cursor()
-    from django.db.backends.postgresql import base
-
-    factory = getattr(base, cursor_class, None)  # defined with psycopg 3 only
-    if factory is None:
-        return connection.cursor()
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    connection.validate_thread_sharing()
-    with connection.wrap_database_errors:
-        cursor: Any = factory(connection.connection)
-    if connection.queries_logged:
-        return connection.make_debug_cursor(cursor)
-    return connection.make_cursor(cursor)
+    return dialect_of(connection).cursor(connection, server_binding=False)
 
 
 class BoundRawQuery(RawQuery):
@@ -138,7 +119,7 @@ def ago(seconds: float) -> Any:
 
 
 class FencingClock(Func):
-    """The database clock in microseconds since the epoch (each vendor's `FENCING_CLOCK`)."""
+    """The database clock in microseconds since the epoch (`Dialect.fencing_clock`)."""
 
     output_field = models.BigIntegerField()
 
@@ -151,18 +132,7 @@ class FencingClock(Func):
         arg_joiner: str | None = None,
         **extra_context: Any,
     ) -> tuple[str, tuple[Any, ...]]:
-        clock = CLOCKS.get(connection.vendor)
-        if clock is None:
-            raise NotSupportedError(f"django-leases has no fencing clock for {connection.vendor}")
-        return clock, ()
-
-
-CLOCKS = {
-    "postgresql": postgresql.FENCING_CLOCK,
-    "sqlite": sqlite.FENCING_CLOCK,
-    "mysql": mysql.FENCING_CLOCK,
-}
-"""Each database's clock in microseconds, from its module of `sql/`."""
+        return dialect_of(connection).fencing_clock, ()
 
 
 def next_token() -> Any:
@@ -187,23 +157,18 @@ def retry_deadlocks(method: F_) -> F_:
     def wrapper(self: models.QuerySet[Any], *args: Any, **kwargs: Any) -> Any:
         connection = connections[self.db]
         nested = connection.in_atomic_block
+        deadlocked = dialect_of(connection).deadlocked
         attempt = 1
         while True:
             try:
                 return method(self, *args, **kwargs)
             except OperationalError as exc:
-                if nested or attempt >= DEADLOCK_RETRIES or not deadlocked(exc, connection.vendor):
+                if nested or attempt >= DEADLOCK_RETRIES or not deadlocked(exc):
                     raise
             time.sleep(random.uniform(0.005, 0.05) * attempt)  # noqa: S311 - jitter
             attempt += 1
 
     return wrapper  # type: ignore[return-value]
-
-
-ClaimPath = Literal["postgresql+ledger", "postgresql", "sqlite", "orm"]
-"""How a claim runs: PostgreSQL's one statement (with the ledger's CTEs, or the ledger written
-after it), SQLite's UPDATE ... RETURNING passes, or the ORM's SELECT ... FOR UPDATE SKIP LOCKED
-then conditional UPDATE (MariaDB/MySQL, and the specification the others are tested against)."""
 
 
 def check_owner(owner: str) -> None:

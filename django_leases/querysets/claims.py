@@ -20,10 +20,10 @@ from django.db.models.functions import Now
 
 from django_leases import sql
 from django_leases.conf import to_seconds
+from django_leases.dialects import ClaimPath, dialect_of, in_passes
 from django_leases.handlers import throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind
 from django_leases.querysets.base import (
-    ClaimPath,
     LeaseKey,
     after,
     check_owner,
@@ -35,9 +35,8 @@ from django_leases.querysets.ledger import J
 from django_leases.querysets.prepared import prepared_claim_raw
 from django_leases.querysets.reads import takeover_guard
 from django_leases.querysets.throttles import Throttling
-from django_leases.sql import postgresql, sqlite
 from django_leases.sql.postgresql import LedgerNames
-from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
+from django_leases.status import PROCESSING
 from django_leases.throttles import Throttle
 
 
@@ -142,14 +141,9 @@ class Claims(Throttling[J]):
         limit: int,
         kinds: list[str] | None,
     ) -> tuple[set[LeaseKey], list[J]]:
-        rows = self._claim_postgresql(
-            owner,
-            seconds,
-            limit,
-            kinds,
-            ledger=self._ledger_names(),
-            completing=([pk for pk, _ in keys], [token for _, token in keys], COMPLETED),
-        )
+        completing = ([pk for pk, _ in keys], [token for _, token in keys])
+        request = self._request(owner, seconds, limit, kinds, completing)
+        rows = self._raw_claim(request, self._ledger_names())
         first: Any = rows[0]
         won = set(zip(first.completed_ids, first.completed_tokens, strict=True))
         return won, self._in_claim_order([job for job in rows if job.pk is not None])
@@ -173,13 +167,10 @@ class Claims(Throttling[J]):
         return seconds, [check_kind(kind, "kinds") for kind in kinds]
 
     def _claim_path(self) -> ClaimPath:
-        """Pick the claim's path: the ONE vendor switch. Every path claims the same jobs in the
-        same order with the same ledger rows (tests/test_claim_paths.py holds them to the ORM
-        path, which is the readable specification)."""
-        vendor = connections[self.db].vendor
-        if vendor == "postgresql":
-            return "postgresql+ledger" if self._ledger_names() is not None else "postgresql"
-        return "sqlite" if vendor == "sqlite" else "orm"
+        """Pick the claim's path (`Dialect.claim_path()`). Every path claims the same jobs in
+        the same order with the same ledger rows (tests/test_claim_paths.py holds them to the
+        ORM path, which is the readable specification)."""
+        return dialect_of(connections[self.db]).claim_path(self._ledger_names())
 
     @retry_deadlocks
     def _claim(
@@ -192,81 +183,48 @@ class Claims(Throttling[J]):
         *,
         atomic: bool = True,
     ) -> list[J]:
-        """Claim, with the ledger's rows, in a transaction of its own or (not `atomic`) in the
-        caller's."""
-        ledger = self._ledger_names() if path == "postgresql+ledger" else None
-        if ledger is not None:
+        """Claim by `path`, with the ledger's rows, in a transaction of its own or (not
+        `atomic`) in the caller's."""
+        request = self._request(owner, seconds, limit, kinds)
+        if path == "postgresql+ledger":
             # One statement claims and writes the ledger: atomic without a transaction block.
-            jobs = self._claim_postgresql(owner, seconds, limit, kinds, ledger=ledger)
+            jobs = self._raw_claim(request, self._ledger_names())
         else:
             with transaction.atomic(using=self.db) if atomic else nullcontext():
-                if path.startswith("postgresql"):
-                    jobs = self._claim_postgresql(owner, seconds, limit, kinds)
+                if path == "orm":
+                    jobs = self._claim_orm(request, kinds)
                 else:
-                    jobs = self._claim_passes(owner, seconds, limit, kinds, sqlite=path == "sqlite")
+                    jobs = self._raw_claim(request, None)
                 self._open_attempts(jobs, owner)
         return self._in_claim_order(jobs)
 
-    def _claim_postgresql(
-        self,
+    @staticmethod
+    def _request(
         owner: str,
         seconds: float,
         limit: int,
         kinds: Wanted,
-        *,
-        ledger: LedgerNames | None = None,
-        completing: tuple[list[int], list[int], str] | None = None,
-    ) -> list[J]:
-        statement = postgresql.claim(
-            self._table(),
-            owner=owner,
-            seconds=seconds,
-            limit=limit,
-            kinds=kinds_filter(kinds),
-            guard=takeover_guard()[1],
-            ledger=ledger,
-            pending=PENDING,
-            processing=PROCESSING,
-            running=AttemptOutcome.RUNNING,
-            lease_lost=AttemptOutcome.LEASE_LOST,
-            completing=completing,
-        )
-        return prepared_claim_raw(self, statement)
+        completing: tuple[list[int], list[int]] | None = None,
+    ) -> sql.Claim:
+        guard = takeover_guard()[1]
+        return sql.Claim(owner, seconds, limit, kinds_filter(kinds), guard, completing)
 
-    def _claim_passes(
-        self, owner: str, seconds: float, limit: int, kinds: Wanted, *, sqlite: bool
-    ) -> list[J]:
-        # Two passes, expired leases first (rare; the pass is one cheap index probe), then due
-        # jobs. Each pass's UPDATE restates the full claimable predicate.
-        jobs: list[J] = []
-        for takeover in (True, False):
-            remaining = limit - len(jobs)
-            if remaining <= 0:
-                break
-            if sqlite:
-                batch = self._claim_pass_sqlite(owner, seconds, remaining, kinds, takeover)
-            else:
-                batch = self._claim_pass_locking(owner, seconds, remaining, kinds, takeover)
-            for job in batch:
-                job.taken_over = takeover  # type: ignore[attr-defined]
-            jobs.extend(batch)
-        return jobs
+    def _raw_claim(self, request: sql.Claim, ledger: LedgerNames | None) -> list[J]:
+        """Claim with the database's own statements (`Dialect.claim()`), with the ledger's rows
+        if `ledger`, each statement run as a prepared statement where it can be."""
+        dialect = dialect_of(connections[self.db])
+        run = partial(prepared_claim_raw, self)
+        return dialect.claim(run, self._table(), request, ledger)
 
-    def _claim_pass_sqlite(
-        self, owner: str, seconds: float, limit: int, kinds: Wanted, takeover: bool
-    ) -> list[J]:
-        statement = sqlite.claim_pass(
-            self._table(),
-            owner=owner,
-            seconds=seconds,
-            limit=limit,
-            takeover=takeover,
-            kinds=kinds_filter(kinds),
-            guard=takeover_guard()[1] if takeover else ("", {}),
-            pending=PENDING,
-            processing=PROCESSING,
+    def _claim_orm(self, request: sql.Claim, kinds: Wanted) -> list[J]:
+        """The ORM's claim: the specification, and MariaDB/MySQL's path."""
+        owner, seconds = request.owner, request.seconds
+        return in_passes(
+            request.limit,
+            lambda limit, takeover: self._claim_pass_locking(
+                owner, seconds, limit, kinds, takeover
+            ),
         )
-        return list(self.raw(*statement))
 
     def _claim_pass_locking(
         self, owner: str, seconds: float, limit: int, kinds: Wanted, takeover: bool

@@ -14,6 +14,7 @@ from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.db import IntegrityError, connections, models, router, transaction
 
 from django_leases.conf import leases_settings, to_seconds
+from django_leases.dialects import dialect_of
 from django_leases.exceptions import InvalidArgument, LeaseError
 from django_leases.limits import (
     IDEMPOTENCY_KEY_LENGTH,
@@ -33,7 +34,6 @@ from django_leases.querysets.base import after, retry_deadlocks
 from django_leases.querysets.ledger import J
 from django_leases.querysets.locks import ENQUEUE_ROUNDS
 from django_leases.querysets.operators import OperatorActions
-from django_leases.sql import postgresql as statements
 from django_leases.status import PENDING, WAITING
 
 
@@ -344,7 +344,7 @@ class Enqueueing(OperatorActions[J]):
         """Announce a new job of `kind` to the listening workers: once per kind and
         transaction, when it commits (at once outside a transaction)."""
         connection = connections[self.db]
-        if connection.vendor != "postgresql" or not leases_settings.USE_NOTIFY:
+        if not dialect_of(connection).notifies or not leases_settings.USE_NOTIFY:
             return
         channel = notify_channel(self.model)
         if not connection.in_atomic_block:
@@ -365,8 +365,9 @@ class Enqueueing(OperatorActions[J]):
 
 def _send_notify(alias: str, channel: str, kind: str) -> None:
     # After the commit, in autocommit: listeners can see the job when they hear of it.
-    with connections[alias].cursor() as cursor:
-        cursor.execute(*statements.notify(channel, kind))
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        cursor.execute(*dialect_of(connection).notify(channel, kind))
 
 
 def _key(job: models.Model) -> str | None:

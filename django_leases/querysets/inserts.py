@@ -12,8 +12,8 @@ from django.db import connections
 from django.db.models import Field, Model
 from django.db.models.expressions import DatabaseDefault
 
+from django_leases.dialects import dialect_of
 from django_leases.querysets.ledger import J
-from django_leases.sql import mysql, postgresql, sqlite
 from django_leases.sql.insert import InsertDialect, insert_jobs
 
 MAX_PARAMETERS = 65535
@@ -47,7 +47,6 @@ def _plan(
     `delayed`) to the database, RETURNING the id and database defaults (and the key if
     `by_key`)."""
     connection = connections[alias]
-    vendor: Any = {"postgresql": postgresql, "mysql": mysql}.get(connection.vendor, sqlite)
     quote: Any = connection.ops.quote_name  # django-stubs: `(str | None) -> str`
     meta = model._meta
     by_name = {field.name: field for field in meta.concrete_fields}
@@ -80,7 +79,7 @@ def _plan(
         quoted=[quote(field.column) for field in columns],
         quoted_returning=[quote(field.column) for field in returning],
         run_at=quote(by_name["run_at"].column),
-        dialect=vendor.INSERT,
+        dialect=dialect_of(connection).insert,
         batch=max(1, (limit - 1) // max(1, len(columns))),
     )
 

@@ -17,6 +17,7 @@ from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Now
 
 from django_leases.conf import to_seconds
+from django_leases.dialects import dialect_of
 from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
 from django_leases.limits import (
     CHECKPOINT_LENGTH,
@@ -34,7 +35,6 @@ from django_leases.querysets.base import (
 from django_leases.querysets.claims import Claims
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
 from django_leases.querysets.reads import takeover_guard
-from django_leases.sql import postgresql
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import (
     COMPLETED,
@@ -110,12 +110,8 @@ class LeaseQuerySet(Claims[J]):
 
         Raises `LeaseLost` if `owner` no longer holds the job.
         """
-        ledger = self._ledger_names() if connections[self.db].vendor == "postgresql" else None
-        if (
-            ledger is not None
-            and result is None
-            and self._complete_postgresql(pk, owner, token, ledger)
-        ):
+        ledger = self._ledger_names()
+        if result is None and ledger and self._complete_at_once(pk, owner, token, ledger):
             return
         values: dict[str, Any] = {
             "status": COMPLETED,
@@ -128,22 +124,15 @@ class LeaseQuerySet(Claims[J]):
         self._holder_write(pk, owner, token, AttemptOutcome.COMPLETED, None, **values)
 
     @retry_deadlocks
-    def _complete_postgresql(self, pk: int, owner: str, token: int, ledger: LedgerNames) -> bool:
-        """Complete a job without a lock in one statement; False leaves the job (lost, or of a
-        lock, which is passed on in a transaction) to the general path."""
-        statement = postgresql.complete(
-            self._table(),
-            ledger,
-            pk=pk,
-            owner=owner,
-            token=token,
-            processing=PROCESSING,
-            completed=COMPLETED,
-        )
+    def _complete_at_once(self, pk: int, owner: str, token: int, ledger: LedgerNames) -> bool:
+        """Complete a job without a lock in one statement where the database has one
+        (`Dialect.complete()`); False leaves the job (lost, or of a lock, which is passed on in
+        a transaction) to the general path."""
+        dialect = dialect_of(connections[self.db])
+        if not dialect.completes_at_once:
+            return False
         with bound_cursor(self.db) as cursor:
-            cursor.execute(*statement)
-            (won,) = cursor.fetchone()
-        return bool(won)
+            return dialect.complete(cursor, self._table(), ledger, owner, (pk, token))
 
     @retry_deadlocks
     def fail(

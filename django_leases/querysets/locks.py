@@ -16,10 +16,10 @@ from typing import Any
 from django.db import IntegrityError, connections, transaction
 from django.db.models import F
 
+from django_leases.dialects import dialect_of
 from django_leases.exceptions import LeaseError
 from django_leases.querysets.ledger import J
 from django_leases.querysets.prune import Pruning
-from django_leases.sql import mysql, postgresql, sqlite
 from django_leases.status import PENDING, WAITING
 
 ENQUEUE_ROUNDS = 10
@@ -70,10 +70,9 @@ class LockOrder(Pruning[J]):
 
     def _holder_share_locked(self, lock: str) -> bool:
         connection = connections[self.db]
-        vendor = {"postgresql": postgresql, "mysql": mysql}.get(connection.vendor, sqlite)
         table = connection.ops.quote_name(self.model._meta.db_table)
         with connection.cursor() as cursor:
-            cursor.execute(*vendor.share_lock_holder(table, lock=lock))
+            cursor.execute(*dialect_of(connection).share_lock_holder(table, lock))
             return cursor.fetchone() is not None
 
     def _pass_lock(self, pk: int, *, contested: bool = False) -> None:

@@ -2,7 +2,7 @@
 
 Planning the claim costs PostgreSQL more than running it (about 0.3-0.6 ms against 0.5 ms for a
 completion and a claim of 10 jobs), once per statement as Django sends it. A prepared statement
-is planned once and its generic plan kept (`sql.postgresql.prepared_claim()` writes in what the
+is planned once and its generic plan kept (`sql.prepared.prepared_claim()` writes in what the
 plan needs to know). Its name is a digest of its text, so behind a pooler that hands one server
 session to several clients a statement found under it is this very statement; a session that
 lacks it is given it again. Where the sessions keep losing it (transaction pooling), the claim
@@ -28,8 +28,10 @@ from weakref import WeakKeyDictionary
 from django.db import DatabaseError, connections, models
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_leases.dialects import dialect_of
 from django_leases.querysets.base import bound_raw, literal_raw
-from django_leases.sql import Params, postgresql, sqlstate
+from django_leases.sql import Params, sqlstate
+from django_leases.sql import prepared as statements
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -80,17 +82,17 @@ def prepared_claim_raw(queryset: models.QuerySet[M], statement: tuple[str, Param
     session = _session(connection)
     if session is None:
         return bound_raw(queryset, statement)
-    prepared, params = postgresql.prepared_claim(statement)
+    prepared, params = statements.prepared_claim(statement)
     for _attempt in range(2):
         _prepare(connection, session, prepared)
         try:
             return literal_raw(queryset, (prepared.execute, params))
         except DatabaseError as exc:
             state = sqlstate(exc)
-            if state == postgresql.PREPARED_STALE:
+            if state == statements.PREPARED_STALE:
                 session.statements[prepared.name].left = 0  # deallocate, prepare again
                 continue
-            if state != postgresql.PREPARED_GONE:
+            if state != statements.PREPARED_GONE:
                 raise
         session.statements.pop(prepared.name, None)
         session.misses += 1
@@ -106,7 +108,7 @@ def prepared_claim_raw(queryset: models.QuerySet[M], statement: tuple[str, Param
 
 def _session(connection: BaseDatabaseWrapper) -> _Session | None:
     """Return what this connection prepared; None where the claim is sent whole."""
-    if connection.vendor != "postgresql" or connection.in_atomic_block:
+    if not dialect_of(connection).prepares or connection.in_atomic_block:
         return None
     connection.ensure_connection()
     try:
@@ -117,7 +119,7 @@ def _session(connection: BaseDatabaseWrapper) -> _Session | None:
 
 
 def _prepare(
-    connection: BaseDatabaseWrapper, session: _Session, prepared: postgresql.Prepared
+    connection: BaseDatabaseWrapper, session: _Session, prepared: statements.Prepared
 ) -> None:
     """Prepare `prepared` in the session unless it is there and still fresh."""
     now = time.monotonic()
@@ -130,13 +132,13 @@ def _prepare(
             try:
                 cursor.execute(prepared.deallocate)
             except DatabaseError as exc:
-                if sqlstate(exc) != postgresql.PREPARED_GONE:
+                if sqlstate(exc) != statements.PREPARED_GONE:
                     raise
         try:
             cursor.execute(prepared.prepare)
         except DatabaseError as exc:
             # Prepared in this server session by another client of a pooler: the same text.
-            if sqlstate(exc) != postgresql.PREPARED_TAKEN:
+            if sqlstate(exc) != statements.PREPARED_TAKEN:
                 raise
     runs = FIRST_REPLAN if known is None else min(known.runs * 2, REPLAN_EVERY)
     session.statements[prepared.name] = _Statement(runs - 1, now + REPLAN_AFTER, runs)

@@ -24,6 +24,7 @@ from django.db.models.functions import Now
 
 from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
+from django_leases.dialects import dialect_of
 from django_leases.querysets.base import after, ago
 from django_leases.status import (
     CANCELLED,
@@ -176,26 +177,8 @@ class LeaseReads(models.QuerySet[J]):
         """
         connection = connections[self.db]
         table = connection.ops.quote_name(self.model._meta.db_table)
-        # The one vendor switch of the estimates. SQLite keeps no statistics by default: its
-        # callers fall back to a capped count.
-        if connection.vendor == "postgresql":
-            statement, params = sql.postgresql.row_estimate(table, status=status)
-            with connection.cursor() as cursor:
-                cursor.execute(statement, params)
-                return sql.postgresql.planned_rows(cursor.fetchone()[0])
-        if connection.vendor == "mysql":
-            with connection.cursor() as cursor:
-
-                def planned(**where: Any) -> int:
-                    cursor.execute(*sql.mysql.row_estimate(table, **where))
-                    columns = [column[0] for column in cursor.description]
-                    return sql.mysql.planned_rows(columns, cursor.fetchone())
-
-                if status is None:
-                    return planned()
-                equal, other_than = planned(status=status), planned(status=status, other_than=True)
-                return sql.mysql.status_estimate(equal, other_than, planned())
-        return None
+        # SQLite keeps no statistics by default: its callers fall back to a capped count.
+        return dialect_of(connection).estimated_count(connection, table, status)
 
     def _ledger(self) -> type[AbstractJobAttempt] | None:
         label = self.model.attempt_model

@@ -2,24 +2,47 @@
 
 Each builder takes quoted names (tables, columns) and plain values and returns `(sql, params)`
 with named parameters (`%(owner)s`). This package imports nothing from the app, so a statement
-can be read, and tested, without models: the querysets decide what to run and with what.
+can be read, and tested, without models: the querysets decide what to run and with what. The
+status words are written in from `status.py` (`literal()`), the one module of the app imported.
 """
 
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
-
-from django_leases.sql import mysql, postgresql
 
 Params = dict[str, Any]
 
+MIGRATE = "migrate"
+"""What a database's error says when its tables (or columns) are missing: run migrate."""
 
-def deadlocked(exc: BaseException, vendor: str) -> bool:
-    """Whether the database rolled the transaction back to break a deadlock or lock wait."""
-    if vendor == "mysql":
-        return bool(exc.args) and exc.args[0] in mysql.DEADLOCK_ERRORS
-    if vendor == "postgresql":
-        return sqlstate(exc) in postgresql.DEADLOCK_SQLSTATES
-    return False
+
+@dataclass(frozen=True)
+class Claim:
+    """What one claim asks for: up to `limit` jobs of `kinds` for `owner`, leased for
+    `seconds`; `kinds` and `guard` are the fragments `kinds_filter()` and `takeover_guard()`
+    return. `completing`: the (pks, tokens) of jobs to complete first, in the same statement
+    (PostgreSQL's `complete_and_claim()`)."""
+
+    owner: str
+    seconds: float
+    limit: int
+    kinds: tuple[str, Params]
+    guard: tuple[str, Params]
+    completing: tuple[list[int], list[int]] | None = None
+
+
+def literal(word: str) -> str:
+    """Return a status word of `status.py` as an SQL string literal.
+
+    The lease layer's statements carry their status words as literals, never as parameters: a
+    prepared statement is planned once for any parameters (a generic plan), and a status given
+    as a parameter cannot prove the partial indexes' predicates (`status = 'pending'`). The
+    words are our own, checked here all the same.
+    """
+    if not re.fullmatch(r"[a-z_]+", word):
+        raise ValueError(f"not a status word: {word!r}")
+    return f"'{word}'"
 
 
 def sqlstate(exc: BaseException) -> str | None:

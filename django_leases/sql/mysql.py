@@ -4,6 +4,7 @@ on the table being updated, so their claim is not written by hand."""
 
 from typing import Any
 
+from django_leases.sql import MIGRATE
 from django_leases.sql.insert import InsertDialect
 
 Params = dict[str, Any]
@@ -74,3 +75,28 @@ def status_estimate(equal: int, other_than: int, table_rows: int) -> int:
     if equal >= table_rows // 2:
         return max(equal, table_rows - other_than)
     return equal
+
+
+# MariaDB/MySQL's error numbers: 1045/1698 access denied (password), 1044 no access to the
+# database, 1049 unknown database, 1146/1054 unknown table/column, 1142/1143 no privilege on a
+# table/column, 1193/1231/1232/1298 an unknown variable or time zone, or a wrong value (an
+# init_command), 1115/1273 an unknown character set or collation, 1251/2059 an authentication
+# plugin the client lacks.
+MISCONFIGURED_ERRORS = {
+    1045: "PASSWORD",
+    1698: "PASSWORD",
+    1044: "USER",
+    1049: "NAME",
+    1146: MIGRATE,
+    1054: MIGRATE,
+    1142: "USER",
+    1143: "USER",
+    1193: "OPTIONS",
+    1231: "OPTIONS",
+    1232: "OPTIONS",
+    1115: "OPTIONS",
+    1273: "OPTIONS",
+    1298: "OPTIONS",
+    1251: "OPTIONS",
+    2059: "OPTIONS",
+}

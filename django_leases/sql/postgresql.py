@@ -1,16 +1,16 @@
 """PostgreSQL statements: the one-statement claim and completion (of one job or a batch), the
 enqueue's share lock on a lock holder, and NOTIFY. Tested on 15."""
 
-import hashlib
 import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from django_leases.sql import MIGRATE, Claim, literal
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.merge import merge_keys
+from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
 Params = dict[str, Any]
 
@@ -44,33 +44,12 @@ LEDGER_INSERT = ("job", "job_ref", "attempt", "token", "owner", "claimed_at", "l
 """The ledger columns an opening row sets; every other column keeps its default."""
 
 
-STATUS_PARAMETERS = ("pending", "processing", "completed", "running", "lease_lost")
-"""The parameters that carry status words: `constants()` writes them into the text."""
-
-
-def constants(statement: tuple[str, Params]) -> tuple[str, Params]:
-    """Write the status words of `statement` into its text as literals.
-
-    A prepared statement is planned once for any parameters (a generic plan), and a status
-    given as a parameter cannot prove the partial indexes' predicates (`status = 'pending'`): the
-    plan would read the whole table. The words are our own (`status.py`), checked here.
-    """
-    sql, params = statement
-    params = dict(params)
-    for name in STATUS_PARAMETERS:
-        if name in params:
-            word = params.pop(name)
-            if not re.fullmatch(r"[a-z_]+", word):
-                raise ValueError(f"not a status word: {word!r}")
-            sql = sql.replace(f"%({name})s", f"'{word}'")
-    return sql, params
-
-
-DUE = "status = %(pending)s AND run_at <= STATEMENT_TIMESTAMP() AND attempts < max_attempts"
+DUE = f"status = {literal(PENDING)} AND run_at <= STATEMENT_TIMESTAMP() AND attempts < max_attempts"
 """The claim's predicate of a due job."""
 
 EXPIRED = (
-    "status = %(processing)s AND lease_until < STATEMENT_TIMESTAMP() AND attempts < max_attempts"
+    f"status = {literal(PROCESSING)} AND lease_until < STATEMENT_TIMESTAMP()"
+    " AND attempts < max_attempts"
 )
 """The claim's predicate of an expired lease it may take over (before the takeover guard)."""
 
@@ -79,21 +58,7 @@ CANDIDATE_SLACK = 32
 concurrent claims hold locked and this one skips."""
 
 
-def claim(
-    table: str,
-    *,
-    owner: str,
-    seconds: float,
-    limit: int,
-    kinds: tuple[str, Params],
-    guard: tuple[str, Params],
-    ledger: LedgerNames | None,
-    pending: str,
-    processing: str,
-    running: str,
-    lease_lost: str,
-    completing: tuple[list[int], list[int], str] | None = None,
-) -> tuple[str, Params]:
+def claim(table: str, claim: Claim, *, ledger: LedgerNames | None) -> tuple[str, Params]:
     """Return the statement that claims up to `limit` jobs for `owner`, with their ledger rows.
 
     One statement decides ownership. Each candidate set is a MATERIALIZED CTE with FOR UPDATE
@@ -112,34 +77,28 @@ def claim(
     rows the INSERT adds. Without it the caller writes the ledger in the same transaction.
     The rows come back with a `taken_over` column, in no particular order.
 
-    With `completing` (pks, tokens, the completed status) and `ledger`, the statement first
+    With `claim.completing` (pks, tokens) and `ledger`, the statement first
     completes those jobs as `complete_many()` does, so that a holder's finished job and its next
     claim share one commit; a job it completes is never taken over by it (the others may be, as
     after `complete_many()` then `claim()`). It then returns the claimed rows, or one row of
     NULLs if none, each with `completed_ids` and `completed_tokens`: the (pk, token) pairs
     whose completion won, side by side.
     """
-    kind_sql, kind_params = kinds
-    guard_sql, guard_params = guard
-    completed = completing[2] if completing is not None and ledger is not None else None
-    text = _claim_text(
-        table,
-        kind_sql,
-        tuple(kind_params),
-        guard_sql,
-        ledger,
-        (pending, processing, running, lease_lost, completed),
-    )
+    kind_sql, kind_params = claim.kinds
+    guard_sql, guard_params = claim.guard
+    completing = claim.completing
+    completes = completing is not None and ledger is not None
+    text = _claim_text(table, kind_sql, tuple(kind_params), guard_sql, ledger, completes)
     params = {
         **kind_params,
         **guard_params,
-        "owner": owner,
-        "seconds": seconds,
-        "limit": limit,
-        "window": limit,
-        "candidates": limit + CANDIDATE_SLACK,
+        "owner": claim.owner,
+        "seconds": claim.seconds,
+        "limit": claim.limit,
+        "window": claim.limit,
+        "candidates": claim.limit + CANDIDATE_SLACK,
     }
-    if completing is not None and completed is not None:
+    if completing is not None and completes:
         params.update(pks=completing[0], tokens=completing[1])
     return text, params
 
@@ -151,19 +110,15 @@ def _claim_text(
     kind_names: tuple[str, ...],
     guard_sql: str,
     ledger: LedgerNames | None,
-    words: tuple[str, str, str, str, str | None],
+    completes: bool,
 ) -> str:
-    """Return the text of `claim()`, status words written in: the same for every call of a
-    worker, so it is built once (rebuilding it per claim was several per cent of a busy
-    worker's Python time).
-
-    `words`: the pending, processing, running, lease-lost and (when completing) completed words.
-    """
-    pending, processing, running, lease_lost, completed = words
+    """Return the text of `claim()` (`completes`: with the completions first): the same for
+    every call of a worker, so it is built once (rebuilding it per claim was several per cent of
+    a busy worker's Python time)."""
     kinds: tuple[str, Params] = (kind_sql, dict.fromkeys(kind_names))
     update = f"""
         UPDATE {table} AS job
-        SET status = %(processing)s,
+        SET status = {literal(PROCESSING)},
             lease_owner = %(owner)s,
             lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %(seconds)s),
             heartbeat_at = STATEMENT_TIMESTAMP(),
@@ -173,6 +128,21 @@ def _claim_text(
         WHERE job.id = picked.id
         RETURNING job.*, picked.taken_over
     """  # noqa: S608 - names quoted by the caller, values are parameters
+    takeover = f"{EXPIRED} {guard_sql}"
+    before, result = "", "SELECT * FROM claimed"
+    if completes and ledger is not None:
+        before = f"{_done(table)}, closed AS ({_close_done(ledger)}),"
+        # A row cannot be updated twice by one statement (which update wins is undefined):
+        # the rows this statement completes are not taken over by it, the others may be, as
+        # after `complete_many()` then `claim()`.
+        takeover += " AND id NOT IN (SELECT id FROM done)"
+        # One row of NULLs when nothing is claimed: the completions still come back.
+        result = (
+            "SELECT claimed.*, finished.completed_ids, finished.completed_tokens FROM "
+            "(SELECT coalesce(array_agg(id), '{}') AS completed_ids, "
+            "coalesce(array_agg(lease_token), '{}') AS completed_tokens FROM done) AS finished "
+            "LEFT JOIN claimed ON TRUE"
+        )
     if ledger is None:
         main = update
     else:
@@ -181,7 +151,7 @@ def _claim_text(
         , claimed AS ({update}
         ), lost AS (
             UPDATE {ledger.table} AS a
-            SET {ledger.outcome} = %(lease_lost)s,
+            SET {ledger.outcome} = {literal(AttemptOutcome.LEASE_LOST)},
                 {ledger.ended_at} = STATEMENT_TIMESTAMP(),
                 {ledger.ended_by} = %(owner)s
             FROM claimed
@@ -191,27 +161,11 @@ def _claim_text(
             INSERT INTO {ledger.table} ({columns})
             SELECT claimed.id, claimed.id, claimed.attempts, claimed.lease_token, %(owner)s,
                    STATEMENT_TIMESTAMP(), claimed.heartbeat_at, claimed.lease_until,
-                   claimed.checkpoint, %(running)s, '', '', '', '', ''
+                   claimed.checkpoint, {literal(AttemptOutcome.RUNNING)}, '', '', '', '', ''
             FROM claimed
         )
-        SELECT * FROM claimed
+        {result}
         """  # noqa: S608 - names quoted by the caller, values are parameters
-    takeover = f"{EXPIRED} {guard_sql}"
-    before, completing_params = "", {}
-    if completed is not None and ledger is not None:
-        before = f"{_done(table)}, closed AS ({_close_done(ledger)}),"
-        # A row cannot be updated twice by one statement (which update wins is undefined):
-        # the rows this statement completes are not taken over by it, the others may be, as
-        # after `complete_many()` then `claim()`.
-        takeover += " AND id NOT IN (SELECT id FROM done)"
-        main = main.replace(
-            "SELECT * FROM claimed",
-            "SELECT claimed.*, finished.completed_ids, finished.completed_tokens FROM "
-            "(SELECT coalesce(array_agg(id), '{}') AS completed_ids, "
-            "coalesce(array_agg(lease_token), '{}') AS completed_tokens FROM done) AS finished "
-            "LEFT JOIN claimed ON TRUE",
-        )
-        completing_params = {"completed": completed}
     expired = _locked(table, takeover, ["lease_until"], kinds)
     due = _locked(table, DUE, ["priority DESC", "run_at", "id"], kinds)
     sql = f"""
@@ -224,116 +178,7 @@ def _claim_text(
             LIMIT %(limit)s
         ){main}
     """  # noqa: S608 - names quoted by the caller, values are parameters
-    words_used = {
-        "pending": pending,
-        "processing": processing,
-        "running": running,
-        "lease_lost": lease_lost,
-        **completing_params,
-    }
-    return constants((sql, words_used))[0]
-
-
-def prepared_claim(statement: tuple[str, Params]) -> tuple["Prepared", Params]:
-    """Return a `claim()` statement as a prepared statement (`prepared()`), its read window
-    written in, rounded up to a power of two: PostgreSQL then plans it once per window (at most
-    15 of them) and keeps that generic plan, where a LIMIT given as a parameter would have it
-    plan every execution anew (its generic plan's estimate assumes 10% of the rows)."""
-    window = 1 << (statement[1]["limit"] - 1).bit_length()
-    return prepared(
-        statement, written_in={"window": window, "candidates": window + CANDIDATE_SLACK}
-    )
-
-
-PREPARED_PREFIX = "django_leases_"
-"""The names of `prepared()` statements begin with it; the rest is a digest of the text."""
-
-_TYPES: tuple[tuple[type, str], ...] = (
-    (bool, "boolean"),  # before int: a bool is an int
-    (int, "bigint"),
-    (float, "double precision"),
-    (str, "text"),
-)
-"""Parameter types a PREPARE declares, by the value's class or a subclass of it (a `StrEnum`
-kind, an `IntEnum` pk)."""
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A statement as a named prepared statement of the database session (`prepared()`)."""
-
-    name: str
-    prepare: str
-    """The PREPARE: the statement's text, its parameters numbered and typed."""
-    execute: str
-    """The EXECUTE, its values as named parameters that the client writes in as literals:
-    PostgreSQL takes no bind parameters in an EXECUTE."""
-
-    @property
-    def deallocate(self) -> str:
-        return f"DEALLOCATE {self.name}"
-
-
-def prepared(
-    statement: tuple[str, Params], *, written_in: Mapping[str, int]
-) -> tuple[Prepared, Params]:
-    """Return `statement` as a named prepared statement, and the parameters of its EXECUTE.
-
-    The name is a digest of the PREPARE's text, so a statement found under that name in a
-    session is this very statement, whichever client prepared it: no name can meet another
-    statement's, even where a pooler hands one server session to several clients (psycopg's
-    own names, `_pg3_0` and on, are numbered per client connection).
-
-    `written_in`: integer parameters written into the text (the planner then knows them).
-    """
-    sql, params = statement
-    for name, value in written_in.items():
-        if type(value) is not int:
-            raise TypeError(f"only integers are written in, got {name}={value!r}")
-    values = {name: value for name, value in params.items() if name not in written_in}
-    types = tuple((name, _type(name, value)) for name, value in values.items())
-    return _prepared(sql, tuple(sorted(written_in.items())), types), values
-
-
-def _type(name: str, value: Any) -> str:
-    """Return the PostgreSQL type a PREPARE declares for the parameter `name` of `value`."""
-    if isinstance(value, list) and all(_type(name, item) == "bigint" for item in value):
-        return "bigint[]"
-    for python_type, sql_type in _TYPES:
-        if isinstance(value, python_type):
-            return sql_type
-    raise TypeError(f"no type to prepare parameter {name} of {value!r} with")
-
-
-@lru_cache(maxsize=256)
-def _prepared(
-    sql: str, written_in: tuple[tuple[str, int], ...], types: tuple[tuple[str, str], ...]
-) -> Prepared:
-    """Build `prepared()`'s statement once per text, written-in values and parameter types."""
-    for name, value in written_in:
-        sql = sql.replace(f"%({name})s", str(value))
-    numbers = {name: n for n, (name, _) in enumerate(types, start=1)}
-    body = re.sub(r"%\((\w+)\)s", lambda match: f"${numbers[match.group(1)]}", sql)
-    body = body.replace("%%", "%")
-    declared = ", ".join(sql_type for _, sql_type in types)
-    digest = hashlib.blake2b(f"({declared}) {body}".encode(), digest_size=12).hexdigest()
-    name = PREPARED_PREFIX + digest
-    if not types:
-        return Prepared(name, f"PREPARE {name} AS {body}", f"EXECUTE {name}")
-    arguments = ", ".join(f"%({param})s" for param, _ in types)
-    return Prepared(name, f"PREPARE {name} ({declared}) AS {body}", f"EXECUTE {name} ({arguments})")
-
-
-PREPARED_GONE = "26000"
-"""invalid_sql_statement_name: no prepared statement of that name in the session (a new server
-session, a pooler's, or one reset with DISCARD ALL)."""
-
-PREPARED_TAKEN = "42P05"
-"""duplicate_prepared_statement: the session has one of that name already."""
-
-PREPARED_STALE = "0A000"
-"""feature_not_supported, as "cached plan must not change result type": the table's columns
-changed since the PREPARE (a migration while the worker runs)."""
+    return sql
 
 
 def _done(table: str) -> str:
@@ -344,10 +189,12 @@ def _done(table: str) -> str:
             SELECT * FROM unnest(%(pks)s::bigint[], %(tokens)s::bigint[]) AS acked (id, token)
         ), done AS (
             UPDATE {table} AS job
-            SET status = %(completed)s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
+            SET status = {literal(COMPLETED)}, completed_at = STATEMENT_TIMESTAMP(),
+                last_error = ''
             FROM acked
             WHERE job.id = acked.id AND job.lease_token = acked.token
-              AND job.status = %(processing)s AND job.lease_owner = %(owner)s AND job."lock" = ''
+              AND job.status = {literal(PROCESSING)} AND job.lease_owner = %(owner)s
+              AND job."lock" = ''
             RETURNING job.id, job.lease_token, job.checkpoint
         )"""  # noqa: S608 - names quoted by the caller, values are parameters
 
@@ -357,7 +204,7 @@ def _close_done(ledger: LedgerNames) -> str:
     job the `done` CTE (id, lease_token, checkpoint) completed."""
     return f"""
             UPDATE {ledger.table} AS a
-            SET {ledger.outcome} = %(completed)s,
+            SET {ledger.outcome} = {literal(AttemptOutcome.COMPLETED)},
                 {ledger.ended_at} = STATEMENT_TIMESTAMP(),
                 {ledger.ended_by} = %(owner)s,
                 {ledger.checkpoint} = done.checkpoint,
@@ -414,8 +261,6 @@ def complete(
     pk: int,
     owner: str,
     token: int,
-    processing: str,
-    completed: str,
 ) -> tuple[str, Params]:
     """Return the holder's completion of a job without a lock: the job's conditional UPDATE and
     the closing of its ledger row in one statement (a data-modifying CTE), so one round trip and
@@ -425,21 +270,15 @@ def complete(
     sql = f"""
         WITH done AS (
             UPDATE {table}
-            SET status = %(completed)s, completed_at = STATEMENT_TIMESTAMP(), last_error = ''
-            WHERE id = %(pk)s AND status = %(processing)s AND lease_owner = %(owner)s
+            SET status = {literal(COMPLETED)}, completed_at = STATEMENT_TIMESTAMP(),
+                last_error = ''
+            WHERE id = %(pk)s AND status = {literal(PROCESSING)} AND lease_owner = %(owner)s
               AND lease_token = %(token)s AND "lock" = ''
             RETURNING id, lease_token, checkpoint
         ), closed AS ({_close_done(ledger)})
         SELECT count(*) FROM done
     """  # noqa: S608 - names quoted by the caller, values are parameters
-    params = {
-        "pk": pk,
-        "owner": owner,
-        "token": token,
-        "processing": processing,
-        "completed": completed,
-    }
-    return constants((sql, params))
+    return sql, {"pk": pk, "owner": owner, "token": token}
 
 
 def complete_many(
@@ -449,8 +288,6 @@ def complete_many(
     owner: str,
     pks: list[int],
     tokens: list[int],
-    processing: str,
-    completed: str,
 ) -> tuple[str, Params]:
     """Return the completion of a batch of jobs without a lock in one statement: `complete()`
     for every (pk, token) pair at once, each row still conditional on its own id, status,
@@ -460,14 +297,7 @@ def complete_many(
         WITH {_done(table)}, closed AS ({_close_done(ledger)})
         SELECT id, lease_token FROM done
     """  # noqa: S608 - names quoted by the caller, values are parameters
-    params = {
-        "pks": pks,
-        "tokens": tokens,
-        "owner": owner,
-        "processing": processing,
-        "completed": completed,
-    }
-    return constants((sql, params))
+    return sql, {"pks": pks, "tokens": tokens, "owner": owner}
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
@@ -540,3 +370,33 @@ def planned_rows(plan: Any) -> int:
 AUTOVACUUM = "SELECT current_setting('autovacuum') = 'on'"
 """Whether the server runs autovacuum: what `checks.autovacuum_problems` reads, since only a
 vacuum removes the dead entries each finished job leaves at the front of the claim's indexes."""
+
+
+# PostgreSQL's SQLSTATEs of a statement that reached the server (42P01: undefined_table,
+# 42703: undefined_column, 42501: insufficient_privilege, 28000: invalid_authorization_
+# specification, 28P01: invalid_password, 3D000: invalid_catalog_name).
+MISCONFIGURED_SQLSTATES = {
+    "42P01": MIGRATE,
+    "42703": MIGRATE,
+    "42501": "USER",
+    "28000": "USER",
+    "28P01": "PASSWORD",
+    "3D000": "NAME",
+}
+# The handshake's errors, which carry no SQLSTATE: PostgreSQL's FATAL messages, PgBouncer's
+# and libpq's own.
+MISCONFIGURED_MESSAGES = (
+    (re.compile(r'database ".*" does not exist'), "NAME"),
+    (re.compile(r"no such database"), "NAME"),  # PgBouncer
+    (re.compile(r"database .* is not currently accepting connections"), "NAME"),
+    (re.compile(r'role ".*" does not exist'), "USER"),
+    (re.compile(r'role ".*" is not permitted to log in'), "USER"),
+    (re.compile(r"permission denied for database"), "USER"),
+    (re.compile(r"no pg_hba\.conf entry"), "USER"),
+    (re.compile(r"password authentication failed"), "PASSWORD"),
+    (re.compile(r"no password supplied"), "PASSWORD"),
+    (re.compile(r"unsupported startup parameter"), "OPTIONS"),  # PgBouncer
+    (re.compile(r"unrecognized configuration parameter"), "OPTIONS"),
+    (re.compile(r"invalid value for parameter"), "OPTIONS"),
+    (re.compile(r"invalid connection option"), "OPTIONS"),  # libpq
+)

@@ -1,12 +1,15 @@
 """SQLite statements: one pass of the claim, the batched completion, the enqueue's read of a
 lock holder. Needs SQLite 3.35+ for RETURNING."""
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
+from django_leases.sql import MIGRATE, Claim, literal
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.merge import merge_keys
 from django_leases.sql.postgresql import LedgerNames
+from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
 Params = dict[str, Any]
 
@@ -32,7 +35,7 @@ def pairs_in(columns: str, pairs: Sequence[tuple[int, int]]) -> tuple[str, Param
 
 
 def complete_many(
-    table: str, *, owner: str, pairs: Sequence[tuple[int, int]], processing: str, completed: str
+    table: str, *, owner: str, pairs: Sequence[tuple[int, int]]
 ) -> tuple[str, Params]:
     """Return the completion of a batch of jobs without a lock: one UPDATE, each row still
     conditional on its own id, status, owner and fencing token, RETURNING the rows that won
@@ -40,22 +43,23 @@ def complete_many(
     held, params = pairs_in("id, lease_token", pairs)
     sql = f"""
         UPDATE {table}
-        SET status = %(completed)s, completed_at = {NOW}, last_error = ''
-        WHERE {held} AND status = %(processing)s AND lease_owner = %(owner)s AND "lock" = ''
+        SET status = {literal(COMPLETED)}, completed_at = {NOW}, last_error = ''
+        WHERE {held} AND status = {literal(PROCESSING)} AND lease_owner = %(owner)s
+          AND "lock" = ''
         RETURNING id, lease_token
     """  # noqa: S608 - names quoted by the caller, values are parameters
-    return sql, {**params, "owner": owner, "processing": processing, "completed": completed}
+    return sql, {**params, "owner": owner}
 
 
-def close_attempts(
-    table: str, ledger: LedgerNames, *, owner: str, pairs: Sequence[tuple[int, int]], outcome: str
+def close_completed(
+    table: str, ledger: LedgerNames, *, owner: str, pairs: Sequence[tuple[int, int]]
 ) -> tuple[str, Params]:
-    """Return the closing of the open ledger rows of `pairs` ({job id: token}) as `outcome`,
-    by `owner`, each keeping its job's checkpoint: one UPDATE for the whole batch."""
+    """Return the closing of the open ledger rows of `pairs` ((job id, token) each) as
+    completed by `owner`, each keeping its job's checkpoint: one UPDATE for the whole batch."""
     held, params = pairs_in(f"{ledger.job_ref}, {ledger.token}", pairs)
     sql = f"""
         UPDATE {ledger.table}
-        SET {ledger.outcome} = %(outcome)s,
+        SET {ledger.outcome} = {literal(AttemptOutcome.COMPLETED)},
             {ledger.ended_at} = {NOW},
             {ledger.ended_by} = %(owner)s,
             {ledger.checkpoint} = (
@@ -65,7 +69,7 @@ def close_attempts(
             {ledger.error_message} = ''
         WHERE {held} AND {ledger.ended_at} IS NULL
     """  # noqa: S608 - names quoted by the caller, values are parameters
-    return sql, {**params, "owner": owner, "outcome": outcome}
+    return sql, {**params, "owner": owner}
 
 
 INSERT = InsertDialect(
@@ -84,19 +88,9 @@ def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
     return f"SELECT id FROM {table} WHERE lock_holder = %(lock)s", {"lock": lock}  # noqa: S608
 
 
-def claim_pass(
-    table: str,
-    *,
-    owner: str,
-    seconds: float,
-    limit: int,
-    takeover: bool,
-    kinds: tuple[str, Params],
-    guard: tuple[str, Params],
-    pending: str,
-    processing: str,
-) -> tuple[str, Params]:
-    """Return one pass of the claim: expired leases (`takeover`) or due pending jobs.
+def claim_pass(table: str, claim: Claim, limit: int, takeover: bool) -> tuple[str, Params]:
+    """Return one pass of the claim of at most `limit` jobs: expired leases (`takeover`, not
+    the ones `claim.guard` leaves to the watcher) or due pending jobs.
 
     SQLite runs one writer at a time and evaluates the IN (... LIMIT n) subquery once into a
     temporary table, so this single statement claims at most `limit` rows and no two
@@ -104,18 +98,20 @@ def claim_pass(
     the write lock at once (waiting up to the busy timeout) instead of failing to upgrade a read
     lock.
     """
-    kind_params = kinds[1]
-    guard_sql, guard_params = guard
+    kinds = claim.kinds
+    guard_sql, guard_params = claim.guard if takeover else ("", {})
     if takeover:
-        predicate, order = f"status = %(processing)s AND lease_until < {NOW}", "lease_until"
+        predicate = f"status = {literal(PROCESSING)} AND lease_until < {NOW}"
+        order = "lease_until"
     else:
         # `+run_at`: once ANALYZE has run, SQLite would rather range-scan run_at and sort every
         # due job; the unary plus keeps it walking the due index in claim order.
-        predicate, order = f"status = %(pending)s AND +run_at <= {NOW}", "priority DESC, run_at, id"
+        predicate = f"status = {literal(PENDING)} AND +run_at <= {NOW}"
+        order = "priority DESC, run_at, id"
     picked = _picked(table, f"{predicate} AND attempts < max_attempts {guard_sql}", order, kinds)
     sql = f"""
         UPDATE {table}
-        SET status = %(processing)s,
+        SET status = {literal(PROCESSING)},
             lease_owner = %(owner)s,
             lease_until = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %(lease)s),
             heartbeat_at = {NOW},
@@ -126,13 +122,11 @@ def claim_pass(
         RETURNING *
     """  # noqa: S608 - names quoted by the caller, values are parameters
     params = {
-        **kind_params,
+        **kinds[1],
         **guard_params,
-        "owner": owner,
-        "lease": f"+{seconds:.6f} seconds",
+        "owner": claim.owner,
+        "lease": f"+{claim.seconds:.6f} seconds",
         "limit": limit,
-        "pending": pending,
-        "processing": processing,
     }
     return sql, params
 
@@ -159,3 +153,10 @@ def _picked(table: str, where: str, order: str, kinds: tuple[str, Params]) -> st
         for name in named
     )
     return f"SELECT key_id FROM ({arms}) ORDER BY {by_key} LIMIT %(limit)s"  # noqa: S608
+
+
+# What a missing table or database file says (`dialects.SQLite.misconfiguration`).
+MISCONFIGURED_MESSAGES = (
+    (re.compile(r"no such (table|column)"), MIGRATE),
+    (re.compile(r"unable to open database file"), "NAME"),
+)
