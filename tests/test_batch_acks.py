@@ -92,7 +92,11 @@ def test_complete_many__completes_exactly_the_rows_still_held() -> None:
 
     won = PaymentJob.objects.complete_many("w1", acks)
 
-    assert won == {(ok1.pk, tokens[ok1.pk]), (ok2.pk, tokens[ok2.pk])}
+    assert won == {
+        (ok1.pk, tokens[ok1.pk]),
+        (ok2.pk, tokens[ok2.pk]),
+        (locked.pk, tokens[locked.pk]),
+    }
     rows = {job.pk: job for job in PaymentJob.objects.filter(pk__in=acks)}
     assert {pk: rows[pk].status for pk in acks} == {
         ok1.pk: Status.COMPLETED,
@@ -101,20 +105,20 @@ def test_complete_many__completes_exactly_the_rows_still_held() -> None:
         released.pk: Status.PENDING,
         done.pk: Status.COMPLETED,
         stale.pk: Status.PROCESSING,
-        locked.pk: Status.PROCESSING,  # a job of a lock is completed by complete() only
+        locked.pk: Status.COMPLETED,  # a job of a lock too, its lock released
     }
     assert rows[ok1.pk].completed_at is not None and rows[done.pk].completed_at == done_at
     assert (rows[taken.pk].lease_owner, rows[taken.pk].lease_token) == ("w2", token_of(taken, 2))
-    for job in (ok1, ok2, done):
+    for job in (ok1, ok2, done, locked):
         assert ledger(job) == [(1, 1, "w1", "completed")]
     assert ledger(taken) == [(1, 1, "w1", "lease_lost"), (2, 2, "w2", "running")]
     assert ledger(released) == [(1, 1, "w1", "released")]
-    assert ledger(stale) == ledger(locked) == [(1, 1, "w1", "running")]
+    assert ledger(stale) == [(1, 1, "w1", "running")]
     # Closed rows never change (append-only); the refused acks are noted as fenced, except
     # where the holder itself closed the row (its own release or completion).
     assert {pk: row for pk, row in closed_rows(list(acks)).items() if pk in before} == before
     fenced = JobAttempt.objects.filter(fenced_at__isnull=False)
-    assert set(fenced.values_list("job_ref", "attempt")) == {(taken.pk, 1), (locked.pk, 1)}
+    assert set(fenced.values_list("job_ref", "attempt")) == {(taken.pk, 1)}
     assert PaymentJob.objects.complete_many("w1", {ok1.pk: tokens[ok1.pk]}) == set()
     assert ledger(ok1) == [(1, 1, "w1", "completed")]
 
@@ -424,3 +428,28 @@ def test_worker__sigkill_with_buffered_acks_runs_those_jobs_again(processes: Pro
     for job in jobs:
         assert ledger(job) == [(1, 1, "doomed", "lease_lost"), (2, 2, "rescuer", "completed")]
     assert PaymentJob.objects.filter(status=Status.COMPLETED, attempts=2).count() == 4
+
+
+@pytest.mark.django_db
+def test_complete_many__completes_a_job_of_a_lock_and_passes_the_lock_on() -> None:
+    """A job of a lock given to `complete_many()` is completed, not reported lost: its lock is
+    released in its UPDATE and passed on, in the same transaction, to the lock's first waiting
+    job; its ledger row is closed as completed and never noted as fenced."""
+    first = PaymentJob.objects.enqueue("noop_batch", lock="order:7")
+    second = PaymentJob.objects.enqueue("noop_batch", lock="order:7")
+    free = PaymentJob.objects.enqueue("noop_batch")
+    assert PaymentJob.objects.get(pk=second.pk).status == Status.WAITING
+    held = {job.pk: job.lease_token for job in PaymentJob.objects.claim("w1", ttl=60, limit=5)}
+    assert set(held) == {first.pk, free.pk}  # the waiting job is out of every claim's sight
+
+    won = PaymentJob.objects.complete_many("w1", held)
+
+    assert won == set(held.items())
+    rows = {job.pk: job for job in PaymentJob.objects.all()}
+    assert (rows[first.pk].status, rows[first.pk].lock_holder) == (Status.COMPLETED, None)
+    assert (rows[second.pk].status, rows[second.pk].lock_holder) == (Status.PENDING, "order:7")
+    assert rows[free.pk].status == Status.COMPLETED
+    assert ledger(first) == ledger(free) == [(1, 1, "w1", "completed")]
+    assert not JobAttempt.objects.filter(fenced_at__isnull=False).exists()
+    (claimed,) = PaymentJob.objects.claim("w1", ttl=60)
+    assert claimed.pk == second.pk

@@ -302,6 +302,22 @@ def claims_expected(
     return min(limit, min(free, limited) + len(wanted) - limited), wanted
 
 
+def passed_on(rows: dict[int, dict[str, Any]], finished: Collection[int]) -> dict[int, Any]:
+    """The rows of the waiting jobs the locks of the `finished` jobs (holders a moment ago) pass
+    on to, as they are then: each lock's first waiting job (lowest id), pending and holding it."""
+    promoted = {}
+    for pk in finished:
+        lock = rows[pk]["lock"]
+        waiting = [
+            o
+            for o, row in rows.items()
+            if lock and row["lock"] == lock and row["status"] == WAITING
+        ]
+        if waiting:
+            promoted[min(waiting)] = {**rows[min(waiting)], "status": PENDING, "lock_holder": lock}
+    return promoted
+
+
 def expired(row: dict[str, Any]) -> bool:
     return row["status"] == PROCESSING and not row["live"]
 
@@ -747,9 +763,9 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(owner=st.sampled_from(OWNERS), limit=st.integers(0, 3))
     def worker_acknowledges_everything_it_ever_held(self, owner: str, limit: int) -> None:
         """A worker's batched completion (ack="batch"): it claims up to `limit` jobs and runs
-        them, then completes in one call every job it ever held: those, and older ones lost,
-        finished or of a lock (left to `complete()`); each row wins exactly while its lease
-        holds it."""
+        them, then completes in one call every job it ever held: those, and older ones lost or
+        finished; each row wins exactly while its lease holds it, and a job of a lock passes
+        its lock on."""
         if limit:
             before, started = job_rows(), self.clocks[owner]()
             claimed = PaymentJob.objects.claim(owner, ttl=TTL, limit=limit)
@@ -762,9 +778,9 @@ class LeaseMachine(RuleBasedStateMachine):
             for pk, token in acks
             if jobs_before[pk]["status"] == PROCESSING
             and (jobs_before[pk]["lease_owner"], jobs_before[pk]["lease_token"]) == (owner, token)
-            and not jobs_before[pk]["lock"]
         }
         completed = {pk for pk, _ in won}
+        promoted = passed_on(jobs_before, completed)
         jobs_after, ledger_after = job_rows(), ledger_rows()
         clock = {"live", "due"}
         for pk, old in jobs_before.items():
@@ -772,6 +788,7 @@ class LeaseMachine(RuleBasedStateMachine):
             if pk in completed:
                 assert (new["status"], new["lock_holder"]) == (COMPLETED, None)
             else:
+                old = promoted.get(pk, old)
                 assert {k: v for k, v in new.items() if k not in clock} == {
                     k: v for k, v in old.items() if k not in clock
                 }, f"a refused batched completion changed job {pk}"
@@ -798,8 +815,9 @@ class LeaseMachine(RuleBasedStateMachine):
     ) -> Any:
         """A worker's group write (`complete_and_claim`, one statement on PostgreSQL): it
         completes every job it ever held and claims up to `limit` next ones. Exactly the
-        completions `complete_many()` would make win (older leases lost, finished or of a lock
-        are refused or left alone), then exactly the claims `claim()` would make after them."""
+        completions `complete_many()` would make win (older leases lost or finished are
+        refused), then exactly the claims `claim()` would make after them, the jobs next in
+        line of the locks they released among them."""
         acks = ever_held(owner)
         before, started = job_rows(), self.clocks[owner]()
         won, claimed = PaymentJob.objects.complete_and_claim(
@@ -810,16 +828,17 @@ class LeaseMachine(RuleBasedStateMachine):
             for pk, token in acks
             if before[pk]["status"] == PROCESSING
             and (before[pk]["lease_owner"], before[pk]["lease_token"]) == (owner, token)
-            and not before[pk]["lock"]
         }
         after = job_rows()
         for pk, _ in won:
             assert (after[pk]["status"], after[pk]["lock_holder"]) == (COMPLETED, None)
         self.finished_by_holder |= won
-        count, wanted = claims_expected(before, kinds, limit, {pk for pk, _ in won})
+        finished = {pk for pk, _ in won}
+        rows = {**before, **passed_on(before, finished)}
+        count, wanted = claims_expected(rows, kinds, limit, finished)
         assert len(claimed) == count
         assert {job.pk for job in claimed} <= wanted
-        self._acquired(claimed, owner, before, started)
+        self._acquired(claimed, owner, rows, started)
         return multiple(*claimed)
 
     @rule(lease=leases, permanent=st.booleans())

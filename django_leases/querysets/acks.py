@@ -39,11 +39,12 @@ class Acknowledgements(Enqueueing[J]):
         """Complete every job of `leases` ((job id, token) pairs) that `owner` still holds under
         that token; return the pairs completed.
 
-        One statement on PostgreSQL, one transaction of set-based statements elsewhere. Each row
-        is still conditional on its own id, `processing`, owner and token: a job lost, taken
-        over, released or finished meanwhile is left alone (and its ledger row noted as fenced),
-        the others complete, with their open ledger rows closed in the same transaction. A job
-        with a lock is never completed here: `complete()` passes its lock on.
+        One statement on PostgreSQL, one transaction of set-based statements elsewhere, for the
+        jobs without a lock. Each row is still conditional on its own id, `processing`, owner
+        and token: a job lost, taken over, released or finished meanwhile is left alone (and its
+        ledger row noted as fenced), the others complete, with their open ledger rows closed in
+        the same transaction. A job of a lock completes too, and passes its lock on, as in
+        `complete()`.
         """
         check_owner(owner)
         keys = lease_keys(leases)
@@ -60,14 +61,17 @@ class Acknowledgements(Enqueueing[J]):
         return dialect_of(connections[self.db]).complete_many_path(self._ledger_names())
 
     def _complete_many(self, owner: str, keys: list[LeaseKey], path: ClaimPath) -> set[LeaseKey]:
-        """`complete_many()` by `path`, of the jobs without a lock."""
+        """`complete_many()` by `path`: the jobs without a lock by the path's statements, then
+        (in a second transaction on PostgreSQL, only if some were left) the jobs of a lock."""
         ledger = self._ledger_names()
         dialect = dialect_of(connections[self.db])
         groups = list(key_groups(keys))
         if path == "postgresql+ledger" and ledger is not None:
             # One statement: atomic without a transaction block.
             with bound_cursor(self.db) as cursor:
-                return dialect.complete_many(cursor, self._table(), ledger, owner, groups)
+                done = dialect.complete_many(cursor, self._table(), ledger, owner, groups)
+            left = [key for key in keys if key not in done]
+            return done | (self._complete_locked(owner, left) if left else set())
         # One transaction: the jobs' completions and their ledger rows commit together.
         with transaction.atomic(using=self.db):
             if path != "orm" and ledger is not None:
@@ -75,7 +79,8 @@ class Acknowledgements(Enqueueing[J]):
                     done = dialect.complete_many(cursor, self._table(), ledger, owner, groups)
             else:
                 done = self._complete_unlocked(owner, groups)
-        return done
+            left = [key for key in keys if key not in done]
+            return done | (self._complete_locked(owner, left) if left else set())
 
     def _complete_unlocked(self, owner: str, groups: list[dict[int, int]]) -> set[LeaseKey]:
         """The specification (and MariaDB/MySQL's path) of the batched completion of the jobs
@@ -92,4 +97,33 @@ class Acknowledgements(Enqueueing[J]):
                 done.update(locked.items())
         if done:
             self._close_attempts(done, AttemptOutcome.COMPLETED, by=owner)
+        return done
+
+    @retry_deadlocks
+    def _complete_locked(self, owner: str, keys: list[LeaseKey]) -> set[LeaseKey]:
+        """Complete the jobs of a lock among `keys` that `owner` still holds, in one
+        transaction (the caller's, if any): release each one's lock in its UPDATE, close its
+        ledger row and pass the lock on, as `complete()` does; return the pairs completed.
+
+        The lock rule lives here, beside the completion, not with the caller: a batch may hold
+        jobs of a lock, and none of them is left holding it or reported lost.
+        """
+        done: set[LeaseKey] = set()
+        with transaction.atomic(using=self.db, savepoint=False):
+            for group in key_groups(keys):
+                held = self.filter(keys_filter(group), status=PROCESSING, lease_owner=owner)
+                held = held.exclude(lock="")
+                # In id order: the locks are passed on in the order the rows were locked.
+                rows = held.select_for_update().order_by("pk").values_list("pk", "lease_token")
+                locked = dict(rows)
+                if not locked:
+                    continue
+                held.filter(pk__in=locked).update(
+                    status=COMPLETED, completed_at=Now(), last_error="", lock_holder=None
+                )
+                done.update(locked.items())
+                for pk in locked:
+                    self._pass_lock(pk)
+            if done:
+                self._close_attempts(done, AttemptOutcome.COMPLETED, by=owner)
         return done

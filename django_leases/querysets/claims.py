@@ -118,7 +118,9 @@ class Claims(Throttling[J]):
 
         On PostgreSQL with the stock ledger this is one statement, so a holder's finished job
         and its next one cost one commit, not two; every row is still conditional as in the two
-        methods. Elsewhere it is those two transactions, the completions committed first.
+        methods. Its held jobs of a lock are completed after it (passing a lock on needs a later
+        statement), and the jobs next in line of those locks are claimed then if it came back
+        short. Elsewhere it is those two transactions, the completions committed first.
         """
         seconds, kinds = self._claim_args(owner, ttl, limit, kinds)
         if self._claim_path() != "postgresql+ledger" or kinds == [] or self._throttled(kinds):
@@ -127,10 +129,14 @@ class Claims(Throttling[J]):
             )
         keys = lease_keys(leases)
         won, jobs = self._complete_and_claim_postgresql(owner, keys, seconds, limit, kinds)
-        lost = [key for key in keys if key not in won]
+        left = [key for key in keys if key not in won]
+        passed = self._complete_locked(owner, left) if left else set()
+        if passed and len(jobs) < limit:
+            jobs += self.claim(owner, ttl=seconds, limit=limit - len(jobs), kinds=kinds)
+        lost = [key for key in left if key not in passed]
         if lost:
             self._record_fenced(lost)
-        return won, jobs
+        return won | passed, jobs
 
     @retry_deadlocks
     def _complete_and_claim_postgresql(

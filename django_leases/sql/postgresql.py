@@ -131,11 +131,12 @@ def _claim_text(
     takeover = f"{EXPIRED} {guard_sql}"
     before, result = "", "SELECT * FROM claimed"
     if completes and ledger is not None:
-        before = f"{_done(table)}, closed AS ({_close_done(ledger)}),"
+        before = f"{_done(table)}, closed AS ({_close_done(ledger)}), kept AS ({_kept(table)}),"
         # A row cannot be updated twice by one statement (which update wins is undefined):
-        # the rows this statement completes are not taken over by it, the others may be, as
-        # after `complete_many()` then `claim()`.
-        takeover += " AND id NOT IN (SELECT id FROM done)"
+        # the rows this statement completes are not taken over by it, nor the held jobs of a
+        # lock, which the caller completes next; the others may be, as after `complete_many()`
+        # then `claim()`.
+        takeover += " AND id NOT IN (SELECT id FROM done) AND id NOT IN (SELECT id FROM kept)"
         # One row of NULLs when nothing is claimed: the completions still come back.
         result = (
             "SELECT claimed.*, finished.completed_ids, finished.completed_tokens FROM "
@@ -197,6 +198,17 @@ def _done(table: str) -> str:
               AND job."lock" = ''
             RETURNING job.id, job.lease_token, job.checkpoint
         )"""  # noqa: S608 - names quoted by the caller, values are parameters
+
+
+def _kept(table: str) -> str:
+    """Return the SELECT of the jobs of a lock among the `acked` pairs that `%(owner)s` still
+    holds: left to a later statement, whose snapshot sees the jobs enqueued behind them."""
+    return f"""
+            SELECT job.id FROM {table} AS job
+            JOIN acked ON job.id = acked.id AND job.lease_token = acked.token
+            WHERE job.status = {literal(PROCESSING)} AND job.lease_owner = %(owner)s
+              AND job."lock" <> ''
+        """  # noqa: S608 - names quoted by the caller, values are parameters
 
 
 def _close_done(ledger: LedgerNames) -> str:
