@@ -128,3 +128,22 @@ def test_architecture__lease_fields_written_only_by_querysets(path: Path) -> Non
         if keyword.arg in LEASE_FIELDS
     ]
     assert found == []
+
+
+def test_architecture__lease_queryset_is_one_door_not_a_tower_of_mixins() -> None:
+    # Its helpers are functions taking the queryset (claims, acks, operators, enqueue, prune,
+    # ledger, locks), not base classes: a reader finds each transition in one jump.
+    from django_leases.querysets import LeaseQuerySet
+
+    ours = [cls for cls in LeaseQuerySet.__mro__ if cls.__module__.startswith("django_leases")]
+    assert len(ours) <= 3, [cls.__qualname__ for cls in ours]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*sorted((PACKAGE / "querysets").glob("*.py")), *sorted((PACKAGE / "sql").glob("*.py")),
+     PACKAGE / "dialects.py"],
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)  # fmt: skip
+def test_architecture__lease_layer_modules_stay_readable(path: Path) -> None:
+    assert len(path.read_text().splitlines()) <= 500

@@ -18,6 +18,8 @@ from django.db.models.functions import Now
 from django_leases import sql
 from django_leases.dialects import ClaimPath
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.querysets.acks import complete_many_by_path
+from django_leases.querysets.claims import claim_by_path
 from django_leases.querysets.ledger import ledger_names
 from django_leases.sql import postgresql
 from django_leases.sql import prepared as prepared_sql
@@ -73,7 +75,7 @@ def outcome_of(path: ClaimPath, owner: str, limit: int, kinds: list[str] | None)
     """Claim with `path`, return what it did, and roll every write back."""
     with transaction.atomic():
         before = dict(PaymentJob.objects.values_list("pk", "lease_token"))
-        jobs = PaymentJob.objects.all()._claim(owner, 60.0, limit, kinds, path)
+        jobs = claim_by_path(PaymentJob.objects.all(), owner, 60.0, limit, kinds, path)
         outcome = claim_outcome(jobs, before)
         transaction.set_rollback(True)
     return outcome
@@ -160,7 +162,7 @@ def held_and_lost(seed: int) -> dict[int, int]:
 def completion_of(path: ClaimPath, owner: str, acks: dict[int, int]) -> Any:
     """Complete `acks` with `path`, return what it did, and roll every write back."""
     with transaction.atomic():
-        won = PaymentJob.objects.all()._complete_many(owner, list(acks.items()), path)
+        won = complete_many_by_path(PaymentJob.objects.all(), owner, list(acks.items()), path)
         states = sorted(
             (*row[:-1], row[-1] is None)
             for row in PaymentJob.objects.values_list(

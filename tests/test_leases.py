@@ -11,6 +11,7 @@ from django.test.utils import CaptureQueriesContext
 from django_leases.exceptions import InvalidDuration, LeaseLost
 from django_leases.limits import CONCURRENCY
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.querysets.claims import claim_by_path
 from tests.leasing import claim_one, database_micros, expire, ledger, statements, token_of
 from tests.testapp.models import BareJob
 
@@ -52,7 +53,11 @@ def claim_by(path: str, pk: int) -> PaymentJob:
         assert job is not None
         return job
     jobs = PaymentJob.objects.all()
-    (job,) = jobs.claim("w", ttl=60) if path == "claim" else jobs._claim("w", 60.0, 1, None, "orm")
+    (job,) = (
+        jobs.claim("w", ttl=60)
+        if path == "claim"
+        else claim_by_path(jobs, "w", 60.0, 1, None, "orm")
+    )
     assert job.pk == pk
     return job
 

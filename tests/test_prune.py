@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from django_leases.checks import check_worker_retention
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, Worker
+from django_leases.querysets.prune import prune_batch
 
 from .conftest import Processes, subprocess_env
 
@@ -162,7 +163,7 @@ def test_prune__spares_a_job_requeued_after_its_batch_was_read() -> None:
     # An operator requeues it between the batch's read and its DELETE.
     PaymentJob.objects.filter(pk=revived.pk).requeue()
 
-    batch = PaymentJob.objects.all()._prune_batch("failed", stale.filter(pk__in=ids), False)
+    batch = prune_batch(PaymentJob.objects.all(), "failed", stale.filter(pk__in=ids), False)
 
     assert (batch.jobs, batch.attempts) == (2, 0)
     assert list(PaymentJob.objects.values_list("pk", flat=True)) == [revived.pk]

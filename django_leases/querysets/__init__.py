@@ -1,8 +1,11 @@
 """Querysets of the job table, the attempt ledger and the worker registry.
 
-`leases` holds every lease transition; `ledger` the attempt rows they open and close; `prune`
-retention; `enqueue` enqueueing; `payments` `PaymentJob`'s enqueue with a payment id; `workers`
-the worker registry; `schedules` the schedules' state rows. Their raw SQL is in `sql/`.
+`leases.LeaseQuerySet` is the one door to a job table: its reads (`reads`) and every lease
+transition, its own holder writes and, bound as methods, the functions of `claims`, `acks`,
+`operators`, `enqueue` and `prune`, which share the ledger writes (`ledger`), the lock queue
+(`locks`) and the throttles (`throttles`). `payments` is `PaymentJob`'s enqueue with a payment
+id; `workers` the worker registry; `schedules` the schedules' state rows. Their raw SQL is in
+`sql/`, chosen per database by `dialects.py`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from functools import partial
 from itertools import groupby
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import FieldDoesNotExist, ValidationError
@@ -32,335 +32,359 @@ from django_leases.limits import (
 from django_leases.querysets import inserts
 from django_leases.querysets.base import after, retry_deadlocks
 from django_leases.querysets.ledger import J
-from django_leases.querysets.locks import ENQUEUE_ROUNDS
-from django_leases.querysets.operators import OperatorActions
+from django_leases.querysets.locks import (
+    ENQUEUE_ROUNDS,
+    enqueue_locked,
+    holder_share_locked,
+    table_jobs,
+)
 from django_leases.status import PENDING, WAITING
 
+if TYPE_CHECKING:
+    from django_leases.querysets.leases import LeaseQuerySet
 
-class Enqueueing(OperatorActions[J]):
-    """`enqueue()` and its kin of a job table; `LeaseQuerySet` builds on it."""
+QS = TypeVar("QS", bound="LeaseQuerySet[Any]")
 
-    def enqueue(
-        self,
-        kind: str,
-        payload: Any = None,
-        *,
-        using: str | None = None,
-        idempotency_key: str | None = None,
-        run_at: datetime | float | timedelta | None = None,
-        priority: int = 0,
-        max_attempts: int | None = None,
-        lock: str = "",
-        **fields: Any,
-    ) -> J:
-        """Add a pending job (waiting, behind an earlier job of its `lock`) and return it.
 
-        The job goes to the database `using` (default: this queryset's, else where the routers
-        send writes of the model). Enqueueing an `idempotency_key` that already exists returns
-        the first job and creates nothing; the model needs a unique `idempotency_key` field for
-        it. `run_at` is a datetime, or a delay (seconds or `timedelta`) from the database clock;
-        None means now. Jobs sharing a `lock` run one at a time, in enqueue order. `fields`
-        fills the model's own columns (`payout=payout`, `payout_id=7`); the lease fields are not
-        among them. Raises `InvalidArgument` (`InvalidPayload`, ...) naming the argument, and
-        writes nothing, for anything out of bounds.
-        """
-        return self.writing_to(using)._enqueue(
-            kind,
-            payload,
-            idempotency_key=idempotency_key,
-            run_at=run_at,
-            priority=priority,
-            max_attempts=max_attempts,
-            lock=lock,
-            fields=fields,
+def enqueue(
+    qs: LeaseQuerySet[J],
+    kind: str,
+    payload: Any = None,
+    *,
+    using: str | None = None,
+    idempotency_key: str | None = None,
+    run_at: datetime | float | timedelta | None = None,
+    priority: int = 0,
+    max_attempts: int | None = None,
+    lock: str = "",
+    **fields: Any,
+) -> J:
+    """Add a pending job (waiting, behind an earlier job of its `lock`) and return it.
+
+    The job goes to the database `using` (default: this queryset's, else where the routers
+    send writes of the model). Enqueueing an `idempotency_key` that already exists returns
+    the first job and creates nothing; the model needs a unique `idempotency_key` field for
+    it. `run_at` is a datetime, or a delay (seconds or `timedelta`) from the database clock;
+    None means now. Jobs sharing a `lock` run one at a time, in enqueue order. `fields`
+    fills the model's own columns (`payout=payout`, `payout_id=7`); the lease fields are not
+    among them. Raises `InvalidArgument` (`InvalidPayload`, ...) naming the argument, and
+    writes nothing, for anything out of bounds.
+    """
+    return enqueue_one(
+        qs.writing_to(using),
+        kind,
+        payload,
+        idempotency_key=idempotency_key,
+        run_at=run_at,
+        priority=priority,
+        max_attempts=max_attempts,
+        lock=lock,
+        fields=fields,
+    )
+
+
+def enqueue_many(
+    qs: LeaseQuerySet[J],
+    kind: str,
+    payloads: Iterable[Any],
+    *,
+    using: str | None = None,
+    idempotency_keys: Iterable[str | None] | None = None,
+    **options: Any,
+) -> list[J]:
+    """Enqueue one job of `kind` per payload, in order, all or nothing, and return them.
+
+    Every job takes the same `options` and follows the same rules as `enqueue()`: jobs
+    sharing a `lock` run one at a time in the payloads' order. `idempotency_keys` gives
+    each payload its own key (None: none); a key that exists already returns its first job
+    in that place and creates nothing, as does a key repeated in the batch after its first
+    payload. Every job is checked before the first is written; then the batch is one INSERT
+    (per run of payloads with keys and without; SQLite: per its parameter limit), no
+    savepoint. Raises `InvalidArgument` naming the payload's position, and writes nothing,
+    if any job is out of bounds.
+    """
+    if "idempotency_key" in options:
+        raise InvalidArgument(
+            "enqueue_many() takes idempotency_keys=[...], one key (or None) per payload: "
+            "one idempotency_key would name every job of the batch"
         )
+    if isinstance(payloads, (str, bytes, dict)) or not isinstance(payloads, Iterable):
+        raise InvalidArgument(f"payloads must be a list of payloads, got {shown(payloads)}")
+    payloads = list(payloads)
+    keys = [None] * len(payloads) if idempotency_keys is None else list(idempotency_keys)
+    if len(keys) != len(payloads):
+        raise InvalidArgument(
+            f"idempotency_keys must have one key (or None) per payload: got {len(keys)} "
+            f"for {len(payloads)} payloads"
+        )
+    jobs = qs.writing_to(using)
+    return enqueue_all(jobs, kind, list(zip(payloads, keys, strict=True)), options)
 
-    def enqueue_many(
-        self,
-        kind: str,
-        payloads: Iterable[Any],
-        *,
-        using: str | None = None,
-        idempotency_keys: Iterable[str | None] | None = None,
-        **options: Any,
-    ) -> list[J]:
-        """Enqueue one job of `kind` per payload, in order, all or nothing, and return them.
 
-        Every job takes the same `options` and follows the same rules as `enqueue()`: jobs
-        sharing a `lock` run one at a time in the payloads' order. `idempotency_keys` gives
-        each payload its own key (None: none); a key that exists already returns its first job
-        in that place and creates nothing, as does a key repeated in the batch after its first
-        payload. Every job is checked before the first is written; then the batch is one INSERT
-        (per run of payloads with keys and without; SQLite: per its parameter limit), no
-        savepoint. Raises `InvalidArgument` naming the payload's position, and writes nothing,
-        if any job is out of bounds.
-        """
-        if "idempotency_key" in options:
-            raise InvalidArgument(
-                "enqueue_many() takes idempotency_keys=[...], one key (or None) per payload: "
-                "one idempotency_key would name every job of the batch"
-            )
-        if isinstance(payloads, (str, bytes, dict)) or not isinstance(payloads, Iterable):
-            raise InvalidArgument(f"payloads must be a list of payloads, got {shown(payloads)}")
-        payloads = list(payloads)
-        keys = [None] * len(payloads) if idempotency_keys is None else list(idempotency_keys)
-        if len(keys) != len(payloads):
-            raise InvalidArgument(
-                f"idempotency_keys must have one key (or None) per payload: got {len(keys)} "
-                f"for {len(payloads)} payloads"
-            )
-        jobs = self.writing_to(using)
-        return jobs._enqueue_all(kind, list(zip(payloads, keys, strict=True)), options)
+async def aenqueue(qs: LeaseQuerySet[J], kind: str, payload: Any = None, **options: Any) -> J:
+    """`enqueue()`, awaitable: the same arguments, rules and errors."""
+    return await sync_to_async(qs.enqueue)(kind, payload, **options)
 
-    async def aenqueue(self, kind: str, payload: Any = None, **options: Any) -> J:
-        """`enqueue()`, awaitable: the same arguments, rules and errors."""
-        return await sync_to_async(self.enqueue)(kind, payload, **options)
 
-    async def aenqueue_many(self, kind: str, payloads: Iterable[Any], **options: Any) -> list[J]:
-        """`enqueue_many()`, awaitable: the same arguments, rules and errors."""
-        return await sync_to_async(self.enqueue_many)(kind, payloads, **options)
+async def aenqueue_many(
+    qs: LeaseQuerySet[J], kind: str, payloads: Iterable[Any], **options: Any
+) -> list[J]:
+    """`enqueue_many()`, awaitable: the same arguments, rules and errors."""
+    return await sync_to_async(qs.enqueue_many)(kind, payloads, **options)
 
-    def writing_to(self, using: str | None = None) -> Self:
-        """This queryset on the database `using`; None: its own, else the routers' choice
-        for writes of the model. Raises `InvalidArgument` for an alias not in DATABASES."""
-        chosen: Any = self  # its alias, `_db`, is Django's; django-stubs does not declare it
-        alias = using if using is not None else chosen._db or router.db_for_write(self.model)
-        if not isinstance(alias, str) or alias not in connections.settings:
-            raise InvalidArgument(
-                f"using must name a database of DATABASES ({', '.join(connections.settings)}), "
-                f"got {shown(alias)}"
-            )
-        return self if chosen._db == alias else self.using(alias)
 
-    def _enqueue_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Return `enqueue()`'s keyword arguments as this table's enqueue takes them; a subclass
-        derives the lock from its own columns (`PaymentJobQuerySet`)."""
-        return options
+def writing_to(qs: QS, using: str | None = None) -> QS:
+    """This queryset on the database `using`; None: its own, else the routers' choice
+    for writes of the model. Raises `InvalidArgument` for an alias not in DATABASES."""
+    chosen: Any = qs  # its alias, `_db`, is Django's; django-stubs does not declare it
+    alias = using if using is not None else chosen._db or router.db_for_write(qs.model)
+    if not isinstance(alias, str) or alias not in connections.settings:
+        raise InvalidArgument(
+            f"using must name a database of DATABASES ({', '.join(connections.settings)}), "
+            f"got {shown(alias)}"
+        )
+    return qs if chosen._db == alias else qs.using(alias)
 
-    # InnoDB may pick an enqueue as a deadlock victim among the enqueues and completions of its
-    # lock; the whole transaction was rolled back, so it runs again.
-    @retry_deadlocks
-    def _enqueue_all(
-        self, kind: str, jobs: list[tuple[Any, str | None]], options: dict[str, Any]
-    ) -> list[J]:
-        if not jobs:
-            return []
+
+# InnoDB may pick an enqueue as a deadlock victim among the enqueues and completions of its
+# lock; the whole transaction was rolled back, so it runs again.
+@retry_deadlocks
+def enqueue_all(
+    qs: LeaseQuerySet[J], kind: str, jobs: list[tuple[Any, str | None]], options: dict[str, Any]
+) -> list[J]:
+    if not jobs:
+        return []
+    try:
+        values, delay = job_values(qs, kind, **qs._enqueue_options(options))
+    except InvalidArgument as exc:
+        raise type(exc)(f"payloads[0]: {exc}") from None
+    rows = []
+    for position, (payload, key) in enumerate(jobs):
         try:
-            values, delay = self._job_values(kind, **self._enqueue_options(options))
+            rows.append(job_row(qs, values, payload, key))
         except InvalidArgument as exc:
-            raise type(exc)(f"payloads[0]: {exc}") from None
-        rows = []
-        for position, (payload, key) in enumerate(jobs):
-            try:
-                rows.append(self._row(values, payload, key))
-            except InvalidArgument as exc:
-                raise type(exc)(f"payloads[{position}]: {exc}") from None
-        if not inserts.returns_rows(self.db):
-            # One transaction: a job that fails rolls back the ones before it.
-            with transaction.atomic(using=self.db):
-                return [self._enqueue_with_savepoints(row, delay) for row in rows]
-        with transaction.atomic(using=self.db, savepoint=False):
-            done, created = self._insert_all(rows, delay)
-        if created:
-            self._notify(kind)
-        return done
+            raise type(exc)(f"payloads[{position}]: {exc}") from None
+    if not inserts.returns_rows(qs.db):
+        # One transaction: a job that fails rolls back the ones before it.
+        with transaction.atomic(using=qs.db):
+            return [enqueue_with_savepoints(qs, row, delay) for row in rows]
+    with transaction.atomic(using=qs.db, savepoint=False):
+        done, created = insert_all(qs, rows, delay)
+    if created:
+        notify(qs, kind)
+    return done
 
-    @retry_deadlocks
-    def _enqueue(
-        self,
-        kind: str,
-        payload: Any,
-        *,
-        idempotency_key: str | None,
-        run_at: datetime | float | timedelta | None,
-        priority: int,
-        max_attempts: int | None,
-        lock: str,
-        fields: dict[str, Any],
-    ) -> J:
-        values, delay = self._job_values(
-            kind, run_at=run_at, priority=priority, max_attempts=max_attempts, lock=lock, **fields
-        )
-        row = self._row(values, payload, idempotency_key)
-        if not inserts.returns_rows(self.db):
-            return self._enqueue_with_savepoints(row, delay)
-        if idempotency_key is None and not row["lock"]:
-            # Nothing can conflict: a plain INSERT, in the caller's transaction or on its own.
-            [job] = inserts.insert(self.db, [self.model(**row)], skip_conflicts=False, delay=delay)
+
+@retry_deadlocks
+def enqueue_one(
+    qs: LeaseQuerySet[J],
+    kind: str,
+    payload: Any,
+    *,
+    idempotency_key: str | None,
+    run_at: datetime | float | timedelta | None,
+    priority: int,
+    max_attempts: int | None,
+    lock: str,
+    fields: dict[str, Any],
+) -> J:
+    values, delay = job_values(
+        qs, kind, run_at=run_at, priority=priority, max_attempts=max_attempts, lock=lock, **fields
+    )
+    row = job_row(qs, values, payload, idempotency_key)
+    if not inserts.returns_rows(qs.db):
+        return enqueue_with_savepoints(qs, row, delay)
+    if idempotency_key is None and not row["lock"]:
+        # Nothing can conflict: a plain INSERT, in the caller's transaction or on its own.
+        [job] = inserts.insert(qs.db, [qs.model(**row)], skip_conflicts=False, delay=delay)
+    else:
+        with transaction.atomic(using=qs.db, savepoint=False):
+            [job], created = insert_all(qs, [row], delay)
+        if not created:
+            return job
+    notify(qs, kind)
+    return job
+
+
+def job_values(
+    qs: LeaseQuerySet[J],
+    kind: str,
+    *,
+    run_at: datetime | float | timedelta | None = None,
+    priority: int = 0,
+    max_attempts: int | None = None,
+    lock: str = "",
+    **fields: Any,
+) -> tuple[dict[str, Any], float | None]:
+    """Check the arguments every job of an enqueue shares; return its fields and the delay
+    of its `run_at` from the database clock (None: a datetime given, or now)."""
+    values, delay = _job_fields(kind, run_at, priority, max_attempts)
+    values["lock"] = check_text(lock, "lock", LOCK_LENGTH, blank=True)
+    return {**values, **_own_fields(qs.model, fields)}, delay
+
+
+def job_row(
+    qs: LeaseQuerySet[J], values: dict[str, Any], payload: Any, key: str | None
+) -> dict[str, Any]:
+    """Return the fields of one job: `values` with its checked payload and key."""
+    payload = {} if payload is None else payload
+    check_json(payload, "payload")
+    row = {**values, "payload": payload}
+    if key is not None:
+        _check_idempotency_field(qs.model)
+        row["idempotency_key"] = check_text(key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
+    return row
+
+
+def insert_all(
+    qs: LeaseQuerySet[J], rows: list[dict[str, Any]], delay: float | None
+) -> tuple[list[J], bool]:
+    """Add a job per row (every row of one lock, or of none), in enqueue order; return them,
+    the first job of an idempotency key in each place of that key, and whether any is new.
+
+    One INSERT per batch: the jobs of no lock at once, those of a lock after its first new
+    job, which alone may take the lock. No savepoint: a conflict skips the row.
+    """
+    first_of: dict[str, int] = {}
+    new = []
+    for position, row in enumerate(rows):
+        key = row.get("idempotency_key")
+        if key is None or key not in first_of:
+            new.append(position)
+            if key is not None:
+                first_of[key] = position
+    unsaved = {position: qs.model(**rows[position]) for position in new}
+    saved: dict[int, J] = {}
+    created = False
+    if rows[0]["lock"]:
+        if len(new) > 1 and first_of:
+            # Jobs of keys that exist already are not new: they take no place in the lock.
+            for job in table_jobs(qs).filter(idempotency_key__in=list(first_of)):
+                saved[first_of[str(_key(job))]] = job
+            new = [position for position in new if position not in saved]
+        # The first new job may take the lock (a racer may add its key first: the next
+        # one then may), the later ones wait behind it.
+        while new and not created:
+            position = new.pop(0)
+            saved[position], created = insert_locked(qs, unsaved[position], delay)
+        for position in new:
+            unsaved[position].status = WAITING
+    jobs, added = insert_or_existing(qs, [unsaved[position] for position in new], delay)
+    saved.update(zip(new, jobs, strict=True))
+    ordered = []
+    for position, row in enumerate(rows):
+        key = row.get("idempotency_key")
+        ordered.append(saved[position if key is None else first_of[key]])
+    return ordered, bool(created or added)
+
+
+def insert_or_existing(
+    qs: LeaseQuerySet[J], jobs: list[J], delay: float | None
+) -> tuple[list[J], int]:
+    """Insert `jobs` (none of them taking a lock); return them, each job whose idempotency
+    key exists already replaced by the first job of that key, and how many are new.
+
+    One INSERT per run of jobs with keys and of jobs without, in order: ids follow the
+    order of `jobs`, which is a lock's order."""
+    added: set[int] = set()
+    for keyless, run in groupby(jobs, key=lambda job: _key(job) is None):
+        inserted = inserts.insert(qs.db, list(run), skip_conflicts=not keyless, delay=delay)
+        added.update(id(job) for job in inserted)
+    skipped = [job for job in jobs if id(job) not in added]
+    if not skipped:
+        return jobs, len(jobs)
+    existing = {
+        _key(job): job
+        for job in table_jobs(qs).filter(idempotency_key__in=[_key(j) for j in skipped])
+    }
+    missing = [job for job in skipped if _key(job) not in existing]
+    if missing:
+        # Another unique column refused them: inserted again without skipping, the
+        # database raises its own error, in a savepoint that the caller's transaction
+        # survives.
+        with transaction.atomic(using=qs.db):
+            inserts.insert(qs.db, missing, skip_conflicts=False, delay=delay)
+    found = [
+        existing[_key(job)] if id(job) not in added and _key(job) in existing else job
+        for job in jobs
+    ]
+    return found, len(added) + len(missing)
+
+
+def insert_locked(qs: LeaseQuerySet[J], job: J, delay: float | None) -> tuple[J, bool]:
+    """Insert `job` of the lock `job.lock`: pending and holding it if it is free, else
+    waiting (see `locks.enqueue_locked()`, whose rounds these are, with conflicts skipped instead
+    of caught in savepoints); return it, or the first job of its key, and whether it is new.
+    """
+    jobs = table_jobs(qs)
+    for _ in range(ENQUEUE_ROUNDS):
+        if holder_share_locked(qs, job.lock):
+            job.status, job.lock_holder = WAITING, None
+            [found], added = insert_or_existing(qs, [job], delay)
+            return found, bool(added)
+        job.status, job.lock_holder = PENDING, job.lock
+        if inserts.insert(qs.db, [job], skip_conflicts=True, delay=delay):
+            return job, True
+        key = _key(job)
+        existing = None if key is None else jobs.filter(idempotency_key=key).first()
+        if existing is not None:
+            return existing, False
+        if not jobs.filter(lock_holder=job.lock).exists():
+            # Another unique column refused it: its own error, as in `_insert_or_existing`.
+            with transaction.atomic(using=qs.db):
+                inserts.insert(qs.db, [job], skip_conflicts=False, delay=delay)
+            return job, True
+    raise LeaseError(f"lock {job.lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
+
+
+def enqueue_with_savepoints(qs: LeaseQuerySet[J], row: dict[str, Any], delay: float | None) -> J:
+    """Enqueue the job of `row` through the ORM, conflicts caught in savepoints: for a
+    database that returns no rows from an INSERT (MySQL; MariaDB does)."""
+    values = {**row, **({} if delay is None else {"run_at": after(delay)})}
+    key = values.get("idempotency_key")
+    with transaction.atomic(using=qs.db):
+        if key is None:
+            job = add_job(qs, values)
         else:
-            with transaction.atomic(using=self.db, savepoint=False):
-                [job], created = self._insert_all([row], delay)
-            if not created:
-                return job
-        self._notify(kind)
-        return job
+            # The unique index decides between racing enqueues of one key, not a prior read:
+            # the loser's INSERT fails inside its savepoint and it returns the winner's row.
+            try:
+                with transaction.atomic(using=qs.db):
+                    job = add_job(qs, values)
+            except IntegrityError:
+                existing = qs.filter(idempotency_key=key).first()
+                if existing is None:
+                    raise
+                return existing
+        notify(qs, values["kind"])
+    return job
 
-    def _job_values(
-        self,
-        kind: str,
-        *,
-        run_at: datetime | float | timedelta | None = None,
-        priority: int = 0,
-        max_attempts: int | None = None,
-        lock: str = "",
-        **fields: Any,
-    ) -> tuple[dict[str, Any], float | None]:
-        """Check the arguments every job of an enqueue shares; return its fields and the delay
-        of its `run_at` from the database clock (None: a datetime given, or now)."""
-        values, delay = _job_fields(kind, run_at, priority, max_attempts)
-        values["lock"] = check_text(lock, "lock", LOCK_LENGTH, blank=True)
-        return {**values, **_own_fields(self.model, fields)}, delay
 
-    def _row(self, values: dict[str, Any], payload: Any, key: str | None) -> dict[str, Any]:
-        """Return the fields of one job: `values` with its checked payload and key."""
-        payload = {} if payload is None else payload
-        check_json(payload, "payload")
-        row = {**values, "payload": payload}
-        if key is not None:
-            _check_idempotency_field(self.model)
-            row["idempotency_key"] = check_text(key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
-        return row
+def add_job(qs: LeaseQuerySet[J], values: dict[str, Any]) -> J:
+    return enqueue_locked(qs, values) if values["lock"] else qs.create(**values)
 
-    def _insert_all(self, rows: list[dict[str, Any]], delay: float | None) -> tuple[list[J], bool]:
-        """Add a job per row (every row of one lock, or of none), in enqueue order; return them,
-        the first job of an idempotency key in each place of that key, and whether any is new.
 
-        One INSERT per batch: the jobs of no lock at once, those of a lock after its first new
-        job, which alone may take the lock. No savepoint: a conflict skips the row.
-        """
-        first_of: dict[str, int] = {}
-        new = []
-        for position, row in enumerate(rows):
-            key = row.get("idempotency_key")
-            if key is None or key not in first_of:
-                new.append(position)
-                if key is not None:
-                    first_of[key] = position
-        unsaved = {position: self.model(**rows[position]) for position in new}
-        saved: dict[int, J] = {}
-        created = False
-        if rows[0]["lock"]:
-            if len(new) > 1 and first_of:
-                # Jobs of keys that exist already are not new: they take no place in the lock.
-                for job in self._table_jobs().filter(idempotency_key__in=list(first_of)):
-                    saved[first_of[str(_key(job))]] = job
-                new = [position for position in new if position not in saved]
-            # The first new job may take the lock (a racer may add its key first: the next
-            # one then may), the later ones wait behind it.
-            while new and not created:
-                position = new.pop(0)
-                saved[position], created = self._insert_locked(unsaved[position], delay)
-            for position in new:
-                unsaved[position].status = WAITING
-        jobs, added = self._insert_or_existing([unsaved[position] for position in new], delay)
-        saved.update(zip(new, jobs, strict=True))
-        ordered = []
-        for position, row in enumerate(rows):
-            key = row.get("idempotency_key")
-            ordered.append(saved[position if key is None else first_of[key]])
-        return ordered, bool(created or added)
-
-    def _insert_or_existing(self, jobs: list[J], delay: float | None) -> tuple[list[J], int]:
-        """Insert `jobs` (none of them taking a lock); return them, each job whose idempotency
-        key exists already replaced by the first job of that key, and how many are new.
-
-        One INSERT per run of jobs with keys and of jobs without, in order: ids follow the
-        order of `jobs`, which is a lock's order."""
-        added: set[int] = set()
-        for keyless, run in groupby(jobs, key=lambda job: _key(job) is None):
-            inserted = inserts.insert(self.db, list(run), skip_conflicts=not keyless, delay=delay)
-            added.update(id(job) for job in inserted)
-        skipped = [job for job in jobs if id(job) not in added]
-        if not skipped:
-            return jobs, len(jobs)
-        existing = {
-            _key(job): job
-            for job in self._table_jobs().filter(idempotency_key__in=[_key(j) for j in skipped])
-        }
-        missing = [job for job in skipped if _key(job) not in existing]
-        if missing:
-            # Another unique column refused them: inserted again without skipping, the
-            # database raises its own error, in a savepoint that the caller's transaction
-            # survives.
-            with transaction.atomic(using=self.db):
-                inserts.insert(self.db, missing, skip_conflicts=False, delay=delay)
-        found = [
-            existing[_key(job)] if id(job) not in added and _key(job) in existing else job
-            for job in jobs
-        ]
-        return found, len(added) + len(missing)
-
-    def _insert_locked(self, job: J, delay: float | None) -> tuple[J, bool]:
-        """Insert `job` of the lock `job.lock`: pending and holding it if it is free, else
-        waiting (see `_enqueue_locked`, whose rounds these are, with conflicts skipped instead
-        of caught in savepoints); return it, or the first job of its key, and whether it is new.
-        """
-        jobs = self._table_jobs()
-        for _ in range(ENQUEUE_ROUNDS):
-            if self._holder_share_locked(job.lock):
-                job.status, job.lock_holder = WAITING, None
-                [found], added = self._insert_or_existing([job], delay)
-                return found, bool(added)
-            job.status, job.lock_holder = PENDING, job.lock
-            if inserts.insert(self.db, [job], skip_conflicts=True, delay=delay):
-                return job, True
-            key = _key(job)
-            existing = None if key is None else jobs.filter(idempotency_key=key).first()
-            if existing is not None:
-                return existing, False
-            if not jobs.filter(lock_holder=job.lock).exists():
-                # Another unique column refused it: its own error, as in `_insert_or_existing`.
-                with transaction.atomic(using=self.db):
-                    inserts.insert(self.db, [job], skip_conflicts=False, delay=delay)
-                return job, True
-        raise LeaseError(f"lock {job.lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
-
-    def _enqueue_with_savepoints(self, row: dict[str, Any], delay: float | None) -> J:
-        """Enqueue the job of `row` through the ORM, conflicts caught in savepoints: for a
-        database that returns no rows from an INSERT (MySQL; MariaDB does)."""
-        values = {**row, **({} if delay is None else {"run_at": after(delay)})}
-        key = values.get("idempotency_key")
-        with transaction.atomic(using=self.db):
-            if key is None:
-                job = self._add_job(values)
-            else:
-                # The unique index decides between racing enqueues of one key, not a prior read:
-                # the loser's INSERT fails inside its savepoint and it returns the winner's row.
-                try:
-                    with transaction.atomic(using=self.db):
-                        job = self._add_job(values)
-                except IntegrityError:
-                    existing = self.filter(idempotency_key=key).first()
-                    if existing is None:
-                        raise
-                    return existing
-            self._notify(values["kind"])
-        return job
-
-    def _add_job(self, values: dict[str, Any]) -> J:
-        return self._enqueue_locked(values) if values["lock"] else self.create(**values)
-
-    def _notify(self, kind: str) -> None:
-        """Announce a new job of `kind` to the listening workers: once per kind and
-        transaction, when it commits (at once outside a transaction)."""
-        connection = connections[self.db]
-        if not dialect_of(connection).notifies or not leases_settings.USE_NOTIFY:
-            return
-        channel = notify_channel(self.model)
-        if not connection.in_atomic_block:
-            _send_notify(self.db, channel, kind)
-            return
-        # Django replaces the list of commit hooks at each commit, rollback and savepoint
-        # rollback: the kinds noted beside that very list are the ones whose NOTIFY is still
-        # due. After a savepoint rollback a kind may be announced twice, never not at all.
-        noted = getattr(connection, "_leases_notified", None)
-        if noted is None or noted[0] is not connection.run_on_commit:
-            noted = (connection.run_on_commit, set[tuple[str, str]]())
-            connection._leases_notified = noted  # type: ignore[attr-defined]
-        if (channel, kind) not in noted[1]:
-            noted[1].add((channel, kind))
-            hook = partial(_send_notify, self.db, channel, kind)
-            transaction.on_commit(hook, using=self.db, robust=True)
+def notify(qs: LeaseQuerySet[J], kind: str) -> None:
+    """Announce a new job of `kind` to the listening workers: once per kind and
+    transaction, when it commits (at once outside a transaction)."""
+    connection = connections[qs.db]
+    if not dialect_of(connection).notifies or not leases_settings.USE_NOTIFY:
+        return
+    channel = notify_channel(qs.model)
+    if not connection.in_atomic_block:
+        _send_notify(qs.db, channel, kind)
+        return
+    # Django replaces the list of commit hooks at each commit, rollback and savepoint
+    # rollback: the kinds noted beside that very list are the ones whose NOTIFY is still
+    # due. After a savepoint rollback a kind may be announced twice, never not at all.
+    noted = getattr(connection, "_leases_notified", None)
+    if noted is None or noted[0] is not connection.run_on_commit:
+        noted = (connection.run_on_commit, set[tuple[str, str]]())
+        connection._leases_notified = noted  # type: ignore[attr-defined]
+    if (channel, kind) not in noted[1]:
+        noted[1].add((channel, kind))
+        hook = partial(_send_notify, qs.db, channel, kind)
+        transaction.on_commit(hook, using=qs.db, robust=True)
 
 
 def _send_notify(alias: str, channel: str, kind: str) -> None:

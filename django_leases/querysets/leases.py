@@ -23,6 +23,9 @@ from django_leases.limits import (
     CHECKPOINT_LENGTH,
     check_text,
 )
+from django_leases.querysets import acks, claims, ledger, operators
+from django_leases.querysets import enqueue as enqueueing
+from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
     LeaseKey,
     after,
@@ -30,11 +33,20 @@ from django_leases.querysets.base import (
     key_groups,
     keys_filter,
     lease_keys,
+    quoted_table,
     retry_deadlocks,
 )
-from django_leases.querysets.claims import Claims
-from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, describe_error
-from django_leases.querysets.reads import takeover_guard
+from django_leases.querysets.ledger import (
+    MAX_ERROR_LENGTH,
+    J,
+    close_attempt,
+    describe_error,
+    job_column,
+    ledger_of,
+    ledger_update,
+)
+from django_leases.querysets.locks import pass_lock
+from django_leases.querysets.reads import LeaseReads, takeover_guard
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import (
     COMPLETED,
@@ -47,13 +59,58 @@ from django_leases.status import (
 )
 
 
-class LeaseQuerySet(Claims[J]):
-    """Reads and lease transitions of any `AbstractLeasedJob` table.
+class LeaseQuerySet(LeaseReads[J]):
+    """Reads and lease transitions of any `AbstractLeasedJob` table: the one door to it.
 
-    Built up in layers, one module each: reads (`reads`), ledger writes (`ledger`), pruning
-    (`prune`), operator actions (`operators`), enqueueing (`enqueue`), batched completions
-    (`acks`), claims (`claims`); the holder's writes and the watcher's rescue are here.
+    The chainable reads come from `LeaseReads`; every transition is a method of this class.
+    The holder's writes are written out here; the others are the functions of their modules,
+    each taking the queryset first, bound here as methods: claims (`claims`), batched
+    completions (`acks`), throttled claims (`throttles`), the watcher's rescue and the operator
+    actions (`operators`), enqueueing (`enqueue`), pruning (`prune`); they share the ledger
+    writes (`ledger`) and the lock queue (`locks`). The database's own statements are chosen
+    by its dialect (`dialects.py`).
     """
+
+    # ---- acquisition (claims.py) --------------------------------------------------------------
+
+    claim = claims.claim
+    claim_job = claims.claim_job
+    complete_and_claim = claims.complete_and_claim
+
+    # ---- batched completions (acks.py) --------------------------------------------------------
+
+    complete_many = acks.complete_many
+
+    # ---- the watcher's rescue and the operator actions (operators.py) -------------------------
+
+    rescue = operators.rescue
+    requeue = operators.requeue
+    release_stuck = operators.release_stuck
+    mark_failed = operators.mark_failed
+    cancel = operators.cancel
+    cancelled_leases = operators.cancelled_leases
+    resolve_review = operators.resolve_review
+
+    # ---- enqueueing (enqueue.py) ----------------------------------------------------------------
+
+    enqueue = enqueueing.enqueue
+    enqueue_many = enqueueing.enqueue_many
+    aenqueue = enqueueing.aenqueue
+    aenqueue_many = enqueueing.aenqueue_many
+    writing_to = enqueueing.writing_to
+
+    def _enqueue_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Return `enqueue()`'s keyword arguments as this table's enqueue takes them; a subclass
+        derives the lock from its own columns (`PaymentJobQuerySet`)."""
+        return options
+
+    # ---- retention (prune.py) and the ledger (ledger.py) ----------------------------------------
+
+    prunable = pruning.prunable
+    prune = pruning.prune
+    attempt_rows = ledger.attempt_rows
+    finished_by = ledger.finished_by
+    record_fenced = ledger.record_fenced
 
     # ---- holder writes ----------------------------------------------------------------------
 
@@ -89,10 +146,11 @@ class LeaseQuerySet(Claims[J]):
                     # still match; the lost ones cannot match again (tokens only grow).
                     renewed.update(live.values_list("pk", "lease_token"))
             if renewed:
-                self._ledger_update(
+                ledger_update(
+                    self,
                     renewed,
-                    last_heartbeat_at=self._job_column("heartbeat_at"),
-                    lease_until=self._job_column("lease_until"),
+                    last_heartbeat_at=job_column(self, "heartbeat_at"),
+                    lease_until=job_column(self, "lease_until"),
                 )
         return renewed
 
@@ -110,7 +168,7 @@ class LeaseQuerySet(Claims[J]):
 
         Raises `LeaseLost` if `owner` no longer holds the job.
         """
-        ledger = self._ledger_names()
+        ledger = ledger_of(self)
         if result is None and ledger and self._complete_at_once(pk, owner, token, ledger):
             return
         values: dict[str, Any] = {
@@ -132,7 +190,9 @@ class LeaseQuerySet(Claims[J]):
         if not dialect.completes_at_once:
             return False
         with bound_cursor(self.db) as cursor:
-            return dialect.complete(cursor, self._table(), ledger, owner, (pk, token))
+            return dialect.complete(
+                cursor, quoted_table(self.model, self.db), ledger, owner, (pk, token)
+            )
 
     @retry_deadlocks
     def fail(
@@ -178,9 +238,9 @@ class LeaseQuerySet(Claims[J]):
             # The row is ours until commit; read back which branch the UPDATE took.
             new_status, lock = self.filter(pk=pk).values_list("status", "lock").get()
             outcome = AttemptOutcome.FAILED if new_status == FAILED else AttemptOutcome.RETRIED
-            self._close_attempt(pk, token, outcome, by=owner, error=(error_class, message))
+            close_attempt(self, pk, token, outcome, by=owner, error=(error_class, message))
             if new_status == FAILED and lock:
-                self._pass_lock(pk)
+                pass_lock(self, pk)
         return new_status
 
     @retry_deadlocks
@@ -213,9 +273,9 @@ class LeaseQuerySet(Claims[J]):
             )
             if won:
                 new_status, lock = self.filter(pk=pk).values_list("status", "lock").get()
-                self._close_attempt(pk, token, TIMED_OUT, by=owner, error=("", reason))
+                close_attempt(self, pk, token, TIMED_OUT, by=owner, error=("", reason))
                 if new_status == FAILED and lock:
-                    self._pass_lock(pk)
+                    pass_lock(self, pk)
         if not won:
             self.record_fenced(pk, token)
             raise self._lost(pk, token, f"{owner} no longer holds token {token}")
@@ -272,9 +332,9 @@ class LeaseQuerySet(Claims[J]):
                 if not self._held_update(held, pk, values):
                     raise self._lost(pk, token, f"{owner} no longer holds token {token}")
                 if outcome is not None:
-                    self._close_attempt(pk, token, outcome, by=owner, error=error)
+                    close_attempt(self, pk, token, outcome, by=owner, error=error)
                 elif "checkpoint" in values:
-                    self._ledger_update([(pk, token)], checkpoint=values["checkpoint"])
+                    ledger_update(self, [(pk, token)], checkpoint=values["checkpoint"])
         except LeaseLost:
             self.record_fenced(pk, token)
             raise
@@ -300,5 +360,5 @@ class LeaseQuerySet(Claims[J]):
             return True
         if not held.exclude(lock="").update(**values):
             return False
-        self._pass_lock(pk)
+        pass_lock(self, pk)
         return True

@@ -1,7 +1,8 @@
 """The attempt ledger: one row per lease acquisition, opened by the claim, closed once.
 
 Its writes are made by `LeaseQuerySet`'s transitions, in the transaction of the job's own
-UPDATE, through the methods of `LedgerWrites`; nothing else writes the ledger.
+UPDATE, through the functions below (each taking the job queryset first); nothing else
+writes the ledger.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from django.db.models import F, OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
 from django_leases.querysets.base import LEDGER_KEY, LeaseKey, key_groups, keys_filter
-from django_leases.querysets.reads import J, LeaseReads
+from django_leases.querysets.reads import J
 from django_leases.redaction import error_text
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import HOLDER_OUTCOMES, AttemptOutcome
+
+if TYPE_CHECKING:
+    from django_leases.querysets.leases import LeaseQuerySet
+
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
@@ -86,129 +91,136 @@ def ledger_names(model: type[AbstractLeasedJob], alias: str) -> LedgerNames | No
 
 
 class AttemptQuerySet(models.QuerySet[Any]):
-    """Reads of the attempt ledger (its writes live in `LedgerWrites`)."""
+    """Reads of the attempt ledger (its writes are the functions of this module)."""
 
     def open(self) -> AttemptQuerySet:
         return self.filter(ended_at__isnull=True)
 
 
-class LedgerWrites(LeaseReads[J]):
-    """The ledger writes of a job table's transitions; called inside their transactions."""
+def attempt_rows(qs: LeaseQuerySet[J], pk: int) -> list[AbstractJobAttempt]:
+    """Return the ledger rows of job `pk`, oldest acquisition first; [] without a ledger."""
+    ledger = qs._ledger()
+    if ledger is None:
+        return []
+    return list(ledger.objects.using(qs.db).filter(job_ref=pk).order_by("token"))
 
-    def attempt_rows(self, pk: int) -> list[AbstractJobAttempt]:
-        """Return the ledger rows of job `pk`, oldest acquisition first; [] without a ledger."""
-        ledger = self._ledger()
-        if ledger is None:
-            return []
-        return list(ledger.objects.using(self.db).filter(job_ref=pk).order_by("token"))
 
-    def _ledger_names(self) -> LedgerNames | None:
-        """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
-        return ledger_names(self.model, self.db)
+def ledger_of(qs: LeaseQuerySet[J]) -> LedgerNames | None:
+    """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
+    return ledger_names(qs.model, qs.db)
 
-    def _job_column(self, name: str) -> Subquery:
-        return Subquery(self.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])
 
-    def _open_attempts(self, jobs: Iterable[J], owner: str) -> None:
-        ledger = self._ledger()
-        jobs = list(jobs)
-        if ledger is None or not jobs:
-            return
-        taken = [job.pk for job in jobs if getattr(job, "taken_over", False)]
-        if taken:
-            # The previous holders of expired leases lost them to this claim.
-            ledger.objects.using(self.db).filter(job_ref__in=taken, ended_at__isnull=True).update(
-                outcome=AttemptOutcome.LEASE_LOST, ended_at=Now(), ended_by=owner
-            )
-        ledger.objects.using(self.db).bulk_create(
-            ledger(
-                # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
-                **{"job_id": job.pk},
-                job_ref=job.pk,
-                attempt=job.attempts,
-                token=job.lease_token,
-                owner=owner,
-                last_heartbeat_at=job.heartbeat_at,
-                lease_until=job.lease_until,
-                checkpoint=job.checkpoint,
-            )
-            for job in jobs
+def job_column(qs: LeaseQuerySet[J], name: str) -> Subquery:
+    return Subquery(qs.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])
+
+
+def open_attempts(qs: LeaseQuerySet[J], jobs: Iterable[J], owner: str) -> None:
+    ledger = qs._ledger()
+    jobs = list(jobs)
+    if ledger is None or not jobs:
+        return
+    taken = [job.pk for job in jobs if getattr(job, "taken_over", False)]
+    if taken:
+        # The previous holders of expired leases lost them to this claim.
+        ledger.objects.using(qs.db).filter(job_ref__in=taken, ended_at__isnull=True).update(
+            outcome=AttemptOutcome.LEASE_LOST, ended_at=Now(), ended_by=owner
         )
-
-    def finished_by(self, pk: int, owner: str, token: int) -> bool:
-        """Whether `owner`'s own write under `token` ended that attempt (completed, failed,
-        retried, released or timed out).
-
-        A holder whose connection died after sending its completion asks this before it calls
-        itself fenced out: its write may have committed with only the acknowledgement lost. The
-        attempt's ledger row answers, not the job row: a watcher's rescue also moves the job out
-        of processing under the same token, but closes the row as someone else. A job table
-        without a ledger cannot tell the two apart, so the answer there is always False.
-        """
-        ledger = self._ledger()
-        if ledger is None:
-            return False
-        return (
-            ledger.objects.using(self.db)
-            .filter(job_ref=pk, token=token, ended_by=owner, outcome__in=HOLDER_OUTCOMES)
-            .exists()
+    ledger.objects.using(qs.db).bulk_create(
+        ledger(
+            # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
+            **{"job_id": job.pk},
+            job_ref=job.pk,
+            attempt=job.attempts,
+            token=job.lease_token,
+            owner=owner,
+            last_heartbeat_at=job.heartbeat_at,
+            lease_until=job.lease_until,
+            checkpoint=job.checkpoint,
         )
+        for job in jobs
+    )
 
-    def _ledger_update(
-        self, leases: Iterable[LeaseKey], where: Q | None = None, **values: Any
-    ) -> int:
-        """Update the ledger rows of `leases` ((job id, token) pairs) that match `where`."""
-        ledger = self._ledger()
-        if ledger is None:
-            return 0
-        rows = ledger.objects.using(self.db)
-        return sum(
-            rows.filter(keys_filter(group, LEDGER_KEY), where or Q()).update(**values)
-            for group in key_groups(leases)
-        )
 
-    def _close_attempt(
-        self,
-        pk: int,
-        token: int,
-        outcome: str,
-        *,
-        by: str,
-        error: tuple[str, str] | None,
-    ) -> None:
-        self._close_attempts([(pk, token)], outcome, by=by, error=error)
+def finished_by(qs: LeaseQuerySet[J], pk: int, owner: str, token: int) -> bool:
+    """Whether `owner`'s own write under `token` ended that attempt (completed, failed,
+    retried, released or timed out).
 
-    def _close_attempts(
-        self,
-        leases: Iterable[LeaseKey],
-        outcome: str,
-        *,
-        by: str,
-        error: tuple[str, str] | None = None,
-    ) -> None:
-        """Close the open ledger rows of `leases` ((job id, token) pairs) in one UPDATE."""
-        error_class, message = error or ("", "")
-        # Only an open row: a closed attempt is never rewritten.
-        self._ledger_update(
-            leases,
-            Q(ended_at__isnull=True),
-            outcome=outcome,
-            ended_at=Now(),
-            ended_by=by,
-            checkpoint=self._job_column("checkpoint"),
-            error_class=error_class,
-            error_message=message,
-        )
+    A holder whose connection died after sending its completion asks this before it calls
+    itself fenced out: its write may have committed with only the acknowledgement lost. The
+    attempt's ledger row answers, not the job row: a watcher's rescue also moves the job out
+    of processing under the same token, but closes the row as someone else. A job table
+    without a ledger cannot tell the two apart, so the answer there is always False.
+    """
+    ledger = qs._ledger()
+    if ledger is None:
+        return False
+    return (
+        ledger.objects.using(qs.db)
+        .filter(job_ref=pk, token=token, ended_by=owner, outcome__in=HOLDER_OUTCOMES)
+        .exists()
+    )
 
-    def record_fenced(self, pk: int, token: int) -> None:
-        """Note in the ledger that the holder of `token` came back and was refused.
 
-        Never on a row the holder closed itself (a repeated completion is refused too, but
-        nobody fenced that holder out).
-        """
-        self._record_fenced([(pk, token)])
+def ledger_update(
+    qs: LeaseQuerySet[J], leases: Iterable[LeaseKey], where: Q | None = None, **values: Any
+) -> int:
+    """Update the ledger rows of `leases` ((job id, token) pairs) that match `where`."""
+    ledger = qs._ledger()
+    if ledger is None:
+        return 0
+    rows = ledger.objects.using(qs.db)
+    return sum(
+        rows.filter(keys_filter(group, LEDGER_KEY), where or Q()).update(**values)
+        for group in key_groups(leases)
+    )
 
-    def _record_fenced(self, leases: Iterable[LeaseKey]) -> None:
-        """`record_fenced()` for every (job id, token) pair of `leases`, in one UPDATE."""
-        closed_by_holder = Q(outcome__in=HOLDER_OUTCOMES, ended_by=F("owner"))
-        self._ledger_update(leases, ~closed_by_holder & Q(fenced_at__isnull=True), fenced_at=Now())
+
+def close_attempt(
+    qs: LeaseQuerySet[J],
+    pk: int,
+    token: int,
+    outcome: str,
+    *,
+    by: str,
+    error: tuple[str, str] | None,
+) -> None:
+    close_attempts(qs, [(pk, token)], outcome, by=by, error=error)
+
+
+def close_attempts(
+    qs: LeaseQuerySet[J],
+    leases: Iterable[LeaseKey],
+    outcome: str,
+    *,
+    by: str,
+    error: tuple[str, str] | None = None,
+) -> None:
+    """Close the open ledger rows of `leases` ((job id, token) pairs) in one UPDATE."""
+    error_class, message = error or ("", "")
+    # Only an open row: a closed attempt is never rewritten.
+    ledger_update(
+        qs,
+        leases,
+        Q(ended_at__isnull=True),
+        outcome=outcome,
+        ended_at=Now(),
+        ended_by=by,
+        checkpoint=job_column(qs, "checkpoint"),
+        error_class=error_class,
+        error_message=message,
+    )
+
+
+def record_fenced(qs: LeaseQuerySet[J], pk: int, token: int) -> None:
+    """Note in the ledger that the holder of `token` came back and was refused.
+
+    Never on a row the holder closed itself (a repeated completion is refused too, but
+    nobody fenced that holder out).
+    """
+    record_fenced_many(qs, [(pk, token)])
+
+
+def record_fenced_many(qs: LeaseQuerySet[J], leases: Iterable[LeaseKey]) -> None:
+    """`record_fenced()` for every (job id, token) pair of `leases`, in one UPDATE."""
+    closed_by_holder = Q(outcome__in=HOLDER_OUTCOMES, ended_by=F("owner"))
+    ledger_update(qs, leases, ~closed_by_holder & Q(fenced_at__isnull=True), fenced_at=Now())

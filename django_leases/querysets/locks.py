@@ -11,7 +11,7 @@ pending. Retries, rescues to pending, takeovers and reviews keep the lock where 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, transaction
 from django.db.models import F
@@ -19,95 +19,89 @@ from django.db.models import F
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import LeaseError
 from django_leases.querysets.ledger import J
-from django_leases.querysets.prune import Pruning
 from django_leases.status import PENDING, WAITING
+
+if TYPE_CHECKING:
+    from django_leases.querysets.leases import LeaseQuerySet
+
 
 ENQUEUE_ROUNDS = 10
 """Enqueues of one lock that can beat ours to its free lock, one after another, before we
 give up: each round is lost only to a job that then holds the lock, which we wait behind."""
 
 
-class LockOrder(Pruning[J]):
-    """Enqueueing behind a lock, and passing a released lock on; `OperatorActions` and
-    `LeaseQuerySet` call these inside the transaction of each transition."""
+def table_jobs(qs: LeaseQuerySet[J]) -> LeaseQuerySet[J]:
+    """All jobs of the table on this database: a lock spans every job, whatever the
+    selection an operator action or a transition was called on."""
+    return type(qs)(qs.model, using=qs.db)
 
-    def waiting(self) -> LockOrder[J]:
-        """Jobs waiting for an earlier job of their lock to finish."""
-        return self.filter(status=WAITING)
 
-    def lock_holders(self) -> LockOrder[J]:
-        """Jobs that hold their lock: next in line, running or under review."""
-        return self.filter(lock_holder__isnull=False)
+def enqueue_locked(qs: LeaseQuerySet[J], fields: dict[str, Any]) -> J:
+    """Insert a job of the lock `fields["lock"]`: pending if the lock is free, else waiting.
 
-    def _table_jobs(self) -> LockOrder[J]:
-        """All jobs of the table on this database: a lock spans every job, whatever the
-        selection an operator action or a transition was called on."""
-        return type(self)(self.model, using=self.db)
-
-    def _enqueue_locked(self, fields: dict[str, Any]) -> J:
-        """Insert a job of the lock `fields["lock"]`: pending if the lock is free, else waiting.
-
-        Runs inside the enqueue's transaction.
-        """
-        lock = fields["lock"]
-        jobs = self._table_jobs()
-        for _ in range(ENQUEUE_ROUNDS):
-            # Share-lock the holder's row until we commit. Its finishing UPDATE then waits for
-            # our commit, and its passing on of the lock (a later statement, with a later
-            # snapshot) sees our job. A holder that is finishing right now makes us wait for
-            # it; we then find the job it passed the lock to, or none.
-            if self._holder_share_locked(lock):
-                return jobs.create(status=WAITING, **fields)
-            try:
-                # No holder: take the lock. The unique index decides between two enqueues
-                # that both found none; the loser goes round again and waits behind the winner.
-                with transaction.atomic(using=self.db):
-                    return jobs.create(status=PENDING, lock_holder=lock, **fields)
-            except IntegrityError:
-                if not jobs.filter(lock_holder=lock).exists():
-                    raise  # another unique field (the idempotency key) refused the row
-        raise LeaseError(f"lock {lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
-
-    def _holder_share_locked(self, lock: str) -> bool:
-        connection = connections[self.db]
-        table = connection.ops.quote_name(self.model._meta.db_table)
-        with connection.cursor() as cursor:
-            cursor.execute(*dialect_of(connection).share_lock_holder(table, lock))
-            return cursor.fetchone() is not None
-
-    def _pass_lock(self, pk: int, *, contested: bool = False) -> None:
-        """If job `pk` no longer holds its lock, make the lock's first waiting job pending.
-
-        Called in the transaction of the UPDATE that released the lock, after it: that UPDATE
-        holds the row lock every enqueue of the lock takes first, so no job of the lock is
-        left waiting unseen. `contested`: the lock may have been taken meanwhile (an operator
-        requeued a finished job of a busy lock), so a unique conflict only means it is held.
-        """
-        jobs = self._table_jobs()
-        lock = (
-            jobs.filter(pk=pk, lock_holder__isnull=True)
-            .exclude(lock="")
-            .values_list("lock", flat=True)
-            .first()
-        )
-        if lock is None or (contested and jobs.filter(lock_holder=lock).exists()):
-            return
-        # FOR UPDATE: a waiting job cancelled meanwhile is re-checked and skipped, never
-        # promoted from a stale read. Lowest id first: enqueue order.
-        first = list(
-            jobs.select_for_update()
-            .filter(status=WAITING, lock=lock)
-            .order_by("pk")
-            .values_list("pk", flat=True)[:1]
-        )
-        if not first:
-            return
-        promote = jobs.filter(pk=first[0], status=WAITING)
-        if not contested:
-            promote.update(status=PENDING, lock_holder=F("lock"))
-            return
+    Runs inside the enqueue's transaction.
+    """
+    lock = fields["lock"]
+    jobs = table_jobs(qs)
+    for _ in range(ENQUEUE_ROUNDS):
+        # Share-lock the holder's row until we commit. Its finishing UPDATE then waits for
+        # our commit, and its passing on of the lock (a later statement, with a later
+        # snapshot) sees our job. A holder that is finishing right now makes us wait for
+        # it; we then find the job it passed the lock to, or none.
+        if holder_share_locked(qs, lock):
+            return jobs.create(status=WAITING, **fields)
         try:
-            with transaction.atomic(using=self.db):
-                promote.update(status=PENDING, lock_holder=F("lock"))
+            # No holder: take the lock. The unique index decides between two enqueues
+            # that both found none; the loser goes round again and waits behind the winner.
+            with transaction.atomic(using=qs.db):
+                return jobs.create(status=PENDING, lock_holder=lock, **fields)
         except IntegrityError:
-            return  # an enqueue took the free lock first: our job waits behind it
+            if not jobs.filter(lock_holder=lock).exists():
+                raise  # another unique field (the idempotency key) refused the row
+    raise LeaseError(f"lock {lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
+
+
+def holder_share_locked(qs: LeaseQuerySet[J], lock: str) -> bool:
+    connection = connections[qs.db]
+    table = connection.ops.quote_name(qs.model._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(*dialect_of(connection).share_lock_holder(table, lock))
+        return cursor.fetchone() is not None
+
+
+def pass_lock(qs: LeaseQuerySet[J], pk: int, *, contested: bool = False) -> None:
+    """If job `pk` no longer holds its lock, make the lock's first waiting job pending.
+
+    Called in the transaction of the UPDATE that released the lock, after it: that UPDATE
+    holds the row lock every enqueue of the lock takes first, so no job of the lock is
+    left waiting unseen. `contested`: the lock may have been taken meanwhile (an operator
+    requeued a finished job of a busy lock), so a unique conflict only means it is held.
+    """
+    jobs = table_jobs(qs)
+    lock = (
+        jobs.filter(pk=pk, lock_holder__isnull=True)
+        .exclude(lock="")
+        .values_list("lock", flat=True)
+        .first()
+    )
+    if lock is None or (contested and jobs.filter(lock_holder=lock).exists()):
+        return
+    # FOR UPDATE: a waiting job cancelled meanwhile is re-checked and skipped, never
+    # promoted from a stale read. Lowest id first: enqueue order.
+    first = list(
+        jobs.select_for_update()
+        .filter(status=WAITING, lock=lock)
+        .order_by("pk")
+        .values_list("pk", flat=True)[:1]
+    )
+    if not first:
+        return
+    promote = jobs.filter(pk=first[0], status=WAITING)
+    if not contested:
+        promote.update(status=PENDING, lock_holder=F("lock"))
+        return
+    try:
+        with transaction.atomic(using=qs.db):
+            promote.update(status=PENDING, lock_holder=F("lock"))
+    except IntegrityError:
+        return  # an enqueue took the free lock first: our job waits behind it

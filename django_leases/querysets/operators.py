@@ -30,8 +30,15 @@ from django_leases.querysets.base import (
     next_token,
     retry_deadlocks,
 )
-from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, storable
-from django_leases.querysets.locks import LockOrder
+from django_leases.querysets.ledger import (
+    MAX_ERROR_LENGTH,
+    J,
+    close_attempt,
+    job_column,
+    ledger_update,
+    storable,
+)
+from django_leases.querysets.locks import pass_lock
 from django_leases.querysets.reads import takeover_guard
 from django_leases.status import (
     CANCELLED,
@@ -48,6 +55,10 @@ from django_leases.status import (
 )
 
 if TYPE_CHECKING:
+    from django_leases.querysets.leases import LeaseQuerySet
+
+
+if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
 
 OPERATOR_BATCH_SIZE = 500
@@ -59,323 +70,326 @@ REVIEW_EVENTS: dict[str, str] = {
 }
 
 
-class OperatorActions(LockOrder[J]):
-    """The watcher's rescue and the operator actions of a job table; `LeaseQuerySet` builds on
-    them (and on the lock order, pruning and the ledger writes, the classes below it) to keep
-    each concern in its own module. A decision that finishes a job holding its lock passes the
-    lock on, in its transaction."""
+@retry_deadlocks
+def rescue(
+    qs: LeaseQuerySet[J],
+    job: AbstractLeasedJob,
+    action: str,
+    *,
+    by: str,
+    retry_in: float | timedelta | None = None,
+    reason: str = "",
+    orphaned: bool = False,
+) -> bool:
+    """Resolve the expired lease of `job` (as read by the watcher) with `action`.
 
-    # ---- the watcher's decision -------------------------------------------------------------
-
-    @retry_deadlocks
-    def rescue(
-        self,
-        job: AbstractLeasedJob,
-        action: str,
-        *,
-        by: str,
-        retry_in: float | timedelta | None = None,
-        reason: str = "",
-        orphaned: bool = False,
-    ) -> bool:
-        """Resolve the expired lease of `job` (as read by the watcher) with `action`.
-
-        `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
-        "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates everything the
-        decision read: the expiry, the token, the checkpoint and `max_attempts`, so a job
-        completed, renewed, claimed, checkpointed or rescued a moment ago is left alone. With
-        `orphaned`, the lease may still be live but its owner is known gone (see `orphaned()`):
-        the UPDATE then restates that owner instead of the expiry. Returns whether this call won.
-        """
-        values: dict[str, Any]
-        outcome: str
-        if action == Verdict.RETRY:
-            delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
-            values = {"status": PENDING, "run_at": after(delay) if delay else Now()}
-            outcome = AttemptOutcome.RESCUED
-        elif action == StuckPolicy.REVIEW:
-            values = {"status": REVIEW}
-            outcome = AttemptOutcome.REVIEW
-        elif action in (FAILED, COMPLETED):
-            values = {"status": action, "completed_at": Now(), "lock_holder": None}
-            outcome = action
-        else:
-            raise ValueError(f"unknown rescue action {action!r}")
-        if reason:
-            values["last_error"] = reason[:MAX_ERROR_LENGTH]
-        with transaction.atomic(using=self.db):
-            stale = (
-                self.processing().filter(lease_owner=job.lease_owner)
-                if orphaned
-                else self.expired()
+    `action` is "retry" (back to pending after `retry_in`), "review" (held for an operator),
+    "failed" or "completed" (a reconcile hook's verdict). The UPDATE restates everything the
+    decision read: the expiry, the token, the checkpoint and `max_attempts`, so a job
+    completed, renewed, claimed, checkpointed or rescued a moment ago is left alone. With
+    `orphaned`, the lease may still be live but its owner is known gone (see `orphaned()`):
+    the UPDATE then restates that owner instead of the expiry. Returns whether this call won.
+    """
+    values: dict[str, Any]
+    outcome: str
+    if action == Verdict.RETRY:
+        delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
+        values = {"status": PENDING, "run_at": after(delay) if delay else Now()}
+        outcome = AttemptOutcome.RESCUED
+    elif action == StuckPolicy.REVIEW:
+        values = {"status": REVIEW}
+        outcome = AttemptOutcome.REVIEW
+    elif action in (FAILED, COMPLETED):
+        values = {"status": action, "completed_at": Now(), "lock_holder": None}
+        outcome = action
+    else:
+        raise ValueError(f"unknown rescue action {action!r}")
+    if reason:
+        values["last_error"] = reason[:MAX_ERROR_LENGTH]
+    with transaction.atomic(using=qs.db):
+        stale = qs.processing().filter(lease_owner=job.lease_owner) if orphaned else qs.expired()
+        won = stale.filter(
+            pk=job.pk,
+            lease_token=job.lease_token,
+            checkpoint=job.checkpoint,
+            max_attempts=job.max_attempts,
+        ).update(**values)
+        if won:
+            close_attempt(
+                qs, job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
             )
-            won = stale.filter(
-                pk=job.pk,
-                lease_token=job.lease_token,
-                checkpoint=job.checkpoint,
-                max_attempts=job.max_attempts,
-            ).update(**values)
-            if won:
-                self._close_attempt(
-                    job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
-                )
-                if "lock_holder" in values:
-                    self._pass_lock(job.pk)
-        return bool(won)
+            if "lock_holder" in values:
+                pass_lock(qs, job.pk)
+    return bool(won)
 
-    # ---- operator actions ---------------------------------------------------------------------
 
-    def requeue(self, *, force: bool = False, by: str = "operator") -> int:
-        """Make the selected jobs pending and due now; return how many changed.
+def requeue(qs: LeaseQuerySet[J], *, force: bool = False, by: str = "operator") -> int:
+    """Make the selected jobs pending and due now; return how many changed.
 
-        Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
-        live lease only with `force`, which also bumps its fencing token so that the current
-        holder is fenced out of every further write. Completed jobs are never requeued. A job
-        without attempts left gets one more.
+    Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
+    live lease only with `force`, which also bumps its fencing token so that the current
+    holder is fenced out of every further write. Completed jobs are never requeued. A job
+    without attempts left gets one more.
 
-        A job of a lock that holds it keeps it (pending, next in line). A finished job of a
-        lock rejoins it at its enqueue place: pending if the lock is free, else waiting, ahead
-        of every later job of the lock (the lowest id waiting goes first).
-        """
-        eligible = Q(status__in=[FAILED, CANCELLED, REVIEW, PENDING]) | Q(
-            status=PROCESSING, lease_until__lt=Now()
-        )
-        if force:
-            eligible |= Q(status=PROCESSING)
-        values = {
-            "status": Case(
-                When(Q(lock="") | Q(lock_holder__isnull=False), then=Value(PENDING)),
-                default=Value(WAITING),
-            ),
+    A job of a lock that holds it keeps it (pending, next in line). A finished job of a
+    lock rejoins it at its enqueue place: pending if the lock is free, else waiting, ahead
+    of every later job of the lock (the lowest id waiting goes first).
+    """
+    eligible = Q(status__in=[FAILED, CANCELLED, REVIEW, PENDING]) | Q(
+        status=PROCESSING, lease_until__lt=Now()
+    )
+    if force:
+        eligible |= Q(status=PROCESSING)
+    values = {
+        "status": Case(
+            When(Q(lock="") | Q(lock_holder__isnull=False), then=Value(PENDING)),
+            default=Value(WAITING),
+        ),
+        "run_at": Now(),
+        "completed_at": None,
+        # A requeued job gets at least one more attempt, whatever it used up.
+        "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
+        "lease_token": next_token(),
+    }
+    return operator_write(
+        qs, eligible, values, by, event=EventAction.REQUEUED, ends=AttemptOutcome.REQUEUED
+    )
+
+
+def release_stuck(qs: LeaseQuerySet[J], *, by: str = "operator") -> int:
+    """Return the selected jobs whose lease expired to pending (the watcher's retry).
+
+    A job that used its last attempt gets one more, or it would sit pending unclaimable.
+    """
+    return operator_write(
+        qs,
+        Q(status=PROCESSING, lease_until__lt=Now()),
+        {
+            "status": PENDING,
             "run_at": Now(),
-            "completed_at": None,
-            # A requeued job gets at least one more attempt, whatever it used up.
             "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
-            "lease_token": next_token(),
-        }
-        return self._operator_write(
-            eligible, values, by, event=EventAction.REQUEUED, ends=AttemptOutcome.REQUEUED
-        )
+        },
+        by,
+        event=EventAction.RELEASED,
+        ends=AttemptOutcome.RESCUED,
+    )
 
-    def release_stuck(self, *, by: str = "operator") -> int:
-        """Return the selected jobs whose lease expired to pending (the watcher's retry).
 
-        A job that used its last attempt gets one more, or it would sit pending unclaimable.
-        """
-        return self._operator_write(
-            Q(status=PROCESSING, lease_until__lt=Now()),
-            {
-                "status": PENDING,
-                "run_at": Now(),
-                "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
-            },
-            by,
-            event=EventAction.RELEASED,
-            ends=AttemptOutcome.RESCUED,
-        )
+def mark_failed(
+    qs: LeaseQuerySet[J], *, reason: str, force: bool = False, by: str = "operator"
+) -> int:
+    """Fail the selected pending, waiting, under-review or expired jobs (any processing one
+    with `force`, fencing out its holder); return how many changed."""
+    eligible = Q(status__in=[PENDING, WAITING, REVIEW]) | Q(
+        status=PROCESSING, lease_until__lt=Now()
+    )
+    if force:
+        eligible |= Q(status=PROCESSING)
+    values = {
+        "status": FAILED,
+        "completed_at": Now(),
+        "last_error": reason[:MAX_ERROR_LENGTH],
+        "lease_token": next_token(),
+        "lock_holder": None,
+    }
+    return operator_write(
+        qs,
+        eligible,
+        values,
+        by,
+        event=EventAction.FAILED,
+        ends=AttemptOutcome.FAILED,
+        reason=reason,
+    )
 
-    def mark_failed(self, *, reason: str, force: bool = False, by: str = "operator") -> int:
-        """Fail the selected pending, waiting, under-review or expired jobs (any processing one
-        with `force`, fencing out its holder); return how many changed."""
-        eligible = Q(status__in=[PENDING, WAITING, REVIEW]) | Q(
-            status=PROCESSING, lease_until__lt=Now()
-        )
-        if force:
-            eligible |= Q(status=PROCESSING)
-        values = {
-            "status": FAILED,
-            "completed_at": Now(),
-            "last_error": reason[:MAX_ERROR_LENGTH],
-            "lease_token": next_token(),
-            "lock_holder": None,
-        }
-        return self._operator_write(
-            eligible,
-            values,
-            by,
-            event=EventAction.FAILED,
-            ends=AttemptOutcome.FAILED,
-            reason=reason,
-        )
 
-    def cancel(self, *, by: str = "operator", reason: str = "", running: bool = True) -> int:
-        """Cancel the selected pending, waiting and processing jobs; return how many changed.
+def cancel(
+    qs: LeaseQuerySet[J], *, by: str = "operator", reason: str = "", running: bool = True
+) -> int:
+    """Cancel the selected pending, waiting and processing jobs; return how many changed.
 
-        A processing job's holder is fenced out (its token is bumped, its attempt closed as
-        cancelled): its heartbeat is refused and it learns `Cancelled` within one heartbeat
-        interval. A processing job of a review-policy kind past its checkpoint may have moved
-        money: it goes to review instead. `running=False` leaves processing jobs alone.
-        """
-        note = f"cancelled by {by}" + (f": {reason}" if reason else "")
-        eligible = Q(status__in=[PENDING, WAITING])
-        if running:
-            eligible |= Q(status=PROCESSING)
-        guard = takeover_guard()[0]
-        review = Q(status=PROCESSING) & ~guard if guard else Q(pk__in=[])
-        values = {
-            # The attempt ends with the cancel; under review the job keeps its token (the
-            # verdict is noted on that attempt's row) and its lock. MariaDB/MySQL evaluate SET
-            # left to right, each assignment seeing the columns set before it: status goes last.
-            "completed_at": Case(When(review, then=None), default=Now()),
-            "last_error": note[:MAX_ERROR_LENGTH],
-            "lease_token": Case(When(review, then=F("lease_token")), default=F("lease_token") + 1),
-            "lock_holder": Case(When(review, then=F("lock_holder")), default=None),
-            "status": Case(When(review, then=Value(REVIEW)), default=Value(CANCELLED)),
-        }
-        return self._operator_write(
-            eligible,
-            values,
-            by,
-            event=EventAction.CANCELLED,
-            ends=AttemptOutcome.CANCELLED,
-            reason=reason,
-        )
+    A processing job's holder is fenced out (its token is bumped, its attempt closed as
+    cancelled): its heartbeat is refused and it learns `Cancelled` within one heartbeat
+    interval. A processing job of a review-policy kind past its checkpoint may have moved
+    money: it goes to review instead. `running=False` leaves processing jobs alone.
+    """
+    note = f"cancelled by {by}" + (f": {reason}" if reason else "")
+    eligible = Q(status__in=[PENDING, WAITING])
+    if running:
+        eligible |= Q(status=PROCESSING)
+    guard = takeover_guard()[0]
+    review = Q(status=PROCESSING) & ~guard if guard else Q(pk__in=[])
+    values = {
+        # The attempt ends with the cancel; under review the job keeps its token (the
+        # verdict is noted on that attempt's row) and its lock. MariaDB/MySQL evaluate SET
+        # left to right, each assignment seeing the columns set before it: status goes last.
+        "completed_at": Case(When(review, then=None), default=Now()),
+        "last_error": note[:MAX_ERROR_LENGTH],
+        "lease_token": Case(When(review, then=F("lease_token")), default=F("lease_token") + 1),
+        "lock_holder": Case(When(review, then=F("lock_holder")), default=None),
+        "status": Case(When(review, then=Value(REVIEW)), default=Value(CANCELLED)),
+    }
+    return operator_write(
+        qs,
+        eligible,
+        values,
+        by,
+        event=EventAction.CANCELLED,
+        ends=AttemptOutcome.CANCELLED,
+        reason=reason,
+    )
 
-    def cancelled_leases(self, leases: Iterable[LeaseKey]) -> dict[LeaseKey, str]:
-        """Return which of `leases` ((job id, token) pairs) an operator's `cancel()` ended, each
-        with who cancelled it: how a holder whose write or renewal was refused tells a cancel
-        from other losses. Without a ledger, a job cancelled under the next token counts."""
-        ledger = self._ledger()
-        found: dict[LeaseKey, str] = {}
-        for group in key_groups(lease_keys(leases)):
-            if ledger is not None:
-                rows = ledger.objects.using(self.db).filter(
-                    keys_filter(group, LEDGER_KEY), outcome=AttemptOutcome.CANCELLED
-                )
-                found.update(
-                    ((pk, token), by) for pk, token, by in rows.values_list(*LEDGER_KEY, "ended_by")
-                )
-                continue
-            jobs = self.filter(pk__in=group, status=CANCELLED).values_list(*JOB_KEY)
+
+def cancelled_leases(qs: LeaseQuerySet[J], leases: Iterable[LeaseKey]) -> dict[LeaseKey, str]:
+    """Return which of `leases` ((job id, token) pairs) an operator's `cancel()` ended, each
+    with who cancelled it: how a holder whose write or renewal was refused tells a cancel
+    from other losses. Without a ledger, a job cancelled under the next token counts."""
+    ledger = qs._ledger()
+    found: dict[LeaseKey, str] = {}
+    for group in key_groups(lease_keys(leases)):
+        if ledger is not None:
+            rows = ledger.objects.using(qs.db).filter(
+                keys_filter(group, LEDGER_KEY), outcome=AttemptOutcome.CANCELLED
+            )
             found.update(
-                ((pk, token - 1), "an operator") for pk, token in jobs if group[pk] == token - 1
+                ((pk, token), by) for pk, token, by in rows.values_list(*LEDGER_KEY, "ended_by")
             )
-        return found
-
-    def resolve_review(self, verdict: str, *, by: str = "operator") -> int:
-        """Resolve the selected jobs under review: "completed", "retry" or "failed".
-
-        The verdict is an event of the job; it is also noted on the ledger row that put the job
-        under review, if no verdict is there yet.
-        """
-        values: dict[str, Any]
-        if verdict == Verdict.RETRY:
-            values = {
-                "status": PENDING,
-                "run_at": Now(),
-                "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
-            }
-        elif verdict in (COMPLETED, FAILED):
-            values = {"status": verdict, "completed_at": Now(), "lock_holder": None}
-        else:
-            raise ValueError(f"unknown review verdict {verdict!r}")
-        return self._operator_write(
-            Q(status=REVIEW), values, by, event=REVIEW_EVENTS[verdict], resolution=verdict
+            continue
+        jobs = qs.filter(pk__in=group, status=CANCELLED).values_list(*JOB_KEY)
+        found.update(
+            ((pk, token - 1), "an operator") for pk, token in jobs if group[pk] == token - 1
         )
+    return found
 
-    def _operator_write(
-        self,
-        eligible: Q,
-        values: dict[str, Any],
-        by: str,
-        *,
-        event: str,
-        ends: str | None = None,
-        reason: str = "",
-        resolution: str = "",
-    ) -> int:
-        """Apply an operator action to the selected jobs that are `eligible`, in batches of
-        OPERATOR_BATCH_SIZE; return how many changed.
 
-        Each changed job gets an event (`event`, `by`, `reason`); an open attempt the action
-        ends is closed as `ends` by `by`. A closed attempt row is never changed.
-        """
-        changed = 0
-        after_pk: int | None = 0
-        while after_pk is not None:
-            won, after_pk = self._operator_batch(
-                eligible, after_pk, values, by, event, ends, reason, resolution
-            )
-            changed += won
-        return changed
+def resolve_review(qs: LeaseQuerySet[J], verdict: str, *, by: str = "operator") -> int:
+    """Resolve the selected jobs under review: "completed", "retry" or "failed".
 
-    @retry_deadlocks
-    def _operator_batch(
-        self,
-        eligible: Q,
-        after_pk: int,
-        values: dict[str, Any],
-        by: str,
-        event: str,
-        ends: str | None,
-        reason: str,
-        resolution: str,
-    ) -> tuple[int, int | None]:
-        # One transaction per batch: the jobs' UPDATE, the closing of the attempts it ended and
-        # the events that record it commit together, or not at all.
-        with transaction.atomic(using=self.db):
-            # Lock the batch, then ONE UPDATE restating the whole precondition: the rows locked
-            # are exactly the rows it changes, so events and ledger rows are written for those
-            # only. PostgreSQL and MariaDB/MySQL lock the rows; on SQLite the IMMEDIATE
-            # transaction holds the database write lock (see check W003). Tested on all three.
-            rows = list(
-                self.filter(eligible, pk__gt=after_pk)
-                .order_by("pk")
-                .select_for_update()
-                .values_list("pk", "lease_token", "attempts", "lock")[:OPERATOR_BATCH_SIZE]
-            )
-            if not rows:
-                return 0, None
-            pks = [pk for pk, _, _, _ in rows]
-            won = self.filter(eligible, pk__in=pks).update(**values)
-            if won != len(rows):
-                raise LeaseError(f"{won} of {len(rows)} locked jobs changed; rolled back")
-            # In id order: requeued jobs of one lock rejoin it in their enqueue order, and a
-            # lock a finished job released passes on in this transaction.
-            for pk, _, _, lock in rows:
-                if lock:
-                    self._pass_lock(pk, contested=True)
-            ledger = self._ledger()
-            if ledger is not None:
-                attempts = ledger.objects.using(self.db).filter(job_ref__in=pks)
-                if ends is not None:
-                    # A processing job's open attempt ends here, by the operator.
-                    attempts.filter(ended_at__isnull=True).update(
-                        outcome=ends,
-                        ended_at=Now(),
-                        ended_by=by,
-                        checkpoint=self._job_column("checkpoint"),
-                        error_class="",
-                        error_message=storable(reason)[:MAX_ERROR_LENGTH],
-                    )
-                if resolution:
-                    self._ledger_update(
-                        [(pk, token) for pk, token, _, _ in rows],
-                        Q(resolution=""),
-                        resolution=resolution,
-                        resolved_by=by,
-                        resolved_at=Now(),
-                    )
-            self._record_events([row[:3] for row in rows], event, by, reason)
-        return won, pks[-1]
+    The verdict is an event of the job; it is also noted on the ledger row that put the job
+    under review, if no verdict is there yet.
+    """
+    values: dict[str, Any]
+    if verdict == Verdict.RETRY:
+        values = {
+            "status": PENDING,
+            "run_at": Now(),
+            "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
+        }
+    elif verdict in (COMPLETED, FAILED):
+        values = {"status": verdict, "completed_at": Now(), "lock_holder": None}
+    else:
+        raise ValueError(f"unknown review verdict {verdict!r}")
+    return operator_write(
+        qs, Q(status=REVIEW), values, by, event=REVIEW_EVENTS[verdict], resolution=verdict
+    )
 
-    def _record_events(
-        self, rows: list[tuple[int, int, int]], action: str, by: str, reason: str
-    ) -> None:
-        label = self.model.event_model
-        if not label:
-            return
-        events = apps.get_model(label)
-        events.objects.using(self.db).bulk_create(
-            events(
-                # `job` is the concrete event log's foreign key (see AbstractJobEvent).
-                **{"job_id": pk},
-                job_ref=pk,
-                token=token,
-                attempts=attempts,
-                action=action,
-                by=by,
-                reason=storable(reason)[:MAX_ERROR_LENGTH],
-            )
-            for pk, token, attempts in rows
+
+def operator_write(
+    qs: LeaseQuerySet[J],
+    eligible: Q,
+    values: dict[str, Any],
+    by: str,
+    *,
+    event: str,
+    ends: str | None = None,
+    reason: str = "",
+    resolution: str = "",
+) -> int:
+    """Apply an operator action to the selected jobs that are `eligible`, in batches of
+    OPERATOR_BATCH_SIZE; return how many changed.
+
+    Each changed job gets an event (`event`, `by`, `reason`); an open attempt the action
+    ends is closed as `ends` by `by`. A closed attempt row is never changed.
+    """
+    changed = 0
+    after_pk: int | None = 0
+    while after_pk is not None:
+        won, after_pk = operator_batch(
+            qs, eligible, after_pk, values, by, event, ends, reason, resolution
         )
+        changed += won
+    return changed
+
+
+@retry_deadlocks
+def operator_batch(
+    qs: LeaseQuerySet[J],
+    eligible: Q,
+    after_pk: int,
+    values: dict[str, Any],
+    by: str,
+    event: str,
+    ends: str | None,
+    reason: str,
+    resolution: str,
+) -> tuple[int, int | None]:
+    # One transaction per batch: the jobs' UPDATE, the closing of the attempts it ended and
+    # the events that record it commit together, or not at all.
+    with transaction.atomic(using=qs.db):
+        # Lock the batch, then ONE UPDATE restating the whole precondition: the rows locked
+        # are exactly the rows it changes, so events and ledger rows are written for those
+        # only. PostgreSQL and MariaDB/MySQL lock the rows; on SQLite the IMMEDIATE
+        # transaction holds the database write lock (see check W003). Tested on all three.
+        rows = list(
+            qs.filter(eligible, pk__gt=after_pk)
+            .order_by("pk")
+            .select_for_update()
+            .values_list("pk", "lease_token", "attempts", "lock")[:OPERATOR_BATCH_SIZE]
+        )
+        if not rows:
+            return 0, None
+        pks = [pk for pk, _, _, _ in rows]
+        won = qs.filter(eligible, pk__in=pks).update(**values)
+        if won != len(rows):
+            raise LeaseError(f"{won} of {len(rows)} locked jobs changed; rolled back")
+        # In id order: requeued jobs of one lock rejoin it in their enqueue order, and a
+        # lock a finished job released passes on in this transaction.
+        for pk, _, _, lock in rows:
+            if lock:
+                pass_lock(qs, pk, contested=True)
+        ledger = qs._ledger()
+        if ledger is not None:
+            attempts = ledger.objects.using(qs.db).filter(job_ref__in=pks)
+            if ends is not None:
+                # A processing job's open attempt ends here, by the operator.
+                attempts.filter(ended_at__isnull=True).update(
+                    outcome=ends,
+                    ended_at=Now(),
+                    ended_by=by,
+                    checkpoint=job_column(qs, "checkpoint"),
+                    error_class="",
+                    error_message=storable(reason)[:MAX_ERROR_LENGTH],
+                )
+            if resolution:
+                ledger_update(
+                    qs,
+                    [(pk, token) for pk, token, _, _ in rows],
+                    Q(resolution=""),
+                    resolution=resolution,
+                    resolved_by=by,
+                    resolved_at=Now(),
+                )
+        record_events(qs, [row[:3] for row in rows], event, by, reason)
+    return won, pks[-1]
+
+
+def record_events(
+    qs: LeaseQuerySet[J], rows: list[tuple[int, int, int]], action: str, by: str, reason: str
+) -> None:
+    label = qs.model.event_model
+    if not label:
+        return
+    events = apps.get_model(label)
+    events.objects.using(qs.db).bulk_create(
+        events(
+            # `job` is the concrete event log's foreign key (see AbstractJobEvent).
+            **{"job_id": pk},
+            job_ref=pk,
+            token=token,
+            attempts=attempts,
+            action=action,
+            by=by,
+            reason=storable(reason)[:MAX_ERROR_LENGTH],
+        )
+        for pk, token, attempts in rows
+    )

@@ -33,6 +33,7 @@ from django_leases.status import (
     PENDING,
     PROCESSING,
     REVIEW,
+    WAITING,
     StuckPolicy,
 )
 
@@ -96,6 +97,14 @@ class LeaseReads(models.QuerySet[J]):
         qs = self.expired().filter(takeover_guard()[0]) if takeover else self.due()
         qs = qs.filter(attempts__lt=F("max_attempts"))
         return qs.filter(kind__in=list(kinds)) if kinds is not None else qs
+
+    def waiting(self) -> Self:
+        """Jobs waiting for an earlier job of their lock to finish (`locks`)."""
+        return self.filter(status=WAITING)
+
+    def lock_holders(self) -> Self:
+        """Jobs that hold their lock: next in line, running or under review."""
+        return self.filter(lock_holder__isnull=False)
 
     def under_review(self) -> Self:
         """Jobs the watcher held for review: an operator or a reconcile hook decides."""

@@ -1,6 +1,6 @@
 """Throttles: the claims of kinds with a `limit=` or `rate=` (`django_leases.throttles`).
 
-A layer of `LeaseQuerySet`, and the queryset of the per-kind gate rows. A throttled kind is
+`claim_throttled()` (of `claims`), and the queryset of the per-kind gate rows. A throttled kind is
 claimed in a transaction of its own that first writes the kind's gate row: the row lock
 (PostgreSQL, MariaDB/MySQL) or the write lock (SQLite) serialises every claimer of that kind,
 on every host, until commit. Under it the claim counts what the kind already has running
@@ -14,17 +14,20 @@ previous holder's commit, so the starts of one window are never spread over two 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import models, transaction
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import Now
 
-from django_leases.querysets.acks import Acknowledgements
 from django_leases.querysets.base import ago, retry_deadlocks
 from django_leases.querysets.ledger import J
 from django_leases.status import PROCESSING
 from django_leases.throttles import Throttle
+
+if TYPE_CHECKING:
+    from django_leases.querysets.leases import LeaseQuerySet
+
 
 STALE_STARTS = 32
 """Start rows past their window that a claim lets wait before it deletes them all."""
@@ -75,30 +78,29 @@ class KindGateQuerySet(models.QuerySet[Any]):
         return KindStart.objects.using(self.db).filter(gate_id=gate)
 
 
-class Throttling(Acknowledgements[J]):
-    @retry_deadlocks
-    def _claim_throttled(
-        self, kind: str, throttle: Throttle, limit: int, take: Callable[[int], list[J]]
-    ) -> list[J]:
-        """Claim at most `limit` jobs of `kind` with `take(room)`, within its throttle."""
-        gates = kind_gates(self.db)
-        with transaction.atomic(using=self.db):
-            gates.lock(self.model, kind)
-            room, stale, gate = limit, 0, 0
-            if throttle.limit is not None:
-                live = self.filter(kind=kind, status=PROCESSING, lease_until__gte=Now()).count()
-                room = min(room, throttle.limit - live)
-            if throttle.rate is not None and room > 0:
-                count, window = throttle.rate
-                gate = int(gates.of(self.model, kind).values_list("pk", flat=True).get())
-                fresh, stale = gates.started(gate, window)
-                room = min(room, count - fresh)
-            if room <= 0:
-                return []
-            jobs = take(room)
-            if throttle.rate is not None and jobs:
-                gates.record_starts(gate, len(jobs), throttle.rate[1], stale=stale)
-        return jobs
+@retry_deadlocks
+def claim_throttled(
+    qs: LeaseQuerySet[J], kind: str, throttle: Throttle, limit: int, take: Callable[[int], list[J]]
+) -> list[J]:
+    """Claim at most `limit` jobs of `kind` with `take(room)`, within its throttle."""
+    gates = kind_gates(qs.db)
+    with transaction.atomic(using=qs.db):
+        gates.lock(qs.model, kind)
+        room, stale, gate = limit, 0, 0
+        if throttle.limit is not None:
+            live = qs.filter(kind=kind, status=PROCESSING, lease_until__gte=Now()).count()
+            room = min(room, throttle.limit - live)
+        if throttle.rate is not None and room > 0:
+            count, window = throttle.rate
+            gate = int(gates.of(qs.model, kind).values_list("pk", flat=True).get())
+            fresh, stale = gates.started(gate, window)
+            room = min(room, count - fresh)
+        if room <= 0:
+            return []
+        jobs = take(room)
+        if throttle.rate is not None and jobs:
+            gates.record_starts(gate, len(jobs), throttle.rate[1], stale=stale)
+    return jobs
 
 
 def kind_gates(using: str) -> KindGateQuerySet:
