@@ -157,13 +157,14 @@ def retry_deadlocks(method: F_) -> F_:
     def wrapper(self: models.QuerySet[Any], *args: Any, **kwargs: Any) -> Any:
         connection = connections[self.db]
         nested = connection.in_atomic_block
-        deadlocked = dialect_of(connection).deadlocked
         attempt = 1
         while True:
             try:
                 return method(self, *args, **kwargs)
             except OperationalError as exc:
-                if nested or attempt >= DEADLOCK_RETRIES or not deadlocked(exc):
+                if nested or attempt >= DEADLOCK_RETRIES:
+                    raise
+                if not dialect_of(connection).deadlocked(exc):
                     raise
             time.sleep(random.uniform(0.005, 0.05) * attempt)  # noqa: S311 - jitter
             attempt += 1
