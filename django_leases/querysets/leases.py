@@ -1,4 +1,6 @@
-"""Every lease write of django-leases. No other module writes lease fields.
+"""`LeaseQuerySet`: every lease write of django-leases is one of its methods; no module outside
+`querysets/` writes lease fields. The holder's writes are here; the other transitions are the
+functions of `claims`, `acks`, `operators`, `enqueue` and `prune`, bound in its class body.
 
 Each transition is ONE conditional UPDATE whose WHERE restates the full precondition; the row
 count it returns is the decision. Holder writes (heartbeat, checkpoint, complete, fail, release)
