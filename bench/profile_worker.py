@@ -53,12 +53,20 @@ EXPLAINED = tuple(name for _, name in STATEMENT_LABELS[:4])
 PREPARE = STATEMENT_LABELS[1][1]
 # Layers of a py-spy sample: its innermost worker frame's function names the layer.
 OPERATION_LAYERS = {
-    **dict.fromkeys(("_heartbeat_loop", "_lease_clock", "_renew", "_beat"), "heartbeat thread"),
+    **dict.fromkeys(("_heartbeat_loop", "_lease_clock", "renew", "beat"), "heartbeat thread"),
     **dict.fromkeys(("claim", "_claim", "_claim_postgresql"), "claim (statement, rows to models)"),
     **dict.fromkeys(("complete", "_complete_postgresql"), "completion (statement)"),
-    **dict.fromkeys(("_execute", "run_attempt", "_run_handler", "run"), "handler dispatch (slot)"),
+    **dict.fromkeys(("execute", "run_attempt", "_run_handler", "run"), "handler dispatch (slot)"),
     **dict.fromkeys(
-        ("run_once", "_slot_main", "_wake_slots", "_wait_for_slot", "_idle_slots", "_finished"),
+        (
+            "run_once",
+            "_slot_main",
+            "start_next",
+            "finish",
+            "hand_out",
+            "_wait_for_slot",
+            "_finished",
+        ),
         "thread hand-off (claimed batch to slots, slots back to the loop)",
     ),
     **dict.fromkeys(

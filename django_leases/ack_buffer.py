@@ -1,17 +1,29 @@
-"""`AckBuffer`: completions of `ack="batch"` kinds waiting to be written together.
+"""`AckBuffer`: completions of `ack="batch"` kinds waiting to be written together, and
+`AckWriter`, the thread that writes them.
 
-The worker's slots add to it; its writer thread (`RunsAttempts._ack_loop`) takes due batches.
+The worker's slots add to the buffer (`completers`); the writer takes due batches.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+from typing import Any
+
+from django.db import DatabaseError, connections
 
 from django_leases.conf import leases_settings, to_seconds
+from django_leases.db import harden
+from django_leases.handlers import ACK_BATCH, get_handler
 from django_leases.lease import Lease
 from django_leases.limits import ACK_BATCH_SIZE
+from django_leases.outcomes import TRANSIENT, Outcomes
+from django_leases.querysets import LeaseQuerySet
+from django_leases.slots import SlotPool
+
+logger = logging.getLogger("django_leases.worker")
 
 
 class AckBuffer:
@@ -105,3 +117,155 @@ class AckBuffer:
         if self._closed or len(self._leases) >= self.size:
             return 0.0
         return min(self._buffered_at[0] + self.interval, self._expiry) - time.monotonic()
+
+
+class AckWriter:
+    """The acknowledgement thread: write `buffer`'s batches until it is closed and empty.
+
+    Claiming `ahead`, each batch's statement also claims jobs ahead for the slots of `pool`.
+    Its own field `_thread` is written by the loop only (`start()`, `ensure_running()`).
+    """
+
+    def __init__(
+        self,
+        buffer: AckBuffer,
+        outcomes: Outcomes,
+        jobs: LeaseQuerySet[Any],
+        *,
+        pool: SlotPool,
+        kinds: list[str],
+        ahead: bool,
+        slot_free: threading.Event,
+    ) -> None:
+        self.buffer = buffer
+        self.outcomes = outcomes
+        self.jobs = jobs
+        self.pool = pool
+        self.kinds = kinds
+        self.ahead = ahead
+        self.slot_free = slot_free
+        self.using = jobs.db
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread, if a claimed kind batches its completions; else close the buffer."""
+        if not any(get_handler(kind).ack == ACK_BATCH for kind in self.kinds):
+            self.buffer.close()
+            return
+        self._started()
+
+    def ensure_running(self) -> None:
+        """On the loop: replace a writer thread that died.
+
+        Its code catches what a write raises, so this is a bug of ours. Completions it had taken
+        are not written: their leases run out and those jobs run again, as after a crash;
+        without a writer every later ack of the batch kinds would be lost too.
+        """
+        if self._thread is not None and not self._thread.is_alive():
+            logger.error("the acknowledgement thread died; starting a new one")
+            self.buffer.written()
+            self._started()
+
+    def _started(self) -> None:
+        self._thread = threading.Thread(target=self._ack_loop, name="lease-acks", daemon=True)
+        self._thread.start()
+
+    def write_all(self) -> None:
+        """Write every buffered completion before the worker exits.
+
+        The writer gives up on a lease once the database was unreachable for its whole TTL, so
+        waiting one TTL (plus a network timeout's worth) is enough.
+        """
+        self.buffer.close()
+        if self._thread is not None:
+            self._thread.join(timeout=self.outcomes.ttl * 2)
+            if self._thread.is_alive():
+                logger.warning("buffered completions not written: %s left", len(self.buffer))
+
+    def _ack_loop(self) -> None:
+        """Write buffered completions batch by batch until the buffer is closed and empty."""
+        harden(connections[self.using], self.outcomes.ttl)
+        try:
+            while (batch := self.buffer.take()) is not None:
+                short = False
+                try:
+                    if self.ahead:
+                        short = self._flush_and_claim(batch)
+                    else:
+                        self._flush(batch)
+                except Exception:  # noqa: BLE001 - a bug of ours: write them one by one
+                    logger.exception("batched acknowledgement failed; writing each on its own")
+                    for lease in batch:
+                        if not lease.finished:
+                            self.outcomes.complete(lease)
+                finally:
+                    self.buffer.written()
+                if short:
+                    self.slot_free.set()  # the loop claims for idle slots, or sees no work
+        finally:
+            connections.close_all()
+
+    def _flush_and_claim(self, batch: list[Lease]) -> bool:
+        """Complete `batch` and claim jobs ahead for the slots (`SlotPool.wanted()`) in one
+        statement where the database allows it (`complete_and_claim()`); hand them out. Return
+        whether it claimed fewer than it wanted (or nothing is wanted): the loop then claims
+        for idle slots itself, or finds that nothing is due.
+
+        A statement refused or lost to an outage leaves the batch to `_flush()`, which finds
+        the completions of it that committed; a claim of it that committed unseen expires and is
+        taken over, as any claim whose answer was lost.
+        """
+        wanted = self.pool.wanted(self.buffer.size)
+        if not wanted:
+            self._flush(batch)
+            return True
+        started = time.monotonic()
+        try:
+            won, jobs = self.jobs.complete_and_claim(
+                self.outcomes.worker_id,
+                [lease.key for lease in batch],
+                ttl=self.outcomes.ttl,
+                limit=wanted,
+                kinds=self.kinds,
+            )
+        except Exception as exc:  # noqa: BLE001 - _flush() retries, or records why it cannot
+            if not isinstance(exc, DatabaseError):
+                logger.exception("batched acknowledgement with claim failed; writing it alone")
+            self._flush(batch, maybe_written=True)
+            return True
+        self.outcomes.note_claimed(jobs)
+        pending = {lease.key: lease for lease in batch}
+        self.outcomes.acknowledged(pending, won, started, had_outage=False)
+        self.pool.hand_out(self.outcomes.leases(jobs, started))
+        return len(jobs) < wanted
+
+    def _flush(self, batch: list[Lease], *, maybe_written: bool = False) -> None:
+        """Complete `batch` in one statement, retrying while the database is down.
+
+        Once the database is unreachable for a lease's whole TTL, that lease is taken as lost,
+        as a single completion would be: its job runs again after the lease expires.
+        `maybe_written`: an earlier write of it failed, and may have committed.
+        """
+        pending = {lease.key: lease for lease in batch}
+        had_outage = maybe_written
+        started = time.monotonic()
+        while pending:
+            try:
+                won = self.jobs.complete_many(self.outcomes.worker_id, list(pending))
+                break
+            except TRANSIENT as exc:
+                if connections[self.using].is_usable():
+                    # The database answered and refused the statement: write each on its own.
+                    for lease in pending.values():
+                        self.outcomes.complete(lease)
+                    return
+                had_outage = True
+                for lease in [lease for lease in pending.values() if lease.lost]:
+                    del pending[lease.key]
+                    self.outcomes.fenced_out(lease, "database unreachable for longer than the TTL")
+                self.outcomes.outages.pause(
+                    f"acknowledgement of {len(pending)} job(s)", exc, wait=self.outcomes.stopped
+                )
+        else:
+            return
+        self.outcomes.acknowledged(pending, won, started, had_outage=had_outage)

@@ -1,61 +1,148 @@
-"""The heartbeat half of `LeaseWorker` (one of its base classes): on its own thread, renew the
-leases that live slots run, refresh the worker's registry row, and report a lease lost at its
-deadline even while the database does not answer."""
+"""`Heartbeat`: on its own thread, renew the leases a worker holds and refresh its registry row;
+on a second thread, its lease clock, report a lease lost at its deadline even while the
+database does not answer. `RegistryRow` is the worker's row in the registry."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import Any
 
-from django.db import close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 
-from django_leases.attempts import TRANSIENT, WorkerStats
 from django_leases.db import harden, keep_usable
+from django_leases.exceptions import WorkerIdTaken
 from django_leases.lease import Lease, Presence
-from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
+from django_leases.outages import outage_or_raise
+from django_leases.outcomes import TRANSIENT, Outages
+from django_leases.querysets import LeaseQuerySet, registered_workers
 from django_leases.redaction import error_text
 from django_leases.status import AttemptOutcome
-
-if TYPE_CHECKING:
-    from django_leases.worker import Slot
+from django_leases.worker_stats import WorkerStats
 
 logger = logging.getLogger("django_leases.worker")
 
 
-class RenewsLeases:
-    """The heartbeat thread's part of `LeaseWorker`; its fields change under the worker's lock."""
+class RegistryRow:
+    """The worker's row in the registry: how the watcher and the admin know it is alive."""
 
-    worker_id: str
-    ttl: float
-    heartbeat_interval: float
-    using: str
-    stats: WorkerStats
-    presence: Presence
-    failure: str | None
-    _instance: str
-    _lock: threading.Lock
-    _slots: list[Slot]
-    _ready: deque[Lease]
-    _stopped: threading.Event
-    _reported_lost: set[tuple[int, int]]
+    def __init__(
+        self,
+        *,
+        using: str,
+        worker_id: str,
+        instance: str,
+        kinds: Collection[str],
+        concurrency: int,
+        presence: Presence,
+    ) -> None:
+        self.using = using
+        self.worker_id = worker_id
+        self.instance = instance
+        self.kinds = list(kinds)
+        self.concurrency = concurrency
+        self.presence = presence
 
-    def _jobs(self) -> LeaseQuerySet[Any]:
-        raise NotImplementedError
+    def register(self, started: float | None = None) -> bool:
+        """Take the row; False if a live process holds it. Raises what the database raises.
 
-    def _workers(self) -> WorkerQuerySet:
-        raise NotImplementedError
+        `started`: when the statement that found the row gone was sent (monotonic)."""
+        started = time.monotonic() if started is None else started
+        registered = registered_workers(self.using).register(
+            self.worker_id,
+            instance=self.instance,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            kinds=self.kinds,
+            concurrency=self.concurrency,
+        )
+        if registered:
+            self.presence.confirmed(started)
+        return registered
 
-    def _registry_fields(self) -> dict[str, Any]:
-        raise NotImplementedError
+    def take(self, outages: Outages, stopping: threading.Event) -> None:
+        """Take the row at the worker's start, waiting out database outages (until stopped).
 
-    def stop(self) -> None:
-        raise NotImplementedError
+        Raises `WorkerIdTaken` if a live process holds it.
+        """
+        while True:
+            try:
+                registered = self.register()
+            except DatabaseError as exc:
+                outage_or_raise(exc, self.using)
+                if stopping.is_set():
+                    return
+                outages.pause("registration", exc)
+                continue
+            if not registered:
+                raise WorkerIdTaken(
+                    f"worker id {self.worker_id!r} is in use by a live worker process; "
+                    "give each process its own --worker-id"
+                )
+            return
 
-    def _release_waited_too_long(self) -> None:
-        raise NotImplementedError
+    def beat(self, started: float) -> bool:
+        """Refresh the row with a statement sent at `started` (monotonic); False if it is gone
+        (pruned, or taken by another process)."""
+        if registered_workers(self.using).beat(self.worker_id, self.instance):
+            self.presence.confirmed(started)
+            return True
+        return False
+
+    def stopped(self) -> None:
+        """Mark the row stopped (the worker exits)."""
+        registered_workers(self.using).stopped(self.worker_id, self.instance)
+
+
+class Heartbeat:
+    """Renew `held()` every `interval` seconds (after `tidy()`, which gives back what should no
+    longer be renewed) and beat `row`; call `taken(why)` if another live process took the row.
+
+    Its own fields: `_thread` (written by the loop, `ensure_running()`) and `_reported_lost`
+    (written by the heartbeat thread and the lease clock, under `_lock`).
+    """
+
+    def __init__(
+        self,
+        jobs: LeaseQuerySet[Any],
+        row: RegistryRow,
+        *,
+        held: Callable[[], list[Lease]],
+        tidy: Callable[[], None],
+        taken: Callable[[str], None],
+        stats: WorkerStats,
+        ttl: float,
+        interval: float,
+        stopped: threading.Event,
+    ) -> None:
+        self.jobs = jobs
+        self.row = row
+        self.held = held
+        self.tidy = tidy
+        self.taken = taken
+        self.stats = stats
+        self.ttl = ttl
+        self.interval = interval
+        self.stopped = stopped
+        self.using = jobs.db
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._reported_lost: set[tuple[int, int]] = set()
+
+    def ensure_running(self) -> None:
+        """On the loop: start the heartbeat thread, or a new one if it died (a bug of ours)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        if self._thread is not None:
+            logger.error("the heartbeat thread died; starting a new one")
+        self._thread = threading.Thread(
+            target=self._heartbeat_loop, name="lease-heartbeat", daemon=True
+        )
+        self._thread.start()
 
     def _heartbeat_loop(self) -> None:
         harden(connections[self.using], self.ttl)
@@ -64,63 +151,42 @@ class RenewsLeases:
         )
         clock.start()
         try:
-            while not self._stopped.wait(timeout=self.heartbeat_interval):
+            while not self.stopped.wait(timeout=self.interval):
                 try:
                     keep_usable(health_check=True)
-                    self._renew()
-                    self._beat()
+                    self.renew()
+                    self.beat()
                 except BaseException:  # noqa: BLE001 - the next beat tries again
                     logger.exception("heartbeat failed")
                     connections[self.using].close()
         finally:
             connections.close_all()
 
-    def _beat(self) -> None:
+    def beat(self) -> None:
         """Refresh this worker's registry row, so the watcher and the admin know it is alive."""
         started = time.monotonic()
         try:
-            if self._workers().beat(self.worker_id, self._instance):
-                self.presence.confirmed(started)
+            # A row pruned, or taken by another process after we looked gone for longer than
+            # WORKER_GONE_AFTER (a partition): take it back, unless that process is live.
+            if self.row.beat(started) or self.row.register(started):
                 return
-            # Our row was pruned, or taken by another process after we looked gone for longer
-            # than WORKER_GONE_AFTER (a partition): take it back, unless that process is live.
-            if self._workers().register(self.worker_id, **self._registry_fields()):
-                self.presence.confirmed(started)
-            else:
-                self.failure = (
-                    f"worker id {self.worker_id!r} was taken by another live worker process"
-                )
-                logger.error("%s; stopping", self.failure)
-                self.stop()
+            why = f"worker id {self.row.worker_id!r} was taken by another live worker process"
+            logger.error("%s; stopping", why)
+            self.taken(why)
         except TRANSIENT:
             close_old_connections()
-
-    def _held(self) -> list[Lease]:
-        """The leases to renew: handed to a live slot, not lost, within their time limit, and
-        the jobs claimed ahead for the slots."""
-        now = time.monotonic()
-        with self._lock:
-            return [
-                slot.lease
-                for slot in self._slots
-                if slot.lease is not None
-                and slot.thread is not None
-                and slot.thread.is_alive()
-                and (slot.deadline is None or now < slot.deadline)
-                and not slot.lease.finished
-            ] + [lease for lease in self._ready if not lease.finished]
 
     def _lease_clock(self, heartbeat: threading.Thread) -> None:
         """Report each held lease lost at its deadline, with no database access: the heartbeat
         thread may be blocked on a silent connection right then, for up to NETWORK_TIMEOUT."""
-        while heartbeat.is_alive() and not self._stopped.wait(timeout=self._until_deadline()):
-            self._live(self._held())
+        while heartbeat.is_alive() and not self.stopped.wait(timeout=self._until_deadline()):
+            self._live(self.held())
 
     def _until_deadline(self) -> float:
         """Seconds until the first held lease runs out, at most one heartbeat interval."""
-        deadlines = [lease.valid_until for lease in self._held() if not lease.lost]
-        first = min(deadlines, default=time.monotonic() + self.heartbeat_interval)
-        return max(0.01, min(self.heartbeat_interval, first - time.monotonic()))
+        deadlines = [lease.valid_until for lease in self.held() if not lease.lost]
+        first = min(deadlines, default=time.monotonic() + self.interval)
+        return max(0.01, min(self.interval, first - time.monotonic()))
 
     def _live(self, leases: list[Lease]) -> list[Lease]:
         """Return the leases of `leases` not lost; log each lost one once."""
@@ -136,15 +202,16 @@ class RenewsLeases:
                 self._report_lost(lease)
         return live
 
-    def _renew(self) -> None:
-        self._release_waited_too_long()
-        leases = self._live(self._held())
+    def renew(self) -> None:
+        """Renew the held leases in one statement; take those the database refused as lost."""
+        self.tidy()
+        leases = self._live(self.held())
         if not leases:
             return
         started = time.monotonic()
         try:
-            renewed = self._jobs().heartbeat(
-                self.worker_id, [lease.key for lease in leases], ttl=self.ttl
+            renewed = self.jobs.heartbeat(
+                self.row.worker_id, [lease.key for lease in leases], ttl=self.ttl
             )
         except TRANSIENT as exc:
             logger.warning("heartbeat failed: %s", error_text(exc))
@@ -174,7 +241,7 @@ class RenewsLeases:
         """Which refused leases an operator cancelled, and by whom; {} if the database cannot
         say now (those leases are lost all the same)."""
         try:
-            return self._jobs().cancelled_leases([lease.key for lease in refused])
+            return self.jobs.cancelled_leases([lease.key for lease in refused])
         except TRANSIENT as exc:
             logger.warning("could not read the refused leases: %s", error_text(exc))
             return {}

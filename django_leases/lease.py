@@ -62,6 +62,12 @@ class Lease:
     the start of the last renewal the database confirmed, or its worker's registry row may look
     gone to the watcher (`Presence`): after that, someone else may own the job whatever happened
     to the network. `lost` reads the worker's monotonic clock, never the wall clock.
+
+    Who writes its state in a worker: `finished` and `outcome`, the thread whose outcome write
+    the database accepted (a slot, the loop at a time-out, or the acknowledgement writer; one
+    per lease, as only one write of a lease's outcome can win); `ending`, the slot thread;
+    `_renewed_until`, the heartbeat and the handler's own `heartbeat()` (each only raises it);
+    the lost state, any thread through `mark_lost()`, under `_marking`.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class Lease:
         self._presence = presence
         self._clock: Clock = time.monotonic if presence is None else presence.clock
         self._lost = threading.Event()
+        self._marking = threading.Lock()
         self._lost_reason = ""
         self._cancelled = False
         self._on_cancel: Callable[[], None] | None = None
@@ -137,11 +144,14 @@ class Lease:
 
     def mark_lost(self, reason: str, *, cancelled: bool = False) -> None:
         """Take the lease as lost for `reason`; `cancelled`: by an operator's `cancel()`."""
-        if self._lost.is_set():
-            return
-        self._lost_reason = reason
-        self._cancelled = cancelled
-        self._lost.set()
+        # Under its own lock: the heartbeat, the lease clock, the loop and the slot may all
+        # find the lease lost at once, and the first reason is the one kept.
+        with self._marking:
+            if self._lost.is_set():
+                return
+            self._lost_reason = reason
+            self._cancelled = cancelled
+            self._lost.set()
         hook = self._on_cancel
         if cancelled and hook is not None:
             hook()

@@ -256,13 +256,15 @@ def test_worker__a_job_claimed_ahead_whose_lease_ran_out_is_never_started() -> N
     stale, live = (PaymentJob.objects.enqueue("noop_batch") for _ in range(2))
     claimed = {job.pk: job for job in PaymentJob.objects.claim("ahead", ttl=60, limit=2)}
     # Its last confirmed renewal started more than a lease ago, by the worker's clock.
-    lease_worker._ready.append(Lease(claimed[stale.pk], ttl=60, renewed_at=time.monotonic() - 61))
-    lease_worker._ready.append(Lease(claimed[live.pk], ttl=60))
+    lease_worker._pool._ready.append(
+        Lease(claimed[stale.pk], ttl=60, renewed_at=time.monotonic() - 61)
+    )
+    lease_worker._pool._ready.append(Lease(claimed[live.pk], ttl=60))
 
-    taken = lease_worker._next_ready()
+    taken = lease_worker._pool.next_ready()
 
     assert taken is not None and taken.pk == live.pk
-    assert not lease_worker._ready
+    assert not lease_worker._pool._ready
     assert lease_worker.stats.lost == 1
     assert ledger(stale) == [(1, 1, "ahead", "running")]  # left open for the takeover
     stale.refresh_from_db()
@@ -278,12 +280,12 @@ def test_heartbeat__releases_a_job_claimed_ahead_that_waited_a_whole_ttl() -> No
     waited, fresh_job = (PaymentJob.objects.enqueue("noop_batch") for _ in range(2))
     claimed = {job.pk: job for job in PaymentJob.objects.claim("ahead", ttl=60, limit=2)}
     old, new = (Lease(claimed[job.pk], ttl=60) for job in (waited, fresh_job))
-    lease_worker._hand_out([old, new])
-    lease_worker._queued_at[old.key] = time.monotonic() - 61  # queued a whole TTL ago
+    lease_worker._pool.hand_out([old, new])
+    lease_worker._pool._queued_at[old.key] = time.monotonic() - 61  # queued a whole TTL ago
 
-    lease_worker._renew()
+    lease_worker._heartbeat.renew()
 
-    assert list(lease_worker._ready) == [new]
+    assert list(lease_worker._pool._ready) == [new]
     assert ledger(waited) == [(1, 1, "ahead", "released")]
     waited.refresh_from_db()
     assert waited.status == Status.PENDING

@@ -153,11 +153,17 @@ class DiesOnce(LeaseWorker):
 
     died = False
 
-    def _execute(self, lease):
-        if not self.died:
-            self.died = True
-            raise MemoryError("injected: the slot's own code failed")
-        super()._execute(lease)
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        execute = self._attempts.execute
+
+        def dies_once(lease):
+            if not self.died:
+                self.died = True
+                raise MemoryError("injected: the slot's own code failed")
+            execute(lease)
+
+        self._attempts.execute = dies_once
 
 
 def test_worker__a_dead_slot_thread_is_replaced_and_its_lease_never_renewed(
@@ -173,16 +179,27 @@ def test_worker__a_dead_slot_thread_is_replaced_and_its_lease_never_renewed(
     assert lease_worker.stats.abandoned == 1
 
 
+def dies_at_first_start(lease_worker, part, loop, thread):
+    """Make `part`'s thread body `loop` raise at its first start; count starts on the worker."""
+    run = getattr(part, loop)
+
+    def dies_once():
+        lease_worker.starts += 1
+        if lease_worker.starts == 1:
+            raise RuntimeError(f"injected: the {thread} thread's own code failed")
+        run()
+
+    setattr(part, loop, dies_once)
+
+
 class HeartbeatDiesOnce(LeaseWorker):
     """A worker whose heartbeat thread dies at its first start."""
 
     starts = 0
 
-    def _heartbeat_loop(self):
-        self.starts += 1
-        if self.starts == 1:
-            raise RuntimeError("injected: the heartbeat thread's own code failed")
-        super()._heartbeat_loop()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        dies_at_first_start(self, self._heartbeat, "_heartbeat_loop", "heartbeat")
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -203,11 +220,9 @@ class AcksDieOnce(LeaseWorker):
 
     starts = 0
 
-    def _ack_loop(self):
-        self.starts += 1
-        if self.starts == 1:
-            raise RuntimeError("injected: the acknowledgement thread's own code failed")
-        super()._ack_loop()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        dies_at_first_start(self, self._ack_writer, "_ack_loop", "acknowledgement")
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

@@ -1,0 +1,354 @@
+"""What comes of each lease a worker holds, written, counted and logged in one place.
+
+`Outcomes` writes an attempt's outcome to the job and its ledger row (retrying while the
+database is down and the lease may still be live), counts it in `WorkerStats` (and so in the
+metrics), and notes a refused holder write in the ledger ("fenced") where the queryset did not
+already. `Outages` is the back-off every worker thread shares while the database is away.
+Any thread may call either: they hold no state of their own beyond the counters' lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+)
+
+from django_leases.backoff import retry_delay
+from django_leases.exceptions import HandlerError, LeaseLost
+from django_leases.handlers import get_handler
+from django_leases.lease import Lease, Presence
+from django_leases.querysets import LeaseQuerySet
+from django_leases.querysets.base import LeaseKey
+from django_leases.redaction import error_text
+from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
+from django_leases.worker_stats import WorkerStats
+
+logger = logging.getLogger("django_leases.worker")
+
+# Errors that mean "the database is unreachable right now", worth a retry after a pause.
+TRANSIENT = (OperationalError, InterfaceError)
+
+# The outcome writes whose refusal the queryset notes in the ledger itself (`complete()` and
+# `time_out()` call `record_fenced()` before raising `LeaseLost`); `fail()` does not.
+NOTES_FENCED = frozenset({AttemptOutcome.COMPLETED, TIMED_OUT})
+
+UNRECORDABLE = "failed-unrecordable"
+
+
+class Outages:
+    """Log a database outage, drop the broken connection and back off (jittered)."""
+
+    def __init__(
+        self, stats: WorkerStats, using: str, poll_interval: float, stopping: threading.Event
+    ) -> None:
+        self.stats = stats
+        self.using = using
+        self.poll_interval = poll_interval
+        self.stopping = stopping
+
+    def pause(self, what: str, exc: Exception, *, wait: threading.Event | None = None) -> None:
+        """Back off unless `wait` (default: the stop request) is set first."""
+        self.stats.add("outages")
+        logger.warning("database unavailable during %s: %s; retrying", what, error_text(exc))
+        close_old_connections()
+        connections[self.using].close()
+        pause = min(5.0, self.poll_interval) * random.uniform(0.5, 1.5)  # noqa: S311
+        (wait or self.stopping).wait(timeout=pause)
+
+
+class Outcomes:
+    """Write, count and log what came of each lease: claimed, ended, lost, released."""
+
+    def __init__(
+        self,
+        jobs: LeaseQuerySet[Any],
+        *,
+        worker_id: str,
+        ttl: float,
+        presence: Presence,
+        stats: WorkerStats,
+        outages: Outages,
+        stopped: threading.Event,
+    ) -> None:
+        self.jobs = jobs
+        self.worker_id = worker_id
+        self.ttl = ttl
+        self.presence = presence
+        self.stats = stats
+        self.outages = outages
+        self.stopped = stopped
+        self.using = jobs.db
+
+    # ---- claims -------------------------------------------------------------------------------
+
+    def leases(self, jobs: list[Any], started: float) -> list[Lease]:
+        """Return the leases of `jobs`, claimed by a statement sent at `started` (monotonic)."""
+        return [
+            Lease(job, ttl=self.ttl, renewed_at=started, presence=self.presence) for job in jobs
+        ]
+
+    def note_claimed(self, jobs: list[Any]) -> None:
+        """Count and log the jobs a claim took."""
+        for job in jobs:
+            self.stats.add("claimed", kind=job.kind)
+            self.stats.claimed_after_wait(job)
+            logger.debug(
+                "claimed job_id=%s kind=%s attempt=%s token=%s owner=%s",
+                job.pk,
+                job.kind,
+                job.attempts,
+                job.lease_token,
+                self.worker_id,
+            )
+
+    # ---- an attempt's end ---------------------------------------------------------------------
+
+    def ran(self, lease: Lease, seconds: float) -> None:
+        if self.stats.recorder is not None:
+            self.stats.recorder.ran(lease.job.kind, seconds)
+
+    def by_handler(self, lease: Lease, started: float) -> None:
+        """Count an outcome the handler wrote itself, e.g. with `lease.atomic()`."""
+        outcome = lease.outcome or AttemptOutcome.COMPLETED
+        self.stats.add(outcome, kind=lease.job.kind)
+        logger.debug(
+            "%s job_id=%s attempt=%s by the handler in=%.3fs",
+            outcome,
+            lease.pk,
+            lease.attempt,
+            time.monotonic() - started,
+        )
+
+    def completed(self, lease: Lease) -> None:
+        """Count a completion that another statement (a group write) made."""
+        lease.mark_completed()
+        self.count(lease, AttemptOutcome.COMPLETED, AttemptOutcome.COMPLETED, None)
+
+    def complete(self, lease: Lease, *, maybe_written: bool = False) -> None:
+        """Write `lease`'s completion on its own (`record()`)."""
+        self.record(lease, AttemptOutcome.COMPLETED, lease.complete, maybe_written=maybe_written)
+
+    def record(
+        self,
+        lease: Lease,
+        outcome: str,
+        write: Callable[[], object],
+        error: BaseException | None = None,
+        *,
+        maybe_written: bool = False,
+    ) -> None:
+        """Write a job's outcome, retrying while the database is down and the lease may be live.
+
+        `maybe_written`: an earlier write of it failed, and may have committed.
+        """
+        had_outage = maybe_written
+        while True:
+            try:
+                result = write()
+                break
+            except LeaseLost as exc:
+                if had_outage and self.jobs.finished_by(lease.pk, lease.owner, lease.token):
+                    # Our earlier attempt committed; only its acknowledgement was lost.
+                    result = "unknown"
+                    break
+                self.fenced_out(lease, str(exc), recorded=outcome in NOTES_FENCED)
+                return
+            except TRANSIENT as exc:
+                if connections[self.using].is_usable():
+                    # The database answered, and refused this statement: not an outage.
+                    self._unrecordable(lease, outcome, exc)
+                    return
+                had_outage = True
+                if lease.lost:
+                    self.fenced_out(lease, "database unreachable for longer than the TTL")
+                    return
+                self.outages.pause(f"{outcome} of job {lease.pk}", exc)
+                if self.stopped.is_set():
+                    return
+            except Exception as exc:  # noqa: BLE001 - e.g. a value the database cannot store
+                self._unrecordable(lease, outcome, exc)
+                return
+        self.count(lease, outcome, result, error)
+
+    def count(
+        self, lease: Lease, outcome: str, result: object, error: BaseException | None
+    ) -> None:
+        error_name = type(error).__name__ if error else ""
+        kind = lease.job.kind
+        if outcome == AttemptOutcome.COMPLETED:
+            self.stats.add(AttemptOutcome.COMPLETED, kind=kind)
+            logger.debug(
+                "completed job_id=%s attempt=%s owner=%s", lease.pk, lease.attempt, lease.owner
+            )
+        elif outcome == TIMED_OUT:
+            self.stats.add(TIMED_OUT, kind=kind)
+            logger.warning(
+                "timed out job_id=%s attempt=%s: cancelled at its timeout; now %s",
+                lease.pk,
+                lease.attempt,
+                result,
+            )
+        elif result == FAILED or outcome == AttemptOutcome.FAILED:
+            self.stats.add(AttemptOutcome.FAILED, kind=kind)
+            logger.warning(
+                "failed job_id=%s attempt=%s error_class=%s (no retry left or permanent)",
+                lease.pk,
+                lease.attempt,
+                error_name,
+            )
+        else:
+            self.stats.add(AttemptOutcome.RETRIED, kind=kind)
+            logger.debug(
+                "retry job_id=%s attempt=%s error_class=%s", lease.pk, lease.attempt, error_name
+            )
+
+    def _unrecordable(self, lease: Lease, outcome: str, exc: Exception) -> None:
+        """The database refused the outcome write itself: fail the attempt without its details,
+        or, if even that is refused, stop renewing so that the lease expires for the watcher."""
+        logger.error(
+            "could not record the outcome %s of job_id=%s: %s",
+            outcome,
+            lease.pk,
+            type(exc).__name__,
+        )
+        if outcome != UNRECORDABLE:
+            reason = (
+                f"the worker could not record the outcome '{outcome}': the database refused it "
+                f"({type(exc).__name__})"
+            )
+            delay = retry_delay(lease.attempt)
+            write = partial(lease.fail, HandlerError(reason), retry_in=delay)
+            self.record(lease, UNRECORDABLE, write, exc)
+            return
+        self.abandon(lease, "the database refused every outcome write")
+
+    def acknowledged(
+        self,
+        pending: dict[LeaseKey, Lease],
+        won: set[LeaseKey],
+        started: float,
+        *,
+        had_outage: bool,
+    ) -> None:
+        """Count the completions of a batch written: those in `won`, or (after an outage) found
+        committed by an earlier write of ours; the others were fenced out (the batch's statement
+        noted them in the ledger)."""
+        done = [lease for key, lease in pending.items() if key in won]
+        for key, lease in pending.items():
+            if key in won:
+                continue
+            if had_outage and self.jobs.finished_by(lease.pk, lease.owner, lease.token):
+                done.append(lease)  # our earlier write committed; only its answer was lost
+            else:
+                self.fenced_out(lease, "lease lost before its batched completion", recorded=True)
+        for lease in done:
+            lease.mark_completed()
+        for kind, count in Counter(lease.job.kind for lease in done).items():
+            self.stats.add(AttemptOutcome.COMPLETED, count, kind=kind)
+        logger.debug(
+            "acknowledged completed=%s lost=%s in=%.3fs",
+            len(done),
+            len(pending) - len(done),
+            time.monotonic() - started,
+        )
+
+    # ---- leases lost, given up or given back --------------------------------------------------
+
+    def fenced_out(self, lease: Lease, reason: str, *, recorded: bool = False) -> None:
+        """Count and log a holder write refused; note it in the ledger unless `recorded` (the
+        statement that was refused noted it already, or nothing was written).
+
+        A lease an operator cancelled is counted as cancelled: its attempt is closed already.
+        """
+        lease.mark_lost(reason)
+        if lease.cancelled:
+            self.stats.add(AttemptOutcome.CANCELLED, kind=lease.job.kind)
+            logger.info(
+                "cancelled job_id=%s token=%s: %s; nothing written",
+                lease.pk,
+                lease.token,
+                lease.lost_reason,
+            )
+            return
+        self.stats.add("lost", kind=lease.job.kind)
+        logger.warning(
+            "fenced out job_id=%s token=%s owner=%s: %s; nothing written",
+            lease.pk,
+            lease.token,
+            lease.owner,
+            reason,
+        )
+        if recorded:
+            return
+        try:
+            self.jobs.record_fenced(lease.pk, lease.token)
+        except DatabaseError:
+            close_old_connections()
+
+    def lost_unstarted(self, leases: list[Lease]) -> None:
+        """Count leases that ran out while they waited for a slot: nothing was written, their
+        ledger rows stay open for the worker that takes them over."""
+        for lease in leases:
+            self.fenced_out(lease, "lost before a slot started it", recorded=True)
+
+    def abandon(self, lease: Lease, why: str) -> None:
+        """Stop renewing `lease`: it expires and the watcher applies the kind's policy."""
+        lease.mark_lost(f"abandoned: {why}")
+        self.stats.add("abandoned", kind=lease.job.kind)
+        logger.warning(
+            "abandoned job_id=%s token=%s: %s; its lease expires in at most %ss",
+            lease.pk,
+            lease.token,
+            why,
+            self.ttl,
+        )
+
+    def time_out(self, lease: Lease) -> tuple[str, str]:
+        """On the loop: end `lease`'s attempt at its kind's time limit; return why, and what
+        became of the job (or why nothing could be written)."""
+        reason = f"ran past its timeout of {get_handler(lease.job.kind).timeout:g}s"
+        try:
+            status = lease.time_out(reason, retry_in=retry_delay(lease.attempt))
+        except LeaseLost:
+            status = "lost before its timeout"
+        except DatabaseError as exc:
+            # Without the database we cannot end the attempt: stop renewing, so that the lease
+            # expires and the watcher applies the same policy.
+            logger.warning("could not time out job_id=%s: %s", lease.pk, type(exc).__name__)
+            status = "left to expire"
+        return reason, status
+
+    def timed_out(self, lease: Lease, reason: str, status: str) -> None:
+        """Count an attempt the loop ended at its time limit, its thread abandoned."""
+        self.stats.add(TIMED_OUT, kind=lease.job.kind)
+        logger.warning(
+            "timed out job_id=%s attempt=%s token=%s: %s; %s; its thread is abandoned",
+            lease.pk,
+            lease.attempt,
+            lease.token,
+            reason,
+            status,
+        )
+
+    def release_unstarted(self, lease: Lease) -> None:
+        """Give back a job no slot started."""
+        try:
+            lease.release()
+        except (LeaseLost, *TRANSIENT) as exc:
+            logger.warning("could not release job_id=%s: %s", lease.pk, error_text(exc))
+            return
+        self.stats.add(AttemptOutcome.RELEASED, kind=lease.job.kind)
+        logger.info("released unstarted job_id=%s token=%s", lease.pk, lease.token)
