@@ -14,6 +14,7 @@ class LeasesConfig(AppConfig):
         from django_leases import checks as lease_checks
         from django_leases import conf, handlers, redaction
         from django_leases.checks import databases as database_checks
+        from django_leases.checks import schedules as schedule_checks
 
         checks.register(lease_checks.check_settings)
         checks.register(database_checks.check_sqlite_transaction_mode)
@@ -25,7 +26,7 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_job_model)
         checks.register(lease_checks.check_ledgers)
         checks.register(lease_checks.check_network_timeout)
-        checks.register(lease_checks.check_schedules)
+        checks.register(schedule_checks.check_schedules)
         checks.register(lease_checks.check_ack_batching)
         conf.connect_signals()
         redaction.install_log_filter()

@@ -18,7 +18,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from django_leases.admin.display import EMPTY
-from django_leases.admin.jobs import PaymentJobAdmin
+from django_leases.admin.payments import PaymentJobAdmin
 from django_leases.exceptions import Cancelled, LeaseLost
 from django_leases.handlers import registered_kinds
 from django_leases.models import JobAttempt, PaymentJob, Worker

@@ -16,7 +16,6 @@ from django.test import override_settings
 from django_leases.checks import (
     check_job_model,
     check_ledgers,
-    check_schedules,
     check_settings,
     check_tasks_framework,
 )
@@ -28,6 +27,7 @@ from django_leases.checks.databases import (
     database_clock_problems,
     sqlite_without_immediate,
 )
+from django_leases.checks.schedules import check_schedules
 from django_leases.conf import DEFAULTS
 from django_leases.limits import BATCH_SIZE, EXACT_COUNT_LIMIT, MAX_ATTEMPTS, MAX_DURATION
 from django_leases.models import PaymentJob

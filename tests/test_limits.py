@@ -12,7 +12,8 @@ from django.test import override_settings
 
 from django_leases import job_handler
 from django_leases.backends import queue_problem
-from django_leases.checks import check_schedules, check_settings
+from django_leases.checks import check_settings
+from django_leases.checks.schedules import check_schedules
 from django_leases.exceptions import HandlerError, InvalidArgument, InvalidDuration, InvalidPayload
 from django_leases.limits import (
     JSON_INT,

@@ -10,12 +10,21 @@ database clock. A project registers `LeasedJobAdmin` for its own job table to ge
 
 from django.contrib import admin
 
-from django_leases.admin import jobs, ledger, schedules, workers
-from django_leases.admin.jobs import LeasedJobAdmin, PaymentJobAdmin
+from django_leases.admin import jobs, ledger, payments, schedules, workers
+from django_leases.admin.jobs import LeasedJobAdmin
+from django_leases.admin.payments import PaymentJobAdmin
 
 # The index shows a link to the overview through this template (it extends the stock one),
 # unless the project already gave the default site an index template of its own.
 if admin.site.index_template is None:
     admin.site.index_template = "admin/django_leases/index.html"
 
-__all__ = ["LeasedJobAdmin", "PaymentJobAdmin", "jobs", "ledger", "schedules", "workers"]
+__all__ = [
+    "LeasedJobAdmin",
+    "PaymentJobAdmin",
+    "jobs",
+    "ledger",
+    "payments",
+    "schedules",
+    "workers",
+]

@@ -1,7 +1,7 @@
 """The job admin: lease-aware list, safe edits of pending jobs, operator actions.
 
-`LeasedJobAdmin` serves any `AbstractLeasedJob` table; `PaymentJobAdmin` adds the payment
-fields.
+`LeasedJobAdmin` serves any `AbstractLeasedJob` table (`payments.PaymentJobAdmin` adds the
+payment fields).
 """
 
 from __future__ import annotations
@@ -457,58 +457,3 @@ def attempt_inline(ledger: type[AbstractJobAttempt]) -> type[AttemptInline]:
 def event_inline(events: type[AbstractJobEvent]) -> type[EventInline]:
     """Return the operator events inline of `events` (one class per event model)."""
     return type(f"{events.__name__}Inline", (EventInline,), {"model": events})
-
-
-@admin.register(PaymentJob)
-class PaymentJobAdmin(LeasedJobAdmin):
-    list_display = [
-        "id",
-        "status_badge",
-        "lease",
-        "running_for",
-        "kind",
-        "payment_id",
-        "lock_state",
-        "owner",
-        "attempts_of_max",
-        "heartbeat",
-        "last_error_short",
-    ]
-    search_help_text = _(
-        "An exact payment id or idempotency key, or the start of the owner of a processing job."
-    )
-    search_fields = ("payment_id",)  # shows the search box; search() does the search
-    readonly_fields = [
-        "kind",
-        "payment_id",
-        "idempotency_key",
-        "lock",
-        "lock_position",
-        *LEASE_FIELDS,
-        "lease",
-        "heartbeat",
-    ]
-    fieldsets = (
-        (
-            None,
-            {
-                "fields": (
-                    "kind",
-                    "payment_id",
-                    "idempotency_key",
-                    ("lock", "lock_position"),
-                    "priority",
-                    "payload",
-                )
-            },
-        ),
-        *LeasedJobAdmin.fieldsets[1:],
-    )
-
-    def search(self, queryset: QuerySet[Any], term: str) -> QuerySet[Any]:
-        jobs = cast(LeaseQuerySet[Any], queryset)
-        # Three index probes ORed together: the payment id and idempotency key indexes, and the
-        # processing-only lease index for the owner. A job that no longer holds a lease is found
-        # by its owner in the attempt ledger.
-        found = jobs.filter(payment_id=term) | jobs.filter(idempotency_key=term)
-        return found | jobs.processing().filter(lease_owner__startswith=term)
