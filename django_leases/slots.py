@@ -19,7 +19,7 @@ slot), the heartbeat and its lease clock, and the acknowledgement writer ("acks"
 
 "clock" is the heartbeat's lease clock thread.
 
-A lease is only ever held by a slot whose thread is alive, or queued in `ready`; the heartbeat
+A lease is only ever held by a slot whose thread is alive, or queued in `_ready`; the heartbeat
 renews just those (`held()`). What the pool decides to give back or count lost it hands, after
 letting go of the lock, to the callables it was built with: no database write runs under it.
 """
@@ -75,7 +75,7 @@ def deadline(lease: Lease, started: float) -> float | None:
 
 
 class SlotPool:
-    """The slots, the jobs claimed for them (`ready`) and the lock over both.
+    """The slots, the jobs claimed for them (`_ready`) and the lock over both.
 
     `release` gives back a lease no slot will start; `lost` counts leases that ran out while
     queued; `slot_free` is set for the loop whenever a slot may want a job.
@@ -135,7 +135,7 @@ class SlotPool:
         return lease
 
     def release_waited_too_long(self) -> None:
-        """Release the jobs that waited a whole TTL in `ready`: the heartbeat renews a queued
+        """Release the jobs that waited a whole TTL in `_ready`: the heartbeat renews a queued
         job while a slot may soon start it, not for as long as the slots' handlers hang."""
         now = time.monotonic()
         with self._lock:
