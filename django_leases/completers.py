@@ -12,8 +12,10 @@ other end, and starts the lease either returns next.
 - `ClaimsAhead` (every kind batches its acks): the completion is buffered, and the slot starts a
   job claimed ahead by an earlier batch's write (`AckWriter`); once the buffer is closed it
   completes as `Grouped` does.
-- `OwnLocks` wraps the chosen one: a job with a lock is completed on its own statement, which
-  passes the lock on, and the slot then gets its next job as after any other attempt.
+
+A job with a lock takes the same route as any other, but is never buffered (`buffered()`): the
+job waiting behind it would wait for the batch too. Every completion of `LeaseQuerySet` passes
+a released lock on by itself.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ class Completer(Protocol):
 
 
 def buffered(acks: AckBuffer, lease: Lease) -> bool:
-    """Buffer `lease`'s completion for the acknowledgement writer; False once it is closed (the
+    """Buffer `lease`'s completion for the acknowledgement writer; False for a job of a lock
+    (the job waiting behind it would wait for the batch too) and once the buffer is closed (the
     worker is writing its last batch)."""
-    if not acks.add(lease):
+    if lease.job.lock or not acks.add(lease):
         return False
     logger.debug("ack buffered job_id=%s token=%s", lease.pk, lease.token)
     return True
@@ -174,23 +177,6 @@ class ClaimsAhead:
         return self.pool.next_ready()
 
 
-class OwnLocks:
-    """Complete a job with a lock on its own: its completion passes the lock on."""
-
-    def __init__(self, inner: Completer, outcomes: Outcomes) -> None:
-        self.inner = inner
-        self.outcomes = outcomes
-
-    def complete(self, lease: Lease) -> Lease | None:
-        if lease.job.lock:
-            self.outcomes.complete(lease)
-            return self.inner.next_job()
-        return self.inner.complete(lease)
-
-    def next_job(self) -> Lease | None:
-        return self.inner.next_job()
-
-
 def choose(
     outcomes: Outcomes,
     jobs: LeaseQuerySet[Any],
@@ -203,10 +189,9 @@ def choose(
     claims_ahead: bool,
 ) -> Completer:
     """The completer of a worker: `Direct` if it `counts_claims` (`max_jobs`), `ClaimsAhead` if
-    it `claims_ahead`, else `Grouped`; wrapped in `OwnLocks`."""
+    it `claims_ahead`, else `Grouped`."""
     direct = Direct(outcomes, acks)
-    inner: Completer = direct
-    if not counts_claims:
-        grouped = Grouped(outcomes, jobs, kinds=kinds, stopping=stopping, direct=direct)
-        inner = ClaimsAhead(pool, acks, grouped) if claims_ahead else grouped
-    return OwnLocks(inner, outcomes)
+    if counts_claims:
+        return direct
+    grouped = Grouped(outcomes, jobs, kinds=kinds, stopping=stopping, direct=direct)
+    return ClaimsAhead(pool, acks, grouped) if claims_ahead else grouped

@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from django_leases.completers import ClaimsAhead, Direct, Grouped, OwnLocks
+from django_leases.completers import ClaimsAhead, Direct, Grouped
 from django_leases.lease import Lease
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets import LeaseQuerySet
@@ -199,6 +199,25 @@ def test_worker_parts__no_mixins_stubs_or_long_modules() -> None:
         assert len(source.splitlines()) <= 500, part
 
 
+def test_worker_parts__a_lock_is_read_only_to_keep_its_job_out_of_a_batch() -> None:
+    # Every completion of LeaseQuerySet passes a released lock on by itself. The one thing a
+    # worker part asks of a job's lock is whether its completion may wait in the ack buffer.
+    reads = []
+    for part in PARTS:
+        tree = ast.parse((PACKAGE / f"{part}.py").read_text())
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                reads += [
+                    (part, function.name)
+                    for node in ast.walk(function)
+                    if isinstance(node, ast.Attribute)
+                    and node.attr == "lock"
+                    and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "job"
+                ]
+    assert reads == [("completers", "buffered")]
+
+
 def imports(module: str, names: set[str]) -> set[str]:
     """The package's modules `module` imports (any import, TYPE_CHECKING ones included)."""
     found = set()
@@ -239,7 +258,7 @@ def test_worker_parts__the_completer_is_chosen_once_from_the_configuration(
     options: dict[str, object], completer: type
 ) -> None:
     chosen = LeaseWorker(worker_id="w", ttl=30, heartbeat=5, **options)._attempts.completer  # type: ignore[arg-type]
-    assert isinstance(chosen, OwnLocks) and type(chosen.inner) is completer
+    assert type(chosen) is completer
 
 
 @pytest.mark.django_db
