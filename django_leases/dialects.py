@@ -3,7 +3,8 @@
 Django's own pattern (`connection.ops`): `dialect_of(connection)` picks the `Dialect` of the
 connection's backend the first time it is asked and keeps it beside that connection. Every
 difference between PostgreSQL, SQLite and MariaDB/MySQL that django-leases makes is a member of
-it: the claim's path and raw statements, the batched and single completions, the enqueue's read
+it: the claim's path and raw statements (PostgreSQL's run as prepared statements of the session,
+see "Prepared claims"), the batched and single completions, the enqueue's read
 of a lock holder, NOTIFY, row estimates, deadlock and configuration error codes, the fencing
 clock, the INSERT's words, the cursors, the network options. Nowhere else in the package is the
 backend named. The statements themselves are in `sql/`; a dialect only chooses among them.
