@@ -11,6 +11,7 @@
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,3 +148,61 @@ def test_architecture__lease_queryset_is_one_door_not_a_tower_of_mixins() -> Non
 )  # fmt: skip
 def test_architecture__lease_layer_modules_stay_readable(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= 500
+
+
+CHECKS = ("claim_args", "check_", "to_seconds")
+"""The argument checks of a claim, left out of its path (they are not the claim)."""
+
+INLINE = ("<lambda>", "<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+"""Code read where it is written (a lambda, a comprehension): no jump, though each runs as a
+function of its own (comprehensions before Python 3.12)."""
+
+
+def claim_path_traced() -> list[str]:
+    """The functions of the package one claim calls (`module:function`, in the order first
+    called): an unthrottled claim of every kind, limit 1, in autocommit, of one due job."""
+    import sys
+
+    from django_leases.models import PaymentJob
+
+    called: dict[str, None] = {}
+
+    def checking(frame: Any) -> bool:
+        while frame is not None:
+            if frame.f_code.co_name.startswith(CHECKS):
+                return True
+            frame = frame.f_back
+        return False
+
+    def trace(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        path = Path(code.co_filename)
+        if event != "call" or PACKAGE not in path.parents or code.co_name in INLINE:
+            return
+        if checking(frame):
+            return
+        module = path.relative_to(PACKAGE).with_suffix("").as_posix()
+        called.setdefault(f"{module}:{code.co_qualname}", None)
+
+    PaymentJob.objects.bulk_create([PaymentJob(kind="capture"), PaymentJob(kind="capture")])
+    assert len(PaymentJob.objects.claim("w", ttl=30, limit=1)) == 1  # caches and session warm
+    sys.settrace(trace)
+    try:
+        jobs = PaymentJob.objects.claim("w", ttl=30, limit=1)
+    finally:
+        sys.settrace(None)
+    assert len(jobs) == 1
+    return list(called)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_architecture__one_claim_on_postgresql_reads_in_a_few_jumps() -> None:
+    # Every function of the package one claim calls, in the order a reader follows it: at
+    # most 12, in at most 6 files (the prepared-statement path, the stock ledger).
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the path counted is PostgreSQL's")
+    path = claim_path_traced()
+    files = {name.split(":")[0] for name in path}
+    assert len(path) <= 12 and len(files) <= 6, "\n".join(path)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
+from django_leases import dialects as prepared_module
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets import prepared as prepared_module
 from django_leases.querysets.base import literal_cursor
 from django_leases.sql import prepared as prepared_sql
 from django_leases.sql.prepared import PREPARED_PREFIX

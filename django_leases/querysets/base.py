@@ -74,36 +74,25 @@ def literal_cursor(using: str) -> CursorWrapper:
 
 
 class BoundRawQuery(RawQuery):
-    """A raw query run on `bound_cursor()`."""
+    """A raw query run on `bound_cursor()`, or on the cursor `cursor_for()` returns."""
 
-    cursor_for: Callable[[str], CursorWrapper] = staticmethod(bound_cursor)
+    cursor_for: Callable[[], CursorWrapper] | None = None
 
     def _execute_query(self) -> None:
-        self.cursor = self.cursor_for(self.using)
+        self.cursor = bound_cursor(self.using) if self.cursor_for is None else self.cursor_for()
         self.cursor.execute(self.sql, self.params)
 
 
-class LiteralRawQuery(BoundRawQuery):
-    """A raw query run on `literal_cursor()`."""
-
-    cursor_for = staticmethod(literal_cursor)
-
-
-def bound_raw(queryset: models.QuerySet[M], statement: tuple[str, Any]) -> list[M]:
-    """Run `statement` on `bound_cursor()` and return its rows as models, as `raw()` does."""
-    return _raw(queryset, statement, BoundRawQuery)
-
-
-def literal_raw(queryset: models.QuerySet[M], statement: tuple[str, Any]) -> list[M]:
-    """Run `statement` on `literal_cursor()` and return its rows as models, as `raw()` does."""
-    return _raw(queryset, statement, LiteralRawQuery)
-
-
-def _raw(
-    queryset: models.QuerySet[M], statement: tuple[str, Any], query_class: type[BoundRawQuery]
+def raw_rows(
+    queryset: models.QuerySet[M],
+    statement: tuple[str, Any],
+    cursor_for: Callable[[], CursorWrapper] | None = None,
 ) -> list[M]:
+    """Run `statement` on `bound_cursor()` (or on `cursor_for()`) and return its rows as
+    models, as `raw()` does."""
     sql, params = statement
-    query = query_class(sql, queryset.db, params)
+    query = BoundRawQuery(sql, queryset.db, params)
+    query.cursor_for = cursor_for
     rows = RawQuerySet(sql, model=queryset.model, query=query, using=queryset.db)  # type: ignore[arg-type]
     return list(rows)
 

@@ -6,6 +6,12 @@ statement with the ledger's rows; SQLite: UPDATE ... RETURNING passes; MariaDB/M
 locked with SKIP LOCKED, then the UPDATE; `Dialect.claim_path()` picks) that gives each row a
 new fencing token, `attempts + 1` and a lease from the database clock, and opens its ledger row
 in the same transaction.
+
+A claim on PostgreSQL reads in a few jumps (tests/test_architecture.py counts them): `claim()`,
+`claim_by_path()` (retried on deadlock), `raw_claim()` (the dialect, table and ledger of
+`claim_route()`, looked up once per process), `dialects.PostgreSQL.claim()` (the statement of
+`sql.postgresql.claim()`, run as a prepared statement of the session), `base.raw_rows()` (rows
+to models) and `in_claim_order()`.
 """
 
 from __future__ import annotations
@@ -13,16 +19,16 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.db import connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases import sql
-from django_leases.conf import to_seconds
-from django_leases.dialects import ClaimPath, dialect_of, in_passes
+from django_leases.conf import leases_settings, to_seconds
+from django_leases.dialects import ClaimPath, Dialect, dialect_of, in_passes
 from django_leases.handlers import throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind
 from django_leases.querysets.acks import complete_locked
@@ -33,17 +39,18 @@ from django_leases.querysets.base import (
     lease_keys,
     next_token,
     quoted_table,
+    raw_rows,
     retry_deadlocks,
 )
-from django_leases.querysets.ledger import J, ledger_of, open_attempts, record_fenced_many
-from django_leases.querysets.prepared import prepared_claim_raw
-from django_leases.querysets.reads import takeover_guard
+from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
+from django_leases.querysets.reads import takeover_guard_of
 from django_leases.querysets.throttles import claim_throttled
 from django_leases.sql.postgresql import LedgerNames
-from django_leases.status import PROCESSING
+from django_leases.status import PROCESSING, StuckPolicy
 from django_leases.throttles import Throttle
 
 if TYPE_CHECKING:
+    from django_leases.models import AbstractLeasedJob
     from django_leases.querysets.leases import LeaseQuerySet
 
 
@@ -83,11 +90,11 @@ def claim(
     seconds, kinds = claim_args(owner, ttl, limit, kinds)
     if kinds == []:
         return []
-    throttled = throttles_of(kinds)
+    throttled = throttles_of(kinds) if throttles() else {}
+    path = claim_route(qs.model, qs.db).path
     if not throttled:
-        return claim_by_path(qs, owner, seconds, limit, kinds, claim_path(qs))
+        return claim_by_path(qs, owner, seconds, limit, kinds, path)
     jobs: list[J] = []
-    path = claim_path(qs)
     for kind, throttle in throttled.items():
         if len(jobs) < limit:
             take = partial(claim_by_path, qs, owner, seconds, kinds=[kind], path=path, atomic=False)
@@ -152,8 +159,7 @@ def complete_and_claim_at_once(
     kinds: list[str] | None,
 ) -> tuple[set[LeaseKey], list[J]]:
     completing = ([pk for pk, _ in keys], [token for _, token in keys])
-    request = claim_request(owner, seconds, limit, kinds, completing)
-    rows = raw_claim(qs, request, ledger_of(qs))
+    rows = raw_claim(qs, owner, seconds, limit, kinds, ledger=True, completing=completing)
     first: Any = rows[0]
     won = set(zip(first.completed_ids, first.completed_tokens, strict=True))
     return won, in_claim_order([job for job in rows if job.pk is not None])
@@ -181,7 +187,27 @@ def claim_path(qs: LeaseQuerySet[J]) -> ClaimPath:
     """Pick the claim's path (`Dialect.claim_path()`). Every path claims the same jobs in
     the same order with the same ledger rows (tests/test_claim_paths.py holds them to the
     ORM path, which is the readable specification)."""
-    return dialect_of(connections[qs.db]).claim_path(ledger_of(qs))
+    return claim_route(qs.model, qs.db).path
+
+
+class Route(NamedTuple):
+    """How the claims of a job model on a database run: their path, the database's dialect,
+    the quoted job table and the stock ledger's names (None: no ledger, or its own)."""
+
+    path: ClaimPath
+    dialect: Dialect
+    table: str
+    ledger: LedgerNames | None
+
+
+@cache
+def claim_route(model: type[AbstractLeasedJob], alias: str) -> Route:
+    """Return the `Route` of `model`'s claims on `alias`, looked up once per process: the
+    dialect (`dialect_of()`; a database alias keeps its backend), the table
+    (`quoted_table()`) and the ledger names (`ledger_names()`), which are cached the same way."""
+    dialect = dialect_of(connections[alias])
+    ledger = ledger_names(model, alias)
+    return Route(dialect.claim_path(ledger), dialect, quoted_table(model, alias), ledger)
 
 
 @retry_deadlocks
@@ -197,44 +223,53 @@ def claim_by_path(
 ) -> list[J]:
     """Claim by `path`, with the ledger's rows, in a transaction of its own or (not
     `atomic`) in the caller's."""
-    request = claim_request(owner, seconds, limit, kinds)
     if path == "postgresql+ledger":
         # One statement claims and writes the ledger: atomic without a transaction block.
-        jobs = raw_claim(qs, request, ledger_of(qs))
+        jobs = raw_claim(qs, owner, seconds, limit, kinds, ledger=True)
     else:
         with transaction.atomic(using=qs.db) if atomic else nullcontext():
             if path == "orm":
-                jobs = orm_claim(qs, request, kinds)
+                jobs = orm_claim(qs, owner, seconds, limit, kinds)
             else:
-                jobs = raw_claim(qs, request, None)
+                jobs = raw_claim(qs, owner, seconds, limit, kinds, ledger=False)
             open_attempts(qs, jobs, owner)
     return in_claim_order(jobs)
 
 
-def claim_request(
+def raw_claim(
+    qs: LeaseQuerySet[J],
     owner: str,
     seconds: float,
     limit: int,
     kinds: Wanted,
+    *,
+    ledger: bool,
     completing: tuple[list[int], list[int]] | None = None,
-) -> sql.Claim:
-    guard = takeover_guard()[1]
-    return sql.Claim(owner, seconds, limit, kinds_filter(kinds), guard, completing)
+) -> list[J]:
+    """Claim with the database's own statements (`Dialect.claim()`), with the stock ledger's
+    rows if `ledger`, each statement run as a prepared statement where it can be."""
+    route = claim_route(qs.model, qs.db)
+    # The takeover guard (`reads.takeover_guard()`'s fragment) and `kinds`' fragment; every
+    # kind has none.
+    by_kind: dict[str, str] = leases_settings.STUCK_POLICY_BY_KIND
+    review_by_default = leases_settings.STUCK_POLICY == StuckPolicy.REVIEW
+    other = StuckPolicy.RETRY if review_by_default else StuckPolicy.REVIEW
+    exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
+    fragment, params = takeover_guard_of(review_by_default, exceptions)[1]
+    wanted = ("", {}) if kinds is None else kinds_filter(kinds)
+    request = sql.Claim(owner, seconds, limit, wanted, (fragment, dict(params)), completing)
+    names = route.ledger if ledger else None
+    return route.dialect.claim(
+        partial(raw_rows, qs), route.table, request, names, connections[qs.db]
+    )
 
 
-def raw_claim(qs: LeaseQuerySet[J], request: sql.Claim, ledger: LedgerNames | None) -> list[J]:
-    """Claim with the database's own statements (`Dialect.claim()`), with the ledger's rows
-    if `ledger`, each statement run as a prepared statement where it can be."""
-    dialect = dialect_of(connections[qs.db])
-    run = partial(prepared_claim_raw, qs)
-    return dialect.claim(run, quoted_table(qs.model, qs.db), request, ledger)
-
-
-def orm_claim(qs: LeaseQuerySet[J], request: sql.Claim, kinds: Wanted) -> list[J]:
+def orm_claim(
+    qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, kinds: Wanted
+) -> list[J]:
     """The ORM's claim: the specification, and MariaDB/MySQL's path."""
-    owner, seconds = request.owner, request.seconds
     return in_passes(
-        request.limit,
+        limit,
         lambda limit, takeover: claim_pass_locking(qs, owner, seconds, limit, kinds, takeover),
     )
 

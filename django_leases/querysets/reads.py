@@ -212,12 +212,12 @@ def takeover_guard() -> tuple[Q, tuple[str, sql.Params]]:
     review_by_default = leases_settings.STUCK_POLICY == StuckPolicy.REVIEW
     other = StuckPolicy.RETRY if review_by_default else StuckPolicy.REVIEW
     exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
-    guard, (fragment, params) = _takeover_guard(review_by_default, exceptions)
+    guard, (fragment, params) = takeover_guard_of(review_by_default, exceptions)
     return guard, (fragment, dict(params))
 
 
 @lru_cache(maxsize=16)
-def _takeover_guard(
+def takeover_guard_of(
     review_by_default: bool, exceptions: tuple[str, ...]
 ) -> tuple[Q, tuple[str, sql.Params]]:
     """Build `takeover_guard()` once per policy: every claim needs it."""

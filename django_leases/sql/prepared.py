@@ -1,4 +1,4 @@
-"""PostgreSQL's claim as a named prepared statement of the session (`querysets.prepared` runs it).
+"""PostgreSQL's claim as a named prepared statement of the session (`dialects.PostgreSQL` runs it).
 
 Separate from `postgresql`: the statements there are plain text; here one is turned into a
 PREPARE (its parameters numbered and typed, some integers written in) and an EXECUTE."""
@@ -19,10 +19,26 @@ def prepared_claim(statement: tuple[str, Params]) -> tuple["Prepared", Params]:
     written in, rounded up to a power of two: PostgreSQL then plans it once per window (at most
     15 of them) and keeps that generic plan, where a LIMIT given as a parameter would have it
     plan every execution anew (its generic plan's estimate assumes 10% of the rows)."""
-    window = 1 << (statement[1]["limit"] - 1).bit_length()
-    return prepared(
-        statement, written_in={"window": window, "candidates": window + CANDIDATE_SLACK}
-    )
+    return prepared(statement, written_in=read_window(statement[1]["limit"]))
+
+
+def read_window(limit: int) -> dict[str, int]:
+    """The integers `prepared_claim()` writes into a claim of `limit` jobs."""
+    window = 1 << (limit - 1).bit_length()
+    return {"window": window, "candidates": window + CANDIDATE_SLACK}
+
+
+@lru_cache(maxsize=256)
+def claim_prepared(
+    sql: str, limit: int, shape: tuple[tuple[str, type], ...]
+) -> tuple["Prepared", tuple[str, ...]]:
+    """`prepared_claim()` of a claim's text, `limit` and its parameters' (name, class) pairs,
+    built once per shape: the prepared statement and the names of its EXECUTE's parameters.
+    A list is one of the claim's arrays of checked job ids or tokens (`bigint[]`)."""
+    written_in = read_window(limit)
+    types = tuple((name, _class_type(name, cls)) for name, cls in shape if name not in written_in)
+    names = tuple(name for name, _ in types)
+    return _prepared(sql, tuple(sorted(written_in.items())), types), names
 
 
 PREPARED_PREFIX = "django_leases_"
@@ -83,6 +99,16 @@ def _type(name: str, value: Any) -> str:
         if isinstance(value, python_type):
             return sql_type
     raise TypeError(f"no type to prepare parameter {name} of {value!r} with")
+
+
+def _class_type(name: str, cls: type) -> str:
+    """`_type()` of a value of class `cls` (a list: of checked bigints)."""
+    if issubclass(cls, list):
+        return "bigint[]"
+    for python_type, sql_type in _TYPES:
+        if issubclass(cls, python_type):
+            return sql_type
+    raise TypeError(f"no type to prepare parameter {name} of {cls.__name__} with")
 
 
 @lru_cache(maxsize=256)
