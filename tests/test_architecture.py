@@ -7,6 +7,7 @@
   migrations).
 - Status, outcome and verdict words are spelled out only in `status.py` (and in migrations).
 - Lease fields are written only by `querysets/`.
+- No module is over 500 lines; the module-level imports form no circle.
 """
 
 import ast
@@ -140,14 +141,86 @@ def test_architecture__lease_queryset_is_one_door_not_a_tower_of_mixins() -> Non
     assert len(ours) <= 3, [cls.__qualname__ for cls in ours]
 
 
-@pytest.mark.parametrize(
-    "path",
-    [*sorted((PACKAGE / "querysets").glob("*.py")), *sorted((PACKAGE / "sql").glob("*.py")),
-     PACKAGE / "dialects.py"],
-    ids=lambda p: f"{p.parent.name}/{p.name}",
-)  # fmt: skip
-def test_architecture__lease_layer_modules_stay_readable(path: Path) -> None:
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_architecture__modules_stay_readable(path: Path) -> None:
     assert len(path.read_text().splitlines()) <= 500
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(source: str, package: str, known: set[str]) -> set[str]:
+    """The modules of `known` that a module of `package` with `source` imports when it is
+    imported: its module-level imports, not those inside a function (run later) or under
+    `if TYPE_CHECKING:` (never run)."""
+    found: set[str] = set()
+    body = list(ast.parse(source).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, (ast.If, ast.Try)):
+            body += [*node.body, *node.orelse, *getattr(node, "finalbody", [])]
+            body += [n for handler in getattr(node, "handlers", []) for n in handler.body]
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names} & known
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            # `from package import module` imports the module; `from module import name`, it.
+            found |= {f"{base}.{alias.name}" for alias in node.names} & known or {base} & known
+    return found
+
+
+def circle(graph: dict[str, set[str]]) -> list[str]:
+    """A circle of `graph` (module -> the modules it imports), or [] for none."""
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> list[str]:
+        if name in trail:
+            return [*trail[trail.index(name) :], name]
+        if name in done:
+            return []
+        for imported in sorted(graph.get(name, ())):
+            found = visit(imported, [*trail, name])
+            if found:
+                return found
+        done.add(name)
+        return []
+
+    return next((found for name in sorted(graph) if (found := visit(name, []))), [])
+
+
+def test_architecture__module_imports_form_no_circle() -> None:
+    paths = modules()
+    known = {module_name(path) for path in paths}
+    graph = {}
+    for path in paths:
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = module_imports(path.read_text(), package, known) - {name}
+    assert circle(graph) == []
+
+
+def test_architecture__the_circle_rule_sees_a_circle() -> None:
+    known = {"django_leases.worker", "django_leases.slots"}
+    lazy = "def f():\n    from django_leases.worker import LeaseWorker\n"
+    typing = "if TYPE_CHECKING:\n    from django_leases.worker import LeaseWorker\n"
+    eager = "from django_leases import worker\n"
+    assert module_imports(lazy, "django_leases", known) == set()
+    assert module_imports(typing, "django_leases", known) == set()
+    assert module_imports(eager, "django_leases", known) == {"django_leases.worker"}
+    back = {"django_leases.worker": {"django_leases.slots"}}
+    assert circle({**back, "django_leases.slots": {"django_leases.worker"}}) == [
+        "django_leases.slots",
+        "django_leases.worker",
+        "django_leases.slots",
+    ]
+    assert circle({**back, "django_leases.slots": set()}) == []
 
 
 CHECKS = ("claim_args", "check_", "to_seconds")
