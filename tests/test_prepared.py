@@ -1,7 +1,8 @@
-"""The claim as a named prepared statement (PostgreSQL, the prepared claims of `dialects.py`):
-one statement per read window, sent whole inside a transaction, prepared again when the session lost it or the
-job table's columns changed, planned anew as it ages, left alone where sessions keep losing it,
-its generic plan off other kinds' backlog, and the very claims of the statement sent whole."""
+"""The claim as a named prepared statement (PostgreSQL, the prepared claims of `dialects.py`): one
+statement per read window, sent whole inside a transaction, prepared again when the session lost
+it or the job table's columns changed, planned anew as it ages, left alone where sessions keep
+losing it, its generic plan off other kinds' backlog, and the very claims of the statement sent
+whole."""
 
 import enum
 import json
