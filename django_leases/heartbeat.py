@@ -189,10 +189,13 @@ class Heartbeat:
         return max(0.01, min(self.interval, first - time.monotonic()))
 
     def _live(self, leases: list[Lease]) -> list[Lease]:
-        """Return the leases of `leases` not lost; log each lost one once."""
+        """Return the leases of `leases` not lost; log each lost one once.
+
+        A lease whose outcome is being written is not read by the clock (reading `lost` marks
+        it): that write decides, as in `renew()`; it finishes the lease or reports it lost."""
         live = []
         for lease in leases:
-            if not lease.lost:
+            if (lease.ending and not lease.marked_lost) or not lease.lost:
                 live.append(lease)
                 continue
             with self._lock:

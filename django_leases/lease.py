@@ -113,8 +113,11 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """True once this holder knows, or must assume, that it no longer owns the job."""
-        if not self._lost.is_set() and self._clock() >= self.valid_until:
+        """True once this holder knows, or must assume, that it no longer owns the job.
+
+        Never by the clock once `finished`: the database accepted the outcome under this
+        token, so nobody else owned the job before it."""
+        if not self._lost.is_set() and not self.finished and self._clock() >= self.valid_until:
             if self._clock() >= self._renewed_until:
                 self.mark_lost("not renewed for a whole TTL (database unreachable?)")
             else:
@@ -122,6 +125,11 @@ class Lease:
                     "the worker's registry row was not refreshed for WORKER_GONE_AFTER "
                     "(database unreachable?): the watcher may rescue its jobs"
                 )
+        return self._lost.is_set()
+
+    @property
+    def marked_lost(self) -> bool:
+        """True once the lease was marked lost; unlike `lost`, never marks it by the clock."""
         return self._lost.is_set()
 
     @property

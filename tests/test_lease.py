@@ -1,5 +1,6 @@
 """`Lease`, what a handler holds: its deadline, its writes, `atomic()` and the async forms."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -9,8 +10,10 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from django_leases.exceptions import LeaseError, LeaseLost
+from django_leases.heartbeat import Heartbeat, RegistryRow
 from django_leases.lease import Lease, Presence
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.worker_stats import WorkerStats
 
 pytestmark = pytest.mark.django_db
 
@@ -137,3 +140,66 @@ def test_lease__atomic_refuses_to_run_inside_another_atomic_block() -> None:
         pass
     assert lease.finished
     assert PaymentJob.objects.get(pk=lease.pk).status == Status.COMPLETED
+
+
+class FakeClock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease__a_finished_lease_is_never_lost_by_the_clock() -> None:
+    """The database took its outcome under its token: nobody owned the job before, so the
+    clock passing its deadline later (a lease clock reading it late) marks nothing."""
+    clock = FakeClock()
+    job = held().job
+    lease = Lease(job, ttl=2, presence=_presence(clock))
+    lease.complete()
+    clock.now += 10
+    assert not lease.lost and lease.lost_reason == ""
+    unfinished = Lease(held().job, ttl=2, presence=_presence(clock))
+    clock.now += 10
+    assert unfinished.lost  # the rule still holds for a lease not finished
+
+
+def test_heartbeat__its_lease_clock_leaves_a_lease_being_written_to_that_write() -> None:
+    """A thousand completions behind one SQLite writer: a lease whose outcome is being
+    written passes its deadline during the write; the write decides, the clock says nothing
+    (it logged "lease lost" for jobs that then completed)."""
+    clock = FakeClock()
+    writing = Lease(held().job, ttl=2, presence=_presence(clock))
+    running = Lease(held().job, ttl=2, presence=_presence(clock))
+    writing.ending = True
+    clock.now += 3
+    beat = Heartbeat(
+        PaymentJob.objects.all(),
+        RegistryRow(
+            using="default",
+            worker_id="w1",
+            instance="i",
+            kinds=["capture"],
+            concurrency=2,
+            presence=_presence(clock),
+        ),
+        held=lambda: [writing, running],
+        tidy=lambda: None,
+        taken=lambda why: None,
+        stats=WorkerStats(),
+        ttl=2,
+        interval=0.5,
+        stopped=threading.Event(),
+    )
+    assert beat._live([writing, running]) == [writing]
+    assert not writing.marked_lost and running.marked_lost
+    writing.mark_lost("refused")  # the write found it lost: the clock reports it then
+    assert beat._live([writing]) == []
+
+
+def _presence(clock: FakeClock) -> Presence:
+    presence = Presence(gone_after=3600, clock=clock)
+    presence.confirmed(clock.now)
+    return presence

@@ -5,6 +5,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -363,6 +364,41 @@ def test_worker__second_signal_exits_at_once(processes: Processes) -> None:
     proc.send_signal(signal.SIGTERM)
     finish(proc, timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
+
+
+STOP_WHILE_HOLDING_ITS_LOCK = """
+import os, signal, threading
+import django
+from django.conf import settings
+settings.configure()
+django.setup()
+from django_leases.management.commands._options import stop_signals
+lock, stopped = threading.Lock(), threading.Event()
+def stop():
+    with lock:
+        stopped.set()
+with stop_signals(stop):
+    with lock:
+        os.kill(os.getpid(), signal.SIGTERM)
+        # The handler runs here, on this thread, which holds the lock that stop() takes.
+        for _ in range(100_000):
+            pass
+    print("stopped" if stopped.wait(10) else "not stopped", flush=True)
+"""
+
+
+def test_stop_signals__stop_runs_off_the_thread_the_signal_interrupts() -> None:
+    """SIGTERM landed while the worker's loop held the lock of the Event that `stop()` sets
+    (it clears and waits on it all the time): `stop()` called in the handler waited for that
+    thread, its own, forever, and the worker hung until SIGKILL (seen once in a CI run)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STOP_WHILE_HOLDING_ITS_LOCK],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout) == (0, "stopped\n"), proc.stderr
 
 
 def test_worker__unstarted_jobs_are_released_on_stop() -> None:

@@ -192,11 +192,18 @@ class OneLineErrorsMixin:
         return parser
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextmanager
 def stop_signals(stop: Callable[[], None]) -> Iterator[None]:
     """Call `stop` on the first SIGTERM/SIGINT; exit at once with 128 + signum on a second.
 
-    Installed only on the main thread; the previous handlers are restored on exit.
+    Installed only on the main thread; the previous handlers are restored on exit. `stop` runs
+    on a thread of its own, woken through `signal.set_wakeup_fd()`, never in the handler: a
+    handler runs on the main thread between two of its bytecodes, maybe while it holds a lock
+    that `stop` takes (the worker's loop clears and waits on the Event that `stop` sets), and
+    then `stop` waited for that thread forever: SIGTERM hung the worker until SIGKILL.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -207,16 +214,32 @@ def stop_signals(stop: Callable[[], None]) -> Iterator[None]:
         if received:
             os._exit(128 + signum)  # second signal: leave at once; leases expire
         received.append(signum)
-        stop()
 
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+
+    def relay() -> None:
+        # The signal numbers the C-level handler wrote; b"" once the context is left.
+        while numbers := os.read(wake_read, 64):
+            if any(number in STOP_SIGNALS for number in numbers):
+                stop()
+                return
+
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum in previous:
         signal.signal(signum, on_signal)
+    previous_fd = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+    relay_thread = threading.Thread(target=relay, name="stop-signals", daemon=True)
+    relay_thread.start()
     try:
         yield
     finally:
+        signal.set_wakeup_fd(previous_fd)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        os.close(wake_write)
+        relay_thread.join()
+        os.close(wake_read)
 
 
 def add_metrics_arguments(parser: CommandParser, what: str) -> None:
