@@ -34,9 +34,10 @@ from django_leases.exceptions import (
     TaskFailed,
 )
 from django_leases.limits import KIND_LENGTH, MAX_ATTEMPTS, check_json, check_kind, shown
-from django_leases.querysets import LeaseQuerySet, leased_jobs
+from django_leases.querysets import LeaseQuerySet
 from django_leases.redaction import describe
 from django_leases.status import AttemptOutcome, JobStatus
+from django_leases.tables import leased_jobs
 
 if TYPE_CHECKING or django.VERSION >= (6, 0):
     from django.tasks import task_backends

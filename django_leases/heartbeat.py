@@ -19,9 +19,10 @@ from django_leases.exceptions import WorkerIdTaken
 from django_leases.lease import Lease, Presence
 from django_leases.outages import outage_or_raise
 from django_leases.outcomes import TRANSIENT, Outages
-from django_leases.querysets import LeaseQuerySet, registered_workers
+from django_leases.querysets import LeaseQuerySet
 from django_leases.redaction import error_text
 from django_leases.status import AttemptOutcome
+from django_leases.tables import registered_workers
 from django_leases.worker_stats import WorkerStats
 
 logger = logging.getLogger("django_leases.worker")

@@ -15,8 +15,9 @@ from django.db import transaction
 
 from django_leases.conf import to_seconds
 from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
-from django_leases.querysets import LeaseQuerySet, leased_jobs
+from django_leases.querysets import LeaseQuerySet
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
+from django_leases.tables import leased_jobs
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob

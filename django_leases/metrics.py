@@ -31,8 +31,8 @@ from prometheus_client.registry import Collector
 from django_leases import stats
 from django_leases.conf import leases_settings
 from django_leases.handlers import throttles
-from django_leases.querysets import job_model, leased_jobs
 from django_leases.status import TIMED_OUT, AttemptOutcome
+from django_leases.tables import job_model, leased_jobs
 
 PREFIX = "django_leases"
 # Seconds, from a quick API call to a batch that runs for an hour.

@@ -99,12 +99,17 @@ class AbstractLeasedJob(models.Model):
     attempt_model: ClassVar[str | None] = None
     # The concrete operator event log (an `AbstractJobEvent` subclass), or None for none.
     event_model: ClassVar[str | None] = None
+    # The columns of the lease, which `enqueue(**fields)` never sets: set below, from `_meta`.
+    lease_fields: ClassVar[frozenset[str]]
 
     class Meta:
         abstract = True
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.pk} ({self.status})"
+
+
+AbstractLeasedJob.lease_fields = frozenset(f.name for f in AbstractLeasedJob._meta.local_fields)
 
 
 def lease_indexes(prefix: str) -> list[models.Index]:

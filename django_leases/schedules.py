@@ -44,8 +44,9 @@ from django.db.models.sql import Query
 
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.limits import shown
-from django_leases.querysets import LeaseQuerySet, leased_jobs, schedule_states
+from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.schedules import CRON_LENGTH, Series
+from django_leases.tables import leased_jobs, schedule_states
 
 logger = logging.getLogger("django_leases.schedules")
 

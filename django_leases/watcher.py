@@ -26,10 +26,11 @@ from django_leases.db import harden
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
 from django_leases.outages import check_tables, outage_or_raise
-from django_leases.querysets import LeaseQuerySet, leased_jobs, queue_models, registered_workers
+from django_leases.querysets import LeaseQuerySet
 from django_leases.redaction import error_text
 from django_leases.schedules import enqueue_due
 from django_leases.status import StuckPolicy, Verdict
+from django_leases.tables import leased_jobs, queue_models, registered_workers
 
 logger = logging.getLogger("django_leases.watcher")
 

@@ -51,9 +51,9 @@ from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, chec
 from django_leases.listener import Listener
 from django_leases.outages import check_tables, outage_or_raise
 from django_leases.outcomes import Outages, Outcomes
-from django_leases.querysets import leased_jobs, queue_models
 from django_leases.schedules import Ticker
 from django_leases.slots import Slot, SlotPool
+from django_leases.tables import leased_jobs, queue_models
 from django_leases.worker_stats import Recorder, WorkerStats
 
 logger = logging.getLogger("django_leases.worker")

@@ -31,7 +31,7 @@ from django_leases.checks.schedules import check_schedules
 from django_leases.conf import DEFAULTS
 from django_leases.limits import BATCH_SIZE, EXACT_COUNT_LIMIT, MAX_ATTEMPTS, MAX_DURATION
 from django_leases.models import PaymentJob
-from django_leases.querysets import leased_jobs
+from django_leases.tables import leased_jobs
 from tests.testapp.models import PayoutJob
 
 from .conftest import ROOT, Processes, subprocess_env, wait_for

@@ -40,7 +40,7 @@ from django_leases.admin.mixins import IndexedSearchMixin, job_id
 from django_leases.admin.overview import OverviewMixin
 from django_leases.conf import leases_settings
 from django_leases.models import AbstractJobAttempt, AbstractJobEvent, PaymentJob
-from django_leases.querysets import LeaseQuerySet, ledger_model
+from django_leases.querysets import LeaseQuerySet
 from django_leases.status import (
     CANCELLED,
     COMPLETED,
@@ -51,6 +51,7 @@ from django_leases.status import (
     JobStatus,
     Verdict,
 )
+from django_leases.tables import ledger_model
 
 LEASE_FIELDS = (
     "status",

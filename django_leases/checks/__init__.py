@@ -28,8 +28,8 @@ from django_leases.limits import (
     in_duration_range,
     shown,
 )
-from django_leases.querysets import job_model, leased_job_models, ledger_model
 from django_leases.status import FINAL_STATUSES, StuckPolicy
+from django_leases.tables import job_model, leased_job_models, ledger_model
 
 DURATIONS = (
     "TTL",

@@ -41,6 +41,7 @@ from django_leases.querysets.locks import (
 from django_leases.status import PENDING, WAITING
 
 if TYPE_CHECKING:
+    from django_leases.models import AbstractLeasedJob
     from django_leases.querysets.leases import LeaseQuerySet
 
 QS = TypeVar("QS", bound="LeaseQuerySet[Any]")
@@ -429,13 +430,10 @@ def _job_fields(
     return fields, None
 
 
-def _own_fields(model: type[models.Model], fields: dict[str, Any]) -> dict[str, Any]:
+def _own_fields(model: type[AbstractLeasedJob], fields: dict[str, Any]) -> dict[str, Any]:
     """Check the values `enqueue(**fields)` gives the model's own columns; raise
     `InvalidArgument` naming the first bad one, before anything is written."""
-    # Imported here: models.py imports this package.
-    from django_leases.models import AbstractLeasedJob
-
-    reserved = {field.name for field in AbstractLeasedJob._meta.local_fields}
+    reserved = model.lease_fields
     for name, value in fields.items():
         try:
             field = model._meta.get_field(name)

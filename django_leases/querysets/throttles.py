@@ -14,8 +14,9 @@ previous holder's commit, so the starts of one window are never spread over two 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from django.apps import apps
 from django.db import models, transaction
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import Now
@@ -72,10 +73,9 @@ class KindGateQuerySet(models.QuerySet[Any]):
         starts.create(gate_id=gate, count=count, at=Now())
 
     def _starts(self, gate: int) -> models.QuerySet[Any]:
-        # Imported here: models.py imports this package.
-        from django_leases.models import KindStart
-
-        return KindStart.objects.using(self.db).filter(gate_id=gate)
+        # The model of `KindGate.starts`: models.py is built on this package, never imported.
+        starts: Any = self.model._meta.get_field("starts").related_model
+        return starts._default_manager.using(self.db).filter(gate_id=gate)
 
 
 @retry_deadlocks
@@ -105,7 +105,6 @@ def claim_throttled(
 
 def kind_gates(using: str) -> KindGateQuerySet:
     """Return the gate rows on `using`: the database of the job table they throttle."""
-    # Imported here: models.py imports this package.
-    from django_leases.models import KindGate
-
-    return KindGate.objects.db_manager(using).all()
+    # From the app registry: models.py is built on this package, never imported by it.
+    gates: Any = apps.get_model("django_leases", "KindGate")
+    return cast(KindGateQuerySet, gates._default_manager.db_manager(using).all())

@@ -25,8 +25,8 @@ from django_leases.limits import (
     in_duration_range,
 )
 from django_leases.outages import OUTAGES, misconfiguration
-from django_leases.querysets import job_model
 from django_leases.redaction import error_text
+from django_leases.tables import job_model
 
 WORKER_ID = re.compile(r"^[\w.:@/-]{1,255}$")
 

@@ -20,13 +20,8 @@ from django_leases.management.commands._options import (
     whole_number,
 )
 from django_leases.outages import check_tables
-from django_leases.querysets import (
-    LeaseQuerySet,
-    PrunedBatch,
-    leased_jobs,
-    queue_models,
-    registered_workers,
-)
+from django_leases.querysets import LeaseQuerySet, PrunedBatch
+from django_leases.tables import leased_jobs, queue_models, registered_workers
 
 logger = logging.getLogger("django_leases.prune")
 
