@@ -1,19 +1,24 @@
 """The tables of a queue, found in the app registry: the job model that `JOB_MODEL` names, its
 attempt ledger, the worker registry and the schedules' state, each reached as its queryset on
 one database. The one way the worker, the watcher, `Lease`, the Tasks backend, the checks, the
-admin and the commands find them."""
+admin and the commands find them.
+
+Each function imports the models when called: importing this module (and the Tasks backend,
+`Lease` or the commands) loads no model, so a project may do it while its apps load."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import models, router
 
 from django_leases.conf import leases_settings
-from django_leases.models import AbstractJobAttempt, AbstractLeasedJob, ScheduleState, Worker
 from django_leases.querysets import LeaseQuerySet, ScheduleStateQuerySet, WorkerQuerySet
+
+if TYPE_CHECKING:
+    from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
 
 
 def job_model(label: str | None = None) -> type[AbstractLeasedJob]:
@@ -26,6 +31,8 @@ def job_model(label: str | None = None) -> type[AbstractLeasedJob]:
     label = leases_settings.JOB_MODEL if label is None else label
     if not isinstance(label, str) or label.count(".") != 1 or not all(label.split(".")):
         raise ImproperlyConfigured(f"{label!r} is not of the form 'app_label.ModelName'")
+    from django_leases.models import AbstractLeasedJob
+
     return installed(label, AbstractLeasedJob)
 
 
@@ -48,6 +55,8 @@ def installed(label: str, base: type[models.Model]) -> type[Any]:
 
 def leased_job_models() -> list[type[AbstractLeasedJob]]:
     """Return every installed concrete job model: `PaymentJob` and the project's own."""
+    from django_leases.models import AbstractLeasedJob
+
     return [model for model in apps.get_models() if issubclass(model, AbstractLeasedJob)]
 
 
@@ -63,6 +72,8 @@ def ledger_model(model: type[AbstractLeasedJob]) -> type[AbstractJobAttempt] | N
         return None
     if not isinstance(label, str) or label.count(".") != 1:
         raise ImproperlyConfigured(f"must be None or 'app_label.ModelName', got {label!r}")
+    from django_leases.models import AbstractJobAttempt
+
     ledger = installed(label, AbstractJobAttempt)
     try:
         job = ledger._meta.get_field("job")
@@ -97,6 +108,8 @@ def queue_models(model: type[Any]) -> list[type[models.Model]]:
 
 def registered_workers(using: str | None = None) -> WorkerQuerySet:
     """Return the worker registry on `using` (default: its write database)."""
+    from django_leases.models import Worker
+
     return cast(
         WorkerQuerySet, Worker.objects.db_manager(using or router.db_for_write(Worker)).all()
     )
@@ -104,4 +117,6 @@ def registered_workers(using: str | None = None) -> WorkerQuerySet:
 
 def schedule_states(using: str) -> ScheduleStateQuerySet:
     """Return the schedules' state rows on `using`: the database of the job table they serve."""
+    from django_leases.models import ScheduleState
+
     return cast(ScheduleStateQuerySet, ScheduleState.objects.db_manager(using).all())

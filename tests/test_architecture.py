@@ -11,6 +11,9 @@
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +300,18 @@ def test_architecture__one_claim_on_postgresql_reads_in_a_few_jumps() -> None:
     path = claim_path_traced()
     files = {name.split(":")[0] for name in path}
     assert len(path) <= 12 and len(files) <= 6, "\n".join(path)
+
+
+def test_architecture__the_doors_import_no_model() -> None:
+    """A project may import the Tasks backend, `Lease`, the tables' lookups or a command's
+    options while its apps load (a `@task` at import resolves its backend): none of them may
+    load the models then, which raises AppRegistryNotReady."""
+    doors = ["django_leases.backends", "django_leases.lease", "django_leases.tables",
+             "django_leases.management.commands._options"]  # fmt: skip
+    probe = f"import sys\nfor name in {doors!r}:\n    __import__(name)\n"
+    probe += "print('django_leases.models' in sys.modules)\n"
+    env = {key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"}
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert (proc.returncode, proc.stdout) == (0, "False\n"), proc.stderr
