@@ -323,7 +323,8 @@ class LeaseWorker:
         return len(jobs)
 
     def stop(self) -> None:
-        """Stop claiming; running jobs get the grace period. Safe to call from a signal handler."""
+        """Stop claiming; running jobs get the grace period. Call it from any thread; from a
+        signal, through `stop_signals()` (in a handler on the loop's thread it may deadlock)."""
         self._stopping.set()
         self._slot_free.set()
 
