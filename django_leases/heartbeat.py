@@ -184,8 +184,11 @@ class Heartbeat:
             self._live(self.held())
 
     def _until_deadline(self) -> float:
-        """Seconds until the first held lease runs out, at most one heartbeat interval."""
-        deadlines = [lease.valid_until for lease in self.held() if not lease.lost]
+        """Seconds until the first held lease runs out, at most one heartbeat interval. Leases
+        lost or being written are left out, and none is marked: `_live()` decides."""
+        deadlines = [
+            lease.valid_until for lease in self.held() if not (lease.ending or lease.marked_lost)
+        ]
         first = min(deadlines, default=time.monotonic() + self.interval)
         return max(0.01, min(self.interval, first - time.monotonic()))
 

@@ -193,6 +193,8 @@ def test_heartbeat__its_lease_clock_leaves_a_lease_being_written_to_that_write()
         interval=0.5,
         stopped=threading.Event(),
     )
+    beat._until_deadline()  # the clock's wait, read first, marks nothing either
+    assert not writing.marked_lost and not running.marked_lost
     assert beat._live([writing, running]) == [writing]
     assert not writing.marked_lost and running.marked_lost
     writing.mark_lost("refused")  # the write found it lost: the clock reports it then
