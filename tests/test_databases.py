@@ -2,7 +2,9 @@
 `prune_jobs` per database (`--database`), with real processes on two databases of one server."""
 
 import json
+import math
 import re
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -198,13 +200,19 @@ def test_queue_metrics__the_urlconf_chooses_the_database(client: Any) -> None:
 def test_schedules__each_database_gets_one_job_per_tick(processes: Processes) -> None:
     """SCHEDULES run on every database a watcher or worker serves, each with its own record of
     the last tick: two watchers on each database enqueue one job per database, not one in all."""
-    hourly = json.dumps({"SCHEDULES": {"sweep": {"kind": "noop", "every": 3600}}})
-    env = subprocess_env(LEASES_TEST_SETTINGS=hourly)
+    every = 10**7  # a tick boundary every 116 days; the span read below holds one when it falls
+    settings = json.dumps({"SCHEDULES": {"sweep": {"kind": "noop", "every": every}}})
+    env = subprocess_env(LEASES_TEST_SETTINGS=settings)
+    first = math.floor(time.time() / every)
     for database in ("default", "other", "default", "other"):
         proc = processes.manage("watch_stuck_jobs", "--once", "--database", database, env=env)
         out = finish(proc)
         assert proc.returncode == 0, out
+    last = math.floor(time.time() / every)
     for database in ("default", "other"):
         keys = PaymentJob.objects.using(database).values_list("idempotency_key", flat=True)
-        assert len(keys) == 1 and keys[0].startswith("schedule:sweep:3600:"), (database, keys)
+        ticks = sorted(int(key.removeprefix(f"schedule:sweep:{every}:")) for key in keys)
+        # One job per tick the watchers saw: one in all, unless a tick began between two runs.
+        assert ticks and ticks == list(range(ticks[0], last + 1)), (database, keys)
+        assert first <= ticks[0], (database, keys)
         assert ScheduleState.objects.using(database).count() == 1
