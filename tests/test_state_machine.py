@@ -97,7 +97,7 @@ from django.db.models import BooleanField, Case, F, QuerySet, When
 from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
 from django.test import override_settings
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -1212,24 +1212,29 @@ class LeaseMachine(RuleBasedStateMachine):
         self.events = events
 
 
-def machine_settings(examples: int = 200) -> settings:
+# Each machine's examples run as SHARDS tests of a part each, every part from its own seed: on
+# several test processes (-n) they run side by side, and the longest test is a part, not the
+# whole. A change of SHARDS draws other examples, as many in all.
+SHARDS = 4
+SHARD = pytest.mark.parametrize("shard", range(SHARDS))
+
+
+def run_shard(machine: type[RuleBasedStateMachine], shard: int, examples: int) -> None:
+    """Run part `shard` of `examples` examples of `machine` (of `LEASES_STATE_MACHINE_EXAMPLES`
+    fresh ones if set); CI's parts are the same every run."""
+    common = {
+        "stateful_step_count": STEPS,
+        "deadline": None,
+        "database": None,
+        "suppress_health_check": list(HealthCheck),
+    }
+    part = type(f"{machine.__name__}Part{shard}", (machine,), {})
     if EXAMPLES:
-        return settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-    # CI: the same examples every run, about a minute per database on a slow machine.
-    return settings(
-        max_examples=examples,
-        stateful_step_count=STEPS,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+        chosen = settings(max_examples=-(-EXAMPLES // SHARDS), **common)
+    else:
+        chosen = settings(max_examples=examples // SHARDS, **common)
+        part = seed(shard)(part)
+    run_state_machine_as_test(part, settings=chosen)
 
 
 # ---- schedules ------------------------------------------------------------------------------
@@ -1351,13 +1356,14 @@ class ScheduleMachine(RuleBasedStateMachine):
 
 
 # Both machines run for minutes on a busy machine (CI's PostgreSQL phase took the lease machine
-# past the default 300 s once, with six test processes on two cores): they start first, and get
-# the time they need. Their examples are derandomized, so the time does not vary by run.
+# past the default 300 s once, with six test processes on two cores): their parts start first,
+# and get the time they need. Their examples are seeded, so the time does not vary by run.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @override_settings(DJANGO_LEASES=SCHEDULE_SETTINGS)
-def test_schedule_state_machine__one_job_per_tick_whatever_was_pruned() -> None:
-    run_state_machine_as_test(ScheduleMachine, settings=machine_settings(examples=100))
+@SHARD
+def test_schedule_state_machine__one_job_per_tick_whatever_was_pruned(shard: int) -> None:
+    run_shard(ScheduleMachine, shard, examples=100)
 
 
 @pytest.fixture
@@ -1385,7 +1391,8 @@ def never_runs(job: Any, lease: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @override_settings(DJANGO_LEASES=LEASE_SETTINGS)
+@SHARD
 def test_lease_state_machine__keeps_every_guarantee(
-    quiet_watcher: None, limited_kind: None
+    shard: int, quiet_watcher: None, limited_kind: None
 ) -> None:
-    run_state_machine_as_test(LeaseMachine, settings=machine_settings())
+    run_shard(LeaseMachine, shard, examples=200)
