@@ -35,6 +35,7 @@ import sys
 from typing import Any
 
 from bench import _common as common
+from tests.rows import copy_sql, series
 
 LOADER = "bench-loader"
 CHUNK = 100_000
@@ -42,37 +43,6 @@ LONG_AGO = "'2000-01-01 00:00:00'"
 
 
 # ---- Django side -----------------------------------------------------------------------------
-
-
-def _series(vendor: str, count: int) -> tuple[str, str]:
-    """Return (prefix, FROM source) that yield `count` rows on `vendor`."""
-    if vendor == "postgresql":
-        return "", f"generate_series(1, {count})"
-    if vendor == "mysql":
-        from django.db import connection
-
-        if not connection.mysql_is_mariadb:
-            raise RuntimeError("bulk loading on MySQL needs MariaDB's SEQUENCE engine")
-        return "", f"seq_1_to_{count}"
-    return (
-        f"WITH RECURSIVE seq(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM seq WHERE n < {count})",
-        ("seq"),
-    )
-
-
-def _copy_sql(model: Any, source: str, where: str, values: dict[str, str]) -> str:
-    """Return INSERT ... SELECT copying the `source` row(s) of `model`'s table, with `values`
-    (column -> SQL) replacing columns. Columns come from the model, so new fields need no change
-    here."""
-    from django.db import connection
-
-    quote = connection.ops.quote_name
-    columns = [f.column for f in model._meta.concrete_fields if not f.primary_key]
-    selected = ", ".join(values.get(c, f"t.{quote(c)}") for c in columns)
-    return (
-        f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(map(quote, columns))}) "
-        f"SELECT {selected} FROM {quote(model._meta.db_table)} t, {source} WHERE {where}"
-    )
 
 
 def load_finished(count: int, churn: bool) -> None:
@@ -95,11 +65,11 @@ def load_finished(count: int, churn: bool) -> None:
     job_values = {"status": status, "lease_owner": f"'{LOADER}'", "run_at": LONG_AGO}
     job_values |= {"lease_until": LONG_AGO, "created_at": LONG_AGO, "completed_at": LONG_AGO}
     for first in range(0, count, CHUNK):
-        prefix, source = _series(connection.vendor, min(CHUNK, count - first))
+        prefix, source = series(connection.vendor, min(CHUNK, count - first))
         with transaction.atomic():
             last = manager.order_by("-pk").values_list("pk", flat=True).first() or 0
             common.execute(
-                f"{prefix} {_copy_sql(PaymentJob, source, 't.id = %s', job_values)}",
+                f"{prefix} {copy_sql(PaymentJob, source, 't.id = %s', job_values)}",
                 [template.pk],
             )
             if churn:
@@ -112,7 +82,7 @@ def load_finished(count: int, churn: bool) -> None:
                         [step, LOADER, last],
                     )
             common.execute(
-                _copy_sql(
+                copy_sql(
                     JobAttempt,
                     f"{common.JOB_TABLE} j",
                     "t.id = %s AND j.lease_owner = %s AND j.id > %s",
@@ -144,11 +114,11 @@ def load_copies(template: Any, count: int, values: dict[str, str], after: str = 
 
     manager = PaymentJob.objects
     for first in range(0, count, CHUNK):
-        prefix, source = _series(connection.vendor, min(CHUNK, count - first))
+        prefix, source = series(connection.vendor, min(CHUNK, count - first))
         with transaction.atomic():
             last = manager.order_by("-pk").values_list("pk", flat=True).first() or 0
             common.execute(
-                f"{prefix} {_copy_sql(PaymentJob, source, 't.id = %s', values)}", [template.pk]
+                f"{prefix} {copy_sql(PaymentJob, source, 't.id = %s', values)}", [template.pk]
             )
             if after:
                 common.execute(after, [last])

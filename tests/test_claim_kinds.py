@@ -17,6 +17,7 @@ from django_leases.models import PaymentJob
 from django_leases.sql.postgresql import CANDIDATE_SLACK
 
 from .conftest import ON_SQLITE, Processes
+from .rows import copy_row
 from .test_concurrency import run_claimers
 
 SERVED = ["capture", "refund"]
@@ -180,24 +181,7 @@ def add_backlog(backlog: str, count: int) -> None:
             )
         ]
     )
-    copy_job(first, count - 1)
-
-
-def copy_job(job: PaymentJob, count: int) -> None:
-    """Insert `count` copies of `job` (new ids) in one statement on PostgreSQL or SQLite: a
-    backlog of thousands without building each row in Python."""
-    quote = connection.ops.quote_name
-    columns = ", ".join(
-        quote(f.column) for f in PaymentJob._meta.concrete_fields if not f.primary_key
-    )
-    table = quote(PaymentJob._meta.db_table)
-    sql = f"""
-        WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < %s)
-        INSERT INTO {table} ({columns}) SELECT {columns} FROM {table}, n WHERE id = %s
-    """  # noqa: S608 - names quoted, values are parameters
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [count, job.pk])
-    assert PaymentJob.objects.filter(kind=job.kind, status=job.status).count() >= count + 1
+    copy_row(PaymentJob, first.pk, count - 1)
 
 
 def claim_statements(kinds: list[str], limit: int) -> list[tuple[str, Any]]:

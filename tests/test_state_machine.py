@@ -1230,7 +1230,7 @@ def run_shard(machine: type[RuleBasedStateMachine], shard: int, examples: int) -
     }
     part = type(f"{machine.__name__}Part{shard}", (machine,), {})
     if EXAMPLES:
-        chosen = settings(max_examples=-(-EXAMPLES // SHARDS), **common)
+        chosen = settings(max_examples=math.ceil(EXAMPLES / SHARDS), **common)
     else:
         chosen = settings(max_examples=examples // SHARDS, **common)
         part = seed(shard)(part)
