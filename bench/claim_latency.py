@@ -9,7 +9,8 @@ commit. Each claimed job is completed outside the timed region, as a worker woul
 kind with `limit=` and/or `rate=` (`@job_handler`), set far above what the claimers reach, so
 that what is timed is the throttled claim's own cost (its gate row, its counts, its start
 record), not waiting for a slot; the `vs none` column is each row's p50 over the unthrottled
-row's of the same database and claimers.
+row's of the same database and claimers. `ttl` is the same claim of a kind with a lease length
+of its own (`@job_handler(ttl=600)`), which the claim statement sets by a CASE on the kind.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ THROTTLES: dict[str, dict[str, Any]] = {
     "limit": {"limit": 1_000_000},
     "rate": {"rate": (1_000_000, 1)},
     "both": {"limit": 1_000_000, "rate": (1_000_000, 1)},
+    "ttl": {"ttl": 600},
 }
 
 
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         "--throttles",
         type=throttle_list,
         default=["none"],
-        help="comma-separated kinds' throttles to compare: none, limit, rate, both (default: none)",
+        help="comma-separated kinds' options to compare: none, limit, rate, both, ttl "
+        "(default: none)",
     )
     common.add_common_arguments(parser, databases="postgresql,sqlite,mysql", timeout=600)
     args = parser.parse_args(argv)

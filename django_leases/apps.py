@@ -28,6 +28,7 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_network_timeout)
         checks.register(schedule_checks.check_schedules)
         checks.register(lease_checks.check_ack_batching)
+        checks.register(lease_checks.check_kind_leases)
         conf.connect_signals()
         redaction.install_log_filter()
         handlers.autodiscover()

@@ -7,11 +7,12 @@ from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import async_to_sync
 
-from django_leases.conf import to_seconds
+from django_leases.conf import leases_settings, to_seconds
 from django_leases.exceptions import (
     Cancelled,
     HandlerError,
@@ -19,7 +20,7 @@ from django_leases.exceptions import (
     InvalidArgument,
     InvalidDuration,
 )
-from django_leases.limits import check_kind
+from django_leases.limits import MAX_ATTEMPTS, MIN_TTL, check_int, check_kind
 from django_leases.status import Verdict
 from django_leases.throttles import Throttle, throttle
 
@@ -52,6 +53,10 @@ class Handler:
     """How the worker writes a completion: "each" at once, "batch" buffered with others."""
     throttle: Throttle | None = None
     """The kind's `limit=` and `rate=` across every worker; None: neither."""
+    ttl: float | None = None
+    """The length of every lease of the kind in seconds; None: the worker's (`--ttl`)."""
+    max_attempts: int | None = None
+    """The attempts a job of the kind gets unless its `enqueue()` says; None: MAX_ATTEMPTS."""
 
     @property
     def name(self) -> str:
@@ -80,8 +85,10 @@ class Handler:
 
 
 _registry: dict[str, Handler] = {}
-# The throttles of the registered kinds, kept beside the registry: every claim reads it.
+# The throttles and lease lengths of the registered kinds that have them, kept beside the
+# registry: every claim and renewal reads them.
 _throttles: dict[str, Throttle] = {}
+_lease_lengths: dict[str, float] = {}
 
 
 def job_handler(
@@ -92,6 +99,8 @@ def job_handler(
     ack: str = ACK_EACH,
     limit: int | None = None,
     rate: tuple[int, float | timedelta] | None = None,
+    ttl: float | timedelta | None = None,
+    max_attempts: int | None = None,
 ) -> Callable[[HandlerFunc], HandlerFunc]:
     """Register the decorated function as the handler of jobs of `kind`.
 
@@ -110,6 +119,10 @@ def job_handler(
             worker on every host (a lease that expired no longer counts).
         rate: optional (N, seconds); at most N jobs of the kind claimed within any window of
             `seconds` (or a `timedelta`), across every worker, by the database clock.
+        ttl: optional length of every lease of the kind (seconds or a `timedelta`), whoever
+            claims or renews it; kinds without one get the worker's `--ttl`.
+        max_attempts: optional attempt budget of the kind's jobs, used when `enqueue()` is
+            not given one (default: DJANGO_LEASES["MAX_ATTEMPTS"]).
     """
     try:
         check_kind(kind)
@@ -125,12 +138,15 @@ def job_handler(
 
     try:
         throttled = throttle(limit, rate)
+        length = None if ttl is None else to_seconds(ttl, "ttl", MIN_TTL)
+        if max_attempts is not None:
+            check_int(max_attempts, "max_attempts", MAX_ATTEMPTS)
     except InvalidArgument as exc:
         raise HandlerError(f"job kind {kind!r}: {exc}") from None
 
     def register(func: HandlerFunc) -> HandlerFunc:
         _check_callable(kind, func)
-        handler = Handler(kind, func, reconcile, seconds, ack, throttled)
+        handler = Handler(kind, func, reconcile, seconds, ack, throttled, length, max_attempts)
         existing = _registry.get(kind)
         # Re-importing the same module (autoreload, tests) registers the same function again.
         if existing is not None and existing.name != handler.name:
@@ -139,13 +155,20 @@ def job_handler(
                 f"cannot register {handler.name} too"
             )
         _registry[kind] = handler
-        if throttled is None:
-            _throttles.pop(kind, None)
-        else:
-            _throttles[kind] = throttled
+        _keep(_throttles, kind, throttled)
+        _keep(_lease_lengths, kind, length)
+        lease_lengths_of.cache_clear()
         return func
 
     return register
+
+
+def _keep(table: dict[str, Any], kind: str, value: object) -> None:
+    """Set `kind`'s entry of `table` to `value`, or remove it if `value` is None."""
+    if value is None:
+        table.pop(kind, None)
+    else:
+        table[kind] = value
 
 
 async def _await_until(
@@ -217,6 +240,46 @@ def throttles() -> dict[str, Throttle]:
     return _throttles
 
 
+def lease_lengths() -> dict[str, float]:
+    """Return the `ttl=` of every registered kind that has one, in seconds (do not change it)."""
+    return _lease_lengths
+
+
+Lengths = tuple[tuple[str, float], ...]
+"""(kind, seconds) pairs: the kinds whose leases are not of the default length, and theirs."""
+
+
+@lru_cache(maxsize=256)
+def lease_lengths_of(
+    seconds: float, kinds: tuple[str, ...] | None, excluded: tuple[str, ...] = ()
+) -> Lengths:
+    """Return the kinds of `kinds` (None: every kind but `excluded`) whose `ttl=` is not
+    `seconds`, with that ttl. Cached for the claims, and forgotten when a handler is
+    registered or unregistered."""
+    known = _lease_lengths
+    wanted = known.keys() - set(excluded) if kinds is None else known.keys() & set(kinds)
+    return tuple((kind, known[kind]) for kind in sorted(wanted) if known[kind] != seconds)
+
+
+def lease_length(kind: str, default: float) -> float:
+    """Return the length of a lease of `kind` in seconds: its `ttl=`, else `default`."""
+    return _lease_lengths.get(kind, default)
+
+
+def near_window(kind: str, seconds: float) -> float:
+    """Return the near-expiry window of a lease of `kind`, given `seconds` for a lease of
+    DJANGO_LEASES["TTL"]: scaled to the kind's own `ttl=`, so a short lease is not always near
+    its end and a long one is flagged as early in its life as a default one."""
+    default = float(leases_settings.TTL)
+    return seconds * lease_length(kind, default) / default
+
+
+def max_attempts_of(kind: str) -> int | None:
+    """Return the `max_attempts=` of `kind`'s handler, or None."""
+    handler = _registry.get(kind)
+    return None if handler is None else handler.max_attempts
+
+
 def registered_kinds() -> list[str]:
     return sorted(_registry)
 
@@ -225,6 +288,8 @@ def unregister(kind: str) -> None:
     """Forget the handler of `kind` (for tests and plugins that swap handlers)."""
     _registry.pop(kind, None)
     _throttles.pop(kind, None)
+    _lease_lengths.pop(kind, None)
+    lease_lengths_of.cache_clear()
 
 
 def autodiscover() -> None:

@@ -28,7 +28,7 @@ from django.db import (
 
 from django_leases.backoff import retry_delay
 from django_leases.exceptions import HandlerError, LeaseLost
-from django_leases.handlers import get_handler
+from django_leases.handlers import get_handler, lease_length
 from django_leases.lease import Lease, Presence
 from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.base import LeaseKey
@@ -97,7 +97,13 @@ class Outcomes:
     def leases(self, jobs: list[Any], started: float) -> list[Lease]:
         """Return the leases of `jobs`, claimed by a statement sent at `started` (monotonic)."""
         return [
-            Lease(job, ttl=self.ttl, renewed_at=started, presence=self.presence) for job in jobs
+            Lease(
+                job,
+                ttl=lease_length(job.kind, self.ttl),
+                renewed_at=started,
+                presence=self.presence,
+            )
+            for job in jobs
         ]
 
     def note_claimed(self, jobs: list[Any]) -> None:
@@ -313,7 +319,7 @@ class Outcomes:
             lease.pk,
             lease.token,
             why,
-            self.ttl,
+            lease.ttl,
         )
 
     def time_out(self, lease: Lease) -> tuple[str, str]:

@@ -85,14 +85,12 @@ class SlotPool:
         self,
         concurrency: int,
         *,
-        ttl: float,
         stopping: threading.Event,
         slot_free: threading.Event,
         release: Callable[[Lease], None],
         lost: Callable[[list[Lease]], None],
     ) -> None:
         self.concurrency = concurrency
-        self.ttl = ttl
         self._stopping = stopping
         self._slot_free = slot_free
         self._release = release
@@ -135,14 +133,14 @@ class SlotPool:
         return lease
 
     def release_waited_too_long(self) -> None:
-        """Release the jobs that waited a whole TTL in `_ready`: the heartbeat renews a queued
-        job while a slot may soon start it, not for as long as the slots' handlers hang."""
+        """Release the jobs that waited a whole lease length in `_ready`: the heartbeat renews a
+        queued job while a slot may soon start it, not for as long as the slots' handlers hang."""
         now = time.monotonic()
         with self._lock:
             stale = [
                 lease
                 for lease in self._ready
-                if now - self._queued_at.get(lease.key, now) >= self.ttl
+                if now - self._queued_at.get(lease.key, now) >= lease.ttl
             ]
             for lease in stale:
                 self._ready.remove(lease)

@@ -44,7 +44,7 @@ from django_leases.completers import choose
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import DatabaseMisconfigured
-from django_leases.handlers import ACK_BATCH, get_handler, registered_kinds
+from django_leases.handlers import ACK_BATCH, get_handler, lease_length, registered_kinds
 from django_leases.heartbeat import Heartbeat, RegistryRow
 from django_leases.lease import Lease, Presence
 from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, check_kind
@@ -131,6 +131,13 @@ class LeaseWorker:
                 "no job handlers are registered: decorate functions with @job_handler in a "
                 "jobs.py module of an installed app"
             )
+        for kind in self.kinds:
+            length = lease_length(kind, self.ttl)
+            if self.heartbeat_interval >= length:
+                raise ValueError(
+                    f"heartbeat ({self.heartbeat_interval:g}s) must be shorter than the ttl of "
+                    f"job kind {kind!r} ({length:g}s)"
+                )
         self.burst = burst
         self.max_jobs = max_jobs
         self.poll_interval = to_seconds(
@@ -173,7 +180,6 @@ class LeaseWorker:
         self._outcomes = outcomes
         self._pool = SlotPool(
             self.concurrency,
-            ttl=self.ttl,
             stopping=self._stopping,
             slot_free=self._slot_free,
             release=outcomes.release_unstarted,
@@ -262,12 +268,13 @@ class LeaseWorker:
             "CONN_MAX_AGE says; broken ones are replaced, and CONN_HEALTH_CHECKS runs at most "
             "once per claim loop pass and poll interval"
         )
-        if self.ttl > self.presence.gone_after:
+        longest = max(lease_length(kind, self.ttl) for kind in self.kinds)
+        if longest > self.presence.gone_after:
             logger.warning(
                 "ttl=%s is longer than WORKER_GONE_AFTER=%s: cut off from the database, this "
                 "worker gives its leases up %ss after its last registry beat, when the watcher "
                 "may rescue them",
-                self.ttl,
+                longest,
                 self.presence.gone_after,
                 self.presence.gone_after,
             )

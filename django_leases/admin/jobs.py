@@ -39,6 +39,7 @@ from django_leases.admin.ledger import AttemptInline, EventInline
 from django_leases.admin.mixins import IndexedSearchMixin, job_id
 from django_leases.admin.overview import OverviewMixin
 from django_leases.conf import leases_settings
+from django_leases.handlers import near_window
 from django_leases.models import AbstractJobAttempt, AbstractJobEvent, PaymentJob
 from django_leases.querysets import LeaseQuerySet
 from django_leases.status import (
@@ -284,7 +285,7 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
     @admin.display(description=_("lease"), ordering="lease_left")
     def lease(self, job: Any) -> str:
         left: timedelta | None = getattr(job, "lease_left", None)
-        state = stats.lease_state(left, leases_settings.NEAR_EXPIRY)
+        state = stats.lease_state(left, near_window(job.kind, leases_settings.NEAR_EXPIRY))
         if state is None or left is None:
             return EMPTY
         if state == stats.STUCK:

@@ -13,7 +13,7 @@ from django.utils.module_loading import import_string
 
 from django_leases.conf import DEFAULTS
 from django_leases.db import AUTO, TIMEOUT_RANGE
-from django_leases.handlers import registered_kinds
+from django_leases.handlers import lease_lengths, registered_kinds
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 from django_leases.limits import (
     ACK_BATCH_SIZE,
@@ -390,3 +390,36 @@ def check_network_timeout(**kwargs: Any) -> list[CheckMessage]:
             id="django_leases.E019",
         )
     ]
+
+
+def check_kind_leases(**kwargs: Any) -> list[CheckMessage]:
+    """Check each kind's own `ttl=` (`@job_handler`) against the HEARTBEAT that renews it and
+    the WORKER_GONE_AFTER after which a cut-off worker gives it up."""
+    user = getattr(settings, "DJANGO_LEASES", {})
+    values = {**DEFAULTS, **(user if isinstance(user, dict) else {})}
+    heartbeat, gone = values["HEARTBEAT"], values["WORKER_GONE_AFTER"]
+    messages: list[CheckMessage] = []
+    for kind, ttl in sorted(lease_lengths().items()):
+        if _is_positive_number(heartbeat) and heartbeat >= ttl:
+            messages.append(
+                Error(
+                    f"Job kind {kind!r} has a ttl of {ttl:g}s, not longer than "
+                    f"DJANGO_LEASES['HEARTBEAT'] ({heartbeat!r}).",
+                    hint="A worker would lose each of its leases between two renewals and "
+                    "refuses to start; give the kind a ttl of about three heartbeats, or run "
+                    "its workers with a shorter --heartbeat.",
+                    id="django_leases.E038",
+                )
+            )
+        if _is_positive_number(gone) and gone < ttl:
+            messages.append(
+                Warning(
+                    f"Job kind {kind!r} has a ttl of {ttl:g}s, longer than "
+                    f"DJANGO_LEASES['WORKER_GONE_AFTER'] ({gone!r}): a worker cut off from the "
+                    "database gives its leases up WORKER_GONE_AFTER after its last registry "
+                    "beat, not a ttl after their last renewal.",
+                    hint=f"Set WORKER_GONE_AFTER to at least {ttl:g} to keep the kind's slack.",
+                    id="django_leases.W013",
+                )
+            )
+    return messages

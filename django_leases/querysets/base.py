@@ -19,6 +19,7 @@ from django.db.models.sql.compiler import SQLCompiler
 from django.db.models.sql.query import RawQuery
 
 from django_leases.dialects import dialect_of
+from django_leases.handlers import Lengths
 from django_leases.limits import JOB_ID, OWNER_LENGTH, check_int, check_text
 
 DEADLOCK_RETRIES = 5
@@ -100,6 +101,15 @@ def raw_rows(
 def after(seconds: float) -> Any:
     """Return the SQL expression "database now + `seconds`"."""
     return Now() + timedelta(seconds=seconds)
+
+
+def lease_until(seconds: float, lengths: Lengths = ()) -> Any:
+    """Return the SQL expression of the end of a lease taken or renewed now: database now +
+    `seconds`, or + its kind's length of `lengths`."""
+    if not lengths:
+        return after(seconds)
+    arms = [When(kind=kind, then=after(length)) for kind, length in lengths]
+    return Case(*arms, default=after(seconds), output_field=models.DateTimeField())
 
 
 def ago(seconds: float) -> Any:

@@ -29,14 +29,14 @@ from django.db.models.functions import Now
 from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import ClaimPath, Dialect, dialect_of, in_passes
-from django_leases.handlers import throttles
+from django_leases.handlers import Lengths, lease_lengths_of, throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind
 from django_leases.querysets.acks import complete_locked
 from django_leases.querysets.base import (
     LeaseKey,
-    after,
     check_owner,
     lease_keys,
+    lease_until,
     next_token,
     quoted_table,
     raw_rows,
@@ -71,6 +71,13 @@ def kinds_filter(kinds: Wanted) -> tuple[str, sql.Params]:
     return sql.kinds_filter(kinds)
 
 
+def lengths_of(seconds: float, kinds: Wanted) -> Lengths:
+    """Return the kinds of `kinds` with a lease length of their own (`lease_lengths_of()`)."""
+    if isinstance(kinds, AllBut):
+        return lease_lengths_of(seconds, None, kinds)
+    return lease_lengths_of(seconds, None if kinds is None else tuple(kinds))
+
+
 def claim(
     qs: LeaseQuerySet[J],
     owner: str,
@@ -83,7 +90,8 @@ def claim(
     priority (highest first), `run_at` and id.
 
     Each claimed row gets `attempts + 1`, a new fencing token and a lease of `ttl` seconds
-    from the database clock, in the statement that decides ownership, and an open row in the
+    (or its kind's `ttl=`, `@job_handler`) from the database clock, in the statement that
+    decides ownership, and an open row in the
     attempt ledger in the same transaction. Kinds with a `limit=` or `rate=` are claimed
     first, each in a transaction of its own within its throttle (`throttles.claim_throttled()`).
     """
@@ -257,7 +265,9 @@ def raw_claim(
     exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
     fragment, params = takeover_guard_of(review_by_default, exceptions)[1]
     wanted = ("", {}) if kinds is None else kinds_filter(kinds)
-    request = sql.Claim(owner, seconds, limit, wanted, (fragment, dict(params)), completing)
+    guard = (fragment, dict(params))
+    lengths = lengths_of(seconds, kinds)
+    request = sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths)
     names = route.ledger if ledger else None
     return route.dialect.claim(
         partial(raw_rows, qs), route.table, request, names, connections[qs.db]
@@ -294,17 +304,17 @@ def claim_pass_locking(
     )
     if not ids:
         return []
-    won = base.filter(pk__in=ids).update(**claim_values(owner, seconds))
+    won = base.filter(pk__in=ids).update(**claim_values(owner, seconds, lengths_of(seconds, kinds)))
     if won == 0:
         return []
     return list(qs.filter(pk__in=ids, status=PROCESSING, lease_owner=owner).order_by(*order))
 
 
-def claim_values(owner: str, seconds: float) -> dict[str, Any]:
+def claim_values(owner: str, seconds: float, lengths: Lengths) -> dict[str, Any]:
     return {
         "status": PROCESSING,
         "lease_owner": owner,
-        "lease_until": after(seconds),
+        "lease_until": lease_until(seconds, lengths),
         "heartbeat_at": Now(),
         "lease_token": next_token(),
         "attempts": F("attempts") + 1,
@@ -340,7 +350,8 @@ def claim_one(
     claimable = qs.claimable().filter(pk=pk)
     if kind is not None:
         claimable = claimable.filter(kind=kind)
-    if not claimable.update(**claim_values(owner, seconds)):
+    lengths = lease_lengths_of(seconds, None if kind is None else (kind,))
+    if not claimable.update(**claim_values(owner, seconds, lengths)):
         return []
     # We hold the row lock until commit (and SQLite's write lock), so this read is ours.
     job = qs.get(pk=pk)

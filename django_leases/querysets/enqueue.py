@@ -16,6 +16,7 @@ from django.db import IntegrityError, connections, models, router, transaction
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import InvalidArgument, LeaseError
+from django_leases.handlers import max_attempts_of
 from django_leases.limits import (
     IDEMPOTENCY_KEY_LENGTH,
     LOCK_LENGTH,
@@ -66,7 +67,8 @@ def enqueue(
     send writes of the model). Enqueueing an `idempotency_key` that already exists returns
     the first job and creates nothing; the model needs a unique `idempotency_key` field for
     it. `run_at` is a datetime, or a delay (seconds or `timedelta`) from the database clock;
-    None means now. Jobs sharing a `lock` run one at a time, in enqueue order. `fields`
+    None means now. `max_attempts` defaults to the kind's (`@job_handler(max_attempts=)`),
+    else MAX_ATTEMPTS. Jobs sharing a `lock` run one at a time, in enqueue order. `fields`
     fills the model's own columns (`payout=payout`, `payout_id=7`); the lease fields are not
     among them. Raises `InvalidArgument` (`InvalidPayload`, ...) naming the argument, and
     writes nothing, for anything out of bounds.
@@ -420,7 +422,7 @@ def _job_fields(
     check_kind(kind)
     check_int(priority, "priority", PRIORITY)
     if max_attempts is None:
-        max_attempts = leases_settings.MAX_ATTEMPTS
+        max_attempts = max_attempts_of(kind) or leases_settings.MAX_ATTEMPTS
     check_int(max_attempts, "max_attempts", MAX_ATTEMPTS)
     fields: dict[str, Any] = {"kind": kind, "priority": priority, "max_attempts": max_attempts}
     if isinstance(run_at, datetime):

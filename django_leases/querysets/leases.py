@@ -21,6 +21,7 @@ from django.db.models.functions import Now
 from django_leases.conf import to_seconds
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
+from django_leases.handlers import lease_lengths_of
 from django_leases.limits import (
     CHECKPOINT_LENGTH,
     check_text,
@@ -35,6 +36,7 @@ from django_leases.querysets.base import (
     key_groups,
     keys_filter,
     lease_keys,
+    lease_until,
     quoted_table,
     retry_deadlocks,
 )
@@ -124,8 +126,9 @@ class LeaseQuerySet(LeaseReads[J]):
         *,
         ttl: float | timedelta,
     ) -> set[LeaseKey]:
-        """Renew every live lease of `leases` ((job id, token) pairs) that `owner` holds, in one
-        statement (one per `KEYS_PER_STATEMENT` leases, in one transaction).
+        """Renew every live lease of `leases` ((job id, token) pairs) that `owner` holds for
+        `ttl` seconds (or its kind's `ttl=`, `@job_handler`), in one statement (one per
+        `KEYS_PER_STATEMENT` leases, in one transaction).
 
         Returns the (job id, token) pairs renewed. A lease that already expired is not renewed:
         its holder must assume somebody else owns the job now. An older lease of a job that the
@@ -133,6 +136,7 @@ class LeaseQuerySet(LeaseReads[J]):
         matches.
         """
         seconds = to_seconds(ttl, "ttl")
+        until = lease_until(seconds, lease_lengths_of(seconds, None))
         keys = lease_keys(leases)
         renewed: set[LeaseKey] = set()
         with transaction.atomic(using=self.db):
@@ -140,7 +144,7 @@ class LeaseQuerySet(LeaseReads[J]):
                 live = self.filter(
                     keys_filter(group), status=PROCESSING, lease_owner=owner, lease_until__gte=Now()
                 )
-                won = live.update(lease_until=after(seconds), heartbeat_at=Now())
+                won = live.update(lease_until=until, heartbeat_at=Now())
                 if won == len(group):
                     renewed.update(group.items())
                 elif won:

@@ -25,6 +25,7 @@ from django.db.models.functions import Now
 from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import dialect_of
+from django_leases.handlers import lease_lengths_of, near_window
 from django_leases.querysets.base import after, ago
 from django_leases.status import (
     CANCELLED,
@@ -63,16 +64,17 @@ class LeaseReads(models.QuerySet[J]):
         return self.filter(status=PROCESSING, lease_until__lt=Now())
 
     def near_expiry(self, within: float | timedelta) -> Self:
-        """Processing jobs whose lease is still live but ends within `within`."""
-        seconds = to_seconds(within, "within")
-        return self.filter(
-            status=PROCESSING, lease_until__gte=Now(), lease_until__lt=after(seconds)
-        )
+        """Processing jobs whose lease is still live but ends within `within` (scaled to the
+        kind's own `ttl=`: `handlers.near_window()`)."""
+        ends = _ends_within(to_seconds(within, "within"), before=True)
+        return self.filter(ends, status=PROCESSING, lease_until__gte=Now())
 
     def healthy(self, within: float | timedelta) -> Self:
-        """Processing jobs whose lease ends later than `within` from now."""
-        seconds = to_seconds(within, "within")
-        return self.filter(status=PROCESSING, lease_until__gte=after(seconds))
+        """Processing jobs whose lease ends later than `within` from now (scaled as in
+        `near_expiry()`)."""
+        return self.filter(
+            _ends_within(to_seconds(within, "within"), before=False), status=PROCESSING
+        )
 
     def finished_within(self, within: float | timedelta) -> Self:
         """Jobs that reached a final status (completed, failed, cancelled) within the last
@@ -214,6 +216,20 @@ def takeover_guard() -> tuple[Q, tuple[str, sql.Params]]:
     exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
     guard, (fragment, params) = takeover_guard_of(review_by_default, exceptions)
     return guard, (fragment, dict(params))
+
+
+def _ends_within(seconds: float, *, before: bool) -> Q:
+    """The leases that end before (`before`), or not before, `seconds` from now, each kind
+    with a `ttl=` of its own by its `near_window()`."""
+    lookup = "lease_until__lt" if before else "lease_until__gte"
+    lengths = lease_lengths_of(float(leases_settings.TTL), None)
+    if not lengths:
+        return Q(**{lookup: after(seconds)})
+    own = [kind for kind, _ in lengths]
+    ends = ~Q(kind__in=own) & Q(**{lookup: after(seconds)})
+    for kind in own:
+        ends |= Q(kind=kind, **{lookup: after(near_window(kind, seconds))})
+    return ends
 
 
 @lru_cache(maxsize=16)

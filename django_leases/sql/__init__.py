@@ -7,8 +7,9 @@ status words are written in from `status.py` (`literal()`), the one module of th
 """
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 Params = dict[str, Any]
@@ -20,9 +21,10 @@ MIGRATE = "migrate"
 @dataclass(frozen=True)
 class Claim:
     """What one claim asks for: up to `limit` jobs of `kinds` for `owner`, leased for
-    `seconds`; `kinds` and `guard` are the fragments `kinds_filter()` and `takeover_guard()`
-    return. `completing`: the (pks, tokens) of jobs to complete first, in the same statement
-    (PostgreSQL's `complete_and_claim()`)."""
+    `seconds`, or a kind's own length of `lengths` ((kind, seconds) pairs); `kinds` and `guard`
+    are the fragments `kinds_filter()` and `takeover_guard()` return. `completing`: the (pks,
+    tokens) of jobs to complete first, in the same statement (PostgreSQL's
+    `complete_and_claim()`)."""
 
     owner: str
     seconds: float
@@ -30,6 +32,25 @@ class Claim:
     kinds: tuple[str, Params]
     guard: tuple[str, Params]
     completing: tuple[list[int], list[int]] | None = None
+    lengths: tuple[tuple[str, float], ...] = ()
+
+
+@lru_cache(maxsize=64)
+def lease_length(
+    lengths: tuple[tuple[str, float], ...], column: str, default: str, value: Callable[[float], Any]
+) -> tuple[str, Params]:
+    """Return a claim's lease length in seconds for a row whose kind is `column`: the
+    placeholder `default`, or a CASE giving each kind of `lengths` (`Claim.lengths`) its own
+    (`value` writes a length as the database's parameter; parameters `length_kind_0`,
+    `length_0`, ...). Cached: the same for every claim of a worker. Do not change the result."""
+    if not lengths:
+        return default, {}
+    params: Params = {}
+    arms = []
+    for i, (kind, seconds) in enumerate(lengths):
+        params[f"length_kind_{i}"], params[f"length_{i}"] = kind, value(seconds)
+        arms.append(f"WHEN %(length_kind_{i})s THEN %(length_{i})s")
+    return f"CASE {column} {' '.join(arms)} ELSE {default} END", params
 
 
 def literal(word: str) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, literal
+from django_leases.sql import MIGRATE, Claim, lease_length, literal
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.merge import merge_keys
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
@@ -88,10 +88,14 @@ def claim(table: str, claim: Claim, *, ledger: LedgerNames | None) -> tuple[str,
     guard_sql, guard_params = claim.guard
     completing = claim.completing
     completes = completing is not None and ledger is not None
-    text = _claim_text(table, kind_sql, tuple(kind_params), guard_sql, ledger, completes)
+    length_sql, length_params = lease_length(claim.lengths, "job.kind", "%(seconds)s", float)
+    text = _claim_text(
+        table, kind_sql, tuple(kind_params), guard_sql, ledger, completes, length_sql
+    )
     params = {
         **kind_params,
         **guard_params,
+        **length_params,
         "owner": claim.owner,
         "seconds": claim.seconds,
         "limit": claim.limit,
@@ -111,16 +115,17 @@ def _claim_text(
     guard_sql: str,
     ledger: LedgerNames | None,
     completes: bool,
+    length_sql: str,
 ) -> str:
-    """Return the text of `claim()` (`completes`: with the completions first): the same for
-    every call of a worker, so it is built once (rebuilding it per claim was several per cent of
-    a busy worker's Python time)."""
+    """Return the text of `claim()` (`completes`: with the completions first; `length_sql`: the
+    lease's length in seconds): the same for every call of a worker, so it is built once
+    (rebuilding it per claim was several per cent of a busy worker's Python time)."""
     kinds: tuple[str, Params] = (kind_sql, dict.fromkeys(kind_names))
     update = f"""
         UPDATE {table} AS job
         SET status = {literal(PROCESSING)},
             lease_owner = %(owner)s,
-            lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => %(seconds)s),
+            lease_until = STATEMENT_TIMESTAMP() + make_interval(secs => {length_sql}),
             heartbeat_at = STATEMENT_TIMESTAMP(),
             lease_token = GREATEST(job.lease_token + 1, {FENCING_CLOCK}),
             attempts = job.attempts + 1

@@ -5,7 +5,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, literal
+from django_leases.sql import MIGRATE, Claim, lease_length, literal
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.merge import merge_keys
 from django_leases.sql.postgresql import LedgerNames
@@ -22,6 +22,11 @@ FENCING_CLOCK = (
 )
 """The database clock in microseconds since the epoch (SQLite's clock has milliseconds; its
 `unixepoch('subsec')` needs 3.42): the floor of every new fencing token."""
+
+
+def _modifier(seconds: float) -> str:
+    """Return `seconds` as a modifier of SQLite's date functions."""
+    return f"+{seconds:.6f} seconds"
 
 
 def pairs_in(columns: str, pairs: Sequence[tuple[int, int]]) -> tuple[str, Params]:
@@ -75,7 +80,7 @@ def close_completed(
 INSERT = InsertDialect(
     skip_suffix="ON CONFLICT DO NOTHING",
     now_plus="STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %(delay)s)",
-    delay=lambda seconds: f"+{seconds:.6f} seconds",
+    delay=_modifier,
 )
 """The enqueue's INSERT (`sql.insert.insert_jobs`): the upsert clause skips unique conflicts
 only, unlike INSERT OR IGNORE; RETURNING needs SQLite 3.35+."""
@@ -109,11 +114,12 @@ def claim_pass(table: str, claim: Claim, limit: int, takeover: bool) -> tuple[st
         predicate = f"status = {literal(PENDING)} AND +run_at <= {NOW}"
         order = "priority DESC, run_at, id"
     picked = _picked(table, f"{predicate} AND attempts < max_attempts {guard_sql}", order, kinds)
+    length_sql, length_params = lease_length(claim.lengths, "kind", "%(lease)s", _modifier)
     sql = f"""
         UPDATE {table}
         SET status = {literal(PROCESSING)},
             lease_owner = %(owner)s,
-            lease_until = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %(lease)s),
+            lease_until = STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', {length_sql}),
             heartbeat_at = {NOW},
             lease_token = MAX(lease_token + 1, {FENCING_CLOCK}),
             attempts = attempts + 1
@@ -124,8 +130,9 @@ def claim_pass(table: str, claim: Claim, limit: int, takeover: bool) -> tuple[st
     params = {
         **kinds[1],
         **guard_params,
+        **length_params,
         "owner": claim.owner,
-        "lease": f"+{claim.seconds:.6f} seconds",
+        "lease": _modifier(claim.seconds),
         "limit": limit,
     }
     return sql, params

@@ -52,6 +52,12 @@ def sleep(job, lease):
     time.sleep(duration(job, lease))
 
 
+@job_handler("sleep_long_lease", ttl=90, max_attempts=2)
+def sleep_long_lease(job, lease):
+    """`sleep` with leases of 90 s, whatever the worker's --ttl, and two attempts by default."""
+    time.sleep(duration(job, lease))
+
+
 @job_handler("recorded")
 def recorded(job, lease):
     """Append "pk token owner" to the file `payload["log"]` (outside the database, so that it

@@ -57,7 +57,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
             "--ttl",
             type=seconds_from(MIN_TTL),
             default=None,
-            help=f"lease length in seconds (default: DJANGO_LEASES['TTL'], {leases_settings.TTL})",
+            help="lease length in seconds of kinds without a ttl= of their own "
+            f"(default: DJANGO_LEASES['TTL'], {leases_settings.TTL})",
         )
         parser.add_argument(
             "--heartbeat",
