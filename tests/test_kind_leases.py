@@ -139,7 +139,7 @@ def check_ids(**settings: object) -> list[str]:
     with override_settings(DJANGO_LEASES=settings):
         return sorted(
             message.id
-            for message in run_checks()
+            for message in run_checks(databases=[])  # Django 6.1 would ask every database
             if message.id in ("django_leases.E038", "django_leases.W013")
         )
 
