@@ -264,9 +264,12 @@ def raw_claim(
     other = StuckPolicy.RETRY if review_by_default else StuckPolicy.REVIEW
     exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
     fragment, params = takeover_guard_of(review_by_default, exceptions)[1]
-    wanted = ("", {}) if kinds is None else kinds_filter(kinds)
+    wanted: tuple[str, sql.Params]
+    if kinds is None:  # every kind: no fragment, and every kind's own lease length
+        wanted, lengths = ("", {}), lease_lengths_of(seconds, None)
+    else:
+        wanted, lengths = kinds_filter(kinds), lengths_of(seconds, kinds)
     guard = (fragment, dict(params))
-    lengths = lengths_of(seconds, kinds)
     request = sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths)
     names = route.ledger if ledger else None
     return route.dialect.claim(
