@@ -9,20 +9,46 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.contrib import admin
 from django.db.models.functions import Now
-from django.test import override_settings
-from django.urls import path
+from django.test import Client, override_settings
+from django.urls import path, reverse
 
 from django_leases import metrics
+from django_leases.admin.ledger import JobAttemptAdmin
+from django_leases.admin.payments import PaymentJobAdmin
+from django_leases.admin.workers import WorkerAdmin
 from django_leases.exceptions import InvalidArgument
 from django_leases.models import JobAttempt, PaymentJob, ScheduleState, Worker
 
 from .conftest import Processes, finish, read_until, subprocess_env
+from .test_admin import form_data
 from .test_metrics import parse, scrape
+
+
+class OtherJobAdmin(PaymentJobAdmin):
+    using = "other"
+
+
+class OtherWorkerAdmin(WorkerAdmin):
+    using = "other"
+
+
+class OtherAttemptAdmin(JobAttemptAdmin):
+    using = "other"
+
+
+# The other database's queue, on an admin site of its own (docs/scaling.md).
+other_admin = admin.AdminSite(name="other_admin")
+other_admin.register(PaymentJob, OtherJobAdmin)
+other_admin.register(Worker, OtherWorkerAdmin)
+other_admin.register(JobAttempt, OtherAttemptAdmin)
 
 urlpatterns = [
     path("metrics/", metrics.queue_metrics),
     path("metrics/other/", metrics.queue_metrics, {"using": "other"}),
+    path("admin/", admin.site.urls),
+    path("other-admin/", other_admin.urls),
 ]
 
 pytestmark = [pytest.mark.django_db(databases=["default", "other"], transaction=True)]
@@ -195,6 +221,65 @@ def test_queue_metrics__the_urlconf_chooses_the_database(client: Any) -> None:
     assert default[("django_leases_jobs", (("kind", "noop"), ("status", "pending")))] == 1
     info = ("database", "default"), ("table", "django_leases_paymentjob")
     assert default[("django_leases_queue_info", info)] == 1
+
+
+def admin_url(site: str, name: str, *args: Any) -> str:
+    return reverse(f"admin:django_leases_{name}", args=args, current_app=site)
+
+
+@pytest.mark.urls("tests.test_databases")
+def test_admin__a_site_per_database_lists_counts_edits_and_acts_on_its_queue_only(
+    admin_client: Client,
+) -> None:
+    here = PaymentJob.objects.enqueue("noop", {"on": "default"})
+    there = PaymentJob.objects.enqueue("noop", {"on": "other"}, using="other")
+    run = PaymentJob.objects.enqueue("capture", using="other")
+    claimed = PaymentJob.objects.using("other").claim_job(run.pk, "w-other", ttl=60)
+    assert claimed is not None
+    Worker.objects.using("other").create(worker_id="w-other", hostname="h", pid=1)
+    assert admin_url("other_admin", "paymentjob_changelist").startswith("/other-admin/")
+
+    def listed(site: str) -> set[int]:
+        response = admin_client.get(admin_url(site, "paymentjob_changelist"))
+        assert response.status_code == 200
+        return {job.pk for job in response.context["cl"].result_list}
+
+    assert (listed("admin"), listed("other_admin")) == ({here.pk}, {there.pk, run.pk})
+    overview = admin_client.get(admin_url("other_admin", "paymentjob_overview")).context
+    assert (overview["overview"].total.n, [w.worker_id for w, _ in overview["workers"]]) == (
+        2,
+        ["w-other"],
+    )
+    assert (
+        admin_client.get(admin_url("admin", "paymentjob_overview")).context["overview"].total.n == 1
+    )
+    # The change form reads the job and its attempt ledger from the other database.
+    page = admin_client.get(admin_url("other_admin", "paymentjob_change", run.pk))
+    (ledger,) = [f for f in page.context["inline_admin_formsets"] if "attempt" in f.formset.prefix]
+    assert [form.instance.owner for form in ledger.formset.forms] == ["w-other"]
+    assert claimed.lease_token == ledger.formset.forms[0].instance.token
+    workers = admin_client.get(admin_url("other_admin", "worker_changelist"))
+    assert [w.worker_id for w in workers.context["cl"].result_list] == ["w-other"]
+    attempts = admin_client.get(admin_url("other_admin", "jobattempt_changelist"))
+    assert [a.job_ref for a in attempts.context["cl"].result_list] == [run.pk]
+    assert f'href="/other-admin/django_leases/paymentjob/{run.pk}/change/"' in (
+        attempts.content.decode()
+    )
+    # An edit and an action write to the other database only.
+    saved = admin_client.post(
+        admin_url("other_admin", "paymentjob_change", there.pk), form_data(priority="7")
+    )
+    assert saved.status_code == 302
+    admin_client.post(
+        admin_url("other_admin", "paymentjob_changelist"),
+        {"action": "cancel", "_selected_action": [there.pk], "post": "yes"},
+    )
+    on_other = PaymentJob.objects.using("other").get(pk=there.pk)
+    assert (on_other.priority, on_other.status) == (7, Status.CANCELLED)
+    assert PaymentJob.objects.filter(pk=here.pk).values_list("priority", "status").get() == (
+        0,
+        Status.PENDING,
+    )
 
 
 def test_schedules__each_database_gets_one_job_per_tick(processes: Processes) -> None:

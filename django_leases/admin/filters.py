@@ -102,7 +102,7 @@ class KindFilter(admin.SimpleListFilter):
     parameter_name = "kind"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        known = stats.kinds(model_admin.model._default_manager.all())
+        known = stats.kinds(model_admin.all_rows())
         value = self.value()
         if value and value not in known:
             known.append(value)

@@ -84,7 +84,8 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
 
     Lease filters and columns, the operator actions, the attempt ledger inline (the model's
     `attempt_model`) and the queue overview (`overview/`). Add your own columns to
-    `list_display` and `readonly_fields`, and extend `search()`.
+    `list_display` and `readonly_fields`, and extend `search()`. `using` names the database
+    whose queue it shows (`mixins.DatabaseMixin`).
     """
 
     # Status and lease state first: they are what an operator scans for.
@@ -193,10 +194,10 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
         ledger = ledger_model(self.model)
         inlines: list[type[InlineModelAdmin[Any, Any]]] = []
         if ledger is not None:
-            inlines.append(attempt_inline(ledger))
+            inlines.append(attempt_inline(ledger, self.using))
         if self.model.event_model:
             events = cast(type[AbstractJobEvent], apps.get_model(self.model.event_model))
-            inlines.append(event_inline(events))
+            inlines.append(event_inline(events, self.using))
         return inlines
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
@@ -235,7 +236,7 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
             return
         if not edits:
             return
-        jobs = cast(LeaseQuerySet[Any], self.model._default_manager.all()).pending()
+        jobs = cast(LeaseQuerySet[Any], self.all_rows()).pending()
         if "payload" in edits:
             jobs = jobs.exclude(kind__startswith=TASK_KINDS)
         if not jobs.filter(pk=obj.pk).update(**edits):
@@ -450,12 +451,12 @@ class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
 
 
 @cache
-def attempt_inline(ledger: type[AbstractJobAttempt]) -> type[AttemptInline]:
-    """Return the attempt inline of `ledger` (one class per ledger model)."""
-    return type(f"{ledger.__name__}Inline", (AttemptInline,), {"model": ledger})
+def attempt_inline(ledger: type[AbstractJobAttempt], using: str | None) -> type[AttemptInline]:
+    """Return the attempt inline of `ledger` on database `using` (one class for each)."""
+    return type(f"{ledger.__name__}Inline", (AttemptInline,), {"model": ledger, "using": using})
 
 
 @cache
-def event_inline(events: type[AbstractJobEvent]) -> type[EventInline]:
-    """Return the operator events inline of `events` (one class per event model)."""
-    return type(f"{events.__name__}Inline", (EventInline,), {"model": events})
+def event_inline(events: type[AbstractJobEvent], using: str | None) -> type[EventInline]:
+    """Return the operator events inline of `events` on database `using` (one class for each)."""
+    return type(f"{events.__name__}Inline", (EventInline,), {"model": events, "using": using})

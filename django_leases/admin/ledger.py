@@ -13,11 +13,11 @@ from django.utils.translation import gettext_lazy as _
 
 from django_leases.admin.display import attempt_error
 from django_leases.admin.filters import OpenAttemptFilter
-from django_leases.admin.mixins import IndexedSearchMixin, ReadOnlyMixin, job_id
+from django_leases.admin.mixins import DatabaseMixin, IndexedSearchMixin, ReadOnlyMixin, job_id
 from django_leases.models import JobAttempt, JobEvent
 
 
-class AttemptInline(ReadOnlyMixin, admin.TabularInline):
+class AttemptInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
     model = JobAttempt
     fk_name = "job"
     verbose_name = _("attempt")
@@ -46,7 +46,7 @@ class AttemptInline(ReadOnlyMixin, admin.TabularInline):
         return attempt_error(attempt)
 
 
-class EventInline(ReadOnlyMixin, admin.TabularInline):
+class EventInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
     """The operator actions on the job, beside (never over) its attempt ledger."""
 
     model = JobEvent
@@ -59,7 +59,7 @@ class EventInline(ReadOnlyMixin, admin.TabularInline):
 
 
 @admin.register(JobAttempt)
-class JobAttemptAdmin(IndexedSearchMixin, ReadOnlyMixin, admin.ModelAdmin):
+class JobAttemptAdmin(DatabaseMixin, IndexedSearchMixin, ReadOnlyMixin, admin.ModelAdmin):
     list_display = (
         "id",
         "job_link",
@@ -84,7 +84,11 @@ class JobAttemptAdmin(IndexedSearchMixin, ReadOnlyMixin, admin.ModelAdmin):
     def job_link(self, attempt: JobAttempt) -> str:
         if attempt.job_id is None:  # the job was pruned; the ledger keeps its id
             return str(attempt.job_ref)
-        url = reverse("admin:django_leases_paymentjob_change", args=[attempt.job_ref])
+        url = reverse(
+            "admin:django_leases_paymentjob_change",
+            args=[attempt.job_ref],
+            current_app=self.admin_site.name,
+        )
         return format_html('<a href="{}">{}</a>', url, attempt.job_ref)
 
     @admin.display(description=_("error"))

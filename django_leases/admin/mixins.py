@@ -1,13 +1,31 @@
-"""What the job, ledger and worker admins share: read-only rows and indexed search."""
+"""What the job, ledger and worker admins share: the database shown, read-only rows and indexed
+search."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from django_leases.limits import JOB_ID
+
+
+class DatabaseMixin:
+    """The database an admin shows: `using`, or the routers' choice if None (Django's way of
+    exposing several databases in its admin). To show a second database's queue, register
+    subclasses with `using = "ALIAS"` on an `AdminSite` of their own."""
+
+    using: str | None = None
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        rows: QuerySet[Any] = super().get_queryset(request)  # type: ignore[misc]
+        return rows if self.using is None else rows.using(self.using)
+
+    def all_rows(self) -> QuerySet[Any]:
+        """Every row of the admin's model on its database, without the list's annotations."""
+        model: Any = self.model  # type: ignore[attr-defined]
+        return cast(QuerySet[Any], model._default_manager.db_manager(self.using).all())
 
 
 class ReadOnlyMixin:

@@ -4,7 +4,7 @@ limits and the schedules."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
@@ -16,15 +16,17 @@ from django.utils.translation import gettext
 from django_leases import schedules, stats
 from django_leases.admin.counts import tally_html
 from django_leases.admin.display import human_duration
+from django_leases.admin.mixins import DatabaseMixin
 from django_leases.conf import leases_settings
 from django_leases.handlers import throttles
 from django_leases.models import Worker
+from django_leases.querysets import LeaseQuerySet
 from django_leases.status import JobStatus
 
 
-class OverviewMixin(admin.ModelAdmin):
+class OverviewMixin(DatabaseMixin, admin.ModelAdmin):
     """Adds the overview page (`overview/`) to a job admin, which shows its stuck jobs with the
-    admin's own `lease` and `heartbeat` columns."""
+    admin's own `lease` and `heartbeat` columns, and counts its database's jobs and workers."""
 
     lease: Callable[[Any], str]
     heartbeat: Callable[[Any], str]
@@ -38,10 +40,9 @@ class OverviewMixin(admin.ModelAdmin):
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
         near_expiry = leases_settings.NEAR_EXPIRY
+        jobs = cast(LeaseQuerySet[Any], self.all_rows())
         data = stats.overview(
-            self.model._default_manager.all(),
-            Worker.objects.all(),
-            near_expiry=near_expiry,
+            jobs, Worker.objects.db_manager(jobs.db).all(), near_expiry=near_expiry
         )
         context = {
             **self.admin_site.each_context(request),
@@ -66,7 +67,7 @@ class OverviewMixin(admin.ModelAdmin):
             "workers": [(worker, human_duration(worker.seen_ago)) for worker in data.workers],
             # This process's registry (its jobs.py modules): what every worker enforces.
             "throttles": sorted(throttles().items()),
-            "schedules": schedules.upcoming(self.model._default_manager.all()),
+            "schedules": schedules.upcoming(jobs),
         }
         return TemplateResponse(request, "admin/django_leases/overview.html", context)
 
