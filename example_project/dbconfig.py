@@ -8,8 +8,12 @@ import environ
 
 def database_from_env(env: environ.Env, default_sqlite: Path) -> dict[str, Any]:
     """Return the default database: DATABASE_URL, or a SQLite file next to the project."""
-    url = env.str("DATABASE_URL", default="") or f"sqlite:///{default_sqlite}"
-    db = env.db_url_config(url)
+    return database_from_url(env.str("DATABASE_URL", default="") or f"sqlite:///{default_sqlite}")
+
+
+def database_from_url(url: str) -> dict[str, Any]:
+    """Return the database of `url`, tuned for its backend."""
+    db = environ.Env.db_url_config(url)
     # Workers are long-lived: keep their connections (one per thread) instead of reconnecting
     # on every loop round, which costs more than the claim itself.
     db.setdefault("CONN_MAX_AGE", None)

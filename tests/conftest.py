@@ -57,6 +57,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "LEASES_TEST_DB_NAME": str(connection.settings_dict["NAME"]),
         "LEASES_TEST_OTHER_DB_NAME": str(connections["other"].settings_dict["NAME"]),
+        "LEASES_TEST_LOCAL_DB_NAME": str(connections["local"].settings_dict["NAME"]),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }

@@ -6,7 +6,7 @@ from pathlib import Path
 import django
 import environ
 
-from example_project.dbconfig import database_from_env
+from example_project.dbconfig import database_from_env, database_from_url
 
 env = environ.Env()
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -102,6 +102,13 @@ else:
     DATABASES["other"]["NAME"] = f"{database_from_env(env, _sqlite)['NAME']}_other"
 if env("LEASES_TEST_OTHER_DB_NAME", default=""):
     DATABASES["other"]["NAME"] = env("LEASES_TEST_OTHER_DB_NAME")
+# A SQLite file beside whatever the suite runs on, for the tests of one project with queues on two
+# backends (PostgreSQL or MariaDB and SQLite); its worker subprocesses reach it by
+# LEASES_TEST_LOCAL_DB_NAME.
+DATABASES["local"] = database_from_url(f"sqlite:///{_sqlite.with_name('local_' + _sqlite.name)}")
+DATABASES["local"]["TEST"] = {"NAME": str(_sqlite.with_name("test_local_" + _sqlite.name))}
+if env("LEASES_TEST_LOCAL_DB_NAME", default=""):
+    DATABASES["local"]["NAME"] = env("LEASES_TEST_LOCAL_DB_NAME")
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"

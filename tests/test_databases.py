@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from django.contrib import admin
+from django.db import connections
 from django.db.models.functions import Now
 from django.test import Client, override_settings
 from django.urls import path, reverse
@@ -18,6 +19,7 @@ from django_leases import metrics
 from django_leases.admin.ledger import JobAttemptAdmin
 from django_leases.admin.payments import PaymentJobAdmin
 from django_leases.admin.workers import WorkerAdmin
+from django_leases.dialects import dialect_of
 from django_leases.exceptions import InvalidArgument
 from django_leases.models import JobAttempt, PaymentJob, ScheduleState, Worker
 
@@ -173,7 +175,7 @@ def test_commands__an_unknown_database_is_one_line_and_exit_1(
     )
     out = finish(proc, timeout=30)
     assert proc.returncode == 1, out
-    assert "'nope' is not a database of DATABASES (default, other)" in out
+    assert "'nope' is not a database of DATABASES (default, other, local)" in out
     assert len(out.strip().splitlines()) == 1
     assert PaymentJob.objects.get(pk=job.pk).status == Status.PENDING
 
@@ -301,3 +303,39 @@ def test_schedules__each_database_gets_one_job_per_tick(processes: Processes) ->
         assert ticks and ticks == list(range(ticks[0], last + 1)), (database, keys)
         assert first <= ticks[0], (database, keys)
         assert ScheduleState.objects.using(database).count() == 1
+
+
+@pytest.mark.django_db(databases=["default", "local"], transaction=True)
+def test_two_backends__each_connection_leases_by_its_own_dialect_and_a_worker_serves_each(
+    processes: Processes,
+) -> None:
+    """One project, one queue on the suite's database (PostgreSQL or MariaDB in their runs) and
+    one on SQLite: each connection claims, renews and completes through its own dialect, in one
+    process and in a worker per database."""
+    local = PaymentJob.objects.using("local")
+    here = {PaymentJob.objects.enqueue("noop").pk for _ in range(3)}
+    there = {PaymentJob.objects.enqueue("noop", using="local").pk for _ in range(4)}
+    names = {alias: dialect_of(connections[alias]).name for alias in ("default", "local")}
+    assert names == {"default": connections["default"].vendor, "local": "sqlite"}
+    for jobs in (PaymentJob.objects.all(), local.all(), PaymentJob.objects.all(), local.all()):
+        (job,) = jobs.claim("both", ttl=30)
+        keys = {(job.pk, job.lease_token)}
+        assert jobs.heartbeat("both", keys, ttl=30) == keys
+        jobs.complete(job.pk, "both", job.lease_token)
+    done = {"status": Status.COMPLETED}
+    assert (PaymentJob.objects.filter(**done).count(), local.filter(**done).count()) == (2, 2)
+    assert (JobAttempt.objects.count(), JobAttempt.objects.using("local").count()) == (2, 2)
+
+    workers = [
+        processes.manage("run_lease_worker", "--burst", "--database", alias, "--worker-id", alias)
+        for alias in ("default", "local")
+    ]
+    for proc in workers:
+        out = finish(proc)
+        assert proc.returncode == 0, out
+    assert set(PaymentJob.objects.filter(**done).values_list("pk", flat=True)) == here
+    assert set(local.filter(**done).values_list("pk", flat=True)) == there
+    assert list(Worker.objects.values_list("worker_id", flat=True)) == ["default"]
+    assert list(Worker.objects.using("local").values_list("worker_id", flat=True)) == ["local"]
+    ran = JobAttempt.objects.using("local").filter(outcome="completed", owner="local").count()
+    assert ran == len(there) - 2
