@@ -2,6 +2,7 @@
 payments.py): checked arguments, idempotency, own columns, the statements they send."""
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -190,6 +191,43 @@ def test_aenqueue__and_aenqueue_many_are_enqueue_awaitable() -> None:
     one, many = async_to_sync(enqueue_from_async_code)()
     assert one.lock == "payment:pay_1" and [job.payload for job in many] == [{"n": 1}, {"n": 2}]
     assert PaymentJob.objects.count() == 3
+
+
+def seen_elsewhere(pks: list[int]) -> list[int]:
+    """The jobs of `pks` that another connection (a thread's own) sees: the committed ones."""
+    seen: list[int] = []
+
+    def read() -> None:
+        try:
+            seen.extend(PaymentJob.objects.filter(pk__in=pks).values_list("pk", flat=True))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join()
+    return sorted(seen)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_aenqueue__joins_the_callers_atomic_block_and_commits_outside_one() -> None:
+    @async_to_sync
+    async def aenqueue(*payloads: dict[str, int]) -> list[int]:
+        one = await PaymentJob.objects.aenqueue("capture", payloads[0])
+        many = await PaymentJob.objects.aenqueue_many("capture", payloads[1:])
+        return sorted([one.pk, *(job.pk for job in many)])
+
+    class UndoError(Exception):
+        pass
+
+    with pytest.raises(UndoError), transaction.atomic():
+        inside = aenqueue({"n": 1}, {"n": 2}, {"n": 3})
+        # In the block's own transaction: this connection sees them, no other one yet.
+        assert (PaymentJob.objects.filter(pk__in=inside).count(), seen_elsewhere(inside)) == (3, [])
+        raise UndoError
+    assert PaymentJob.objects.count() == 0  # rolled back with the block
+    outside = aenqueue({"n": 4}, {"n": 5})
+    assert seen_elsewhere(outside) == outside  # committed at once
 
 
 # ---- statements sent: no savepoint where nothing can conflict, NOTIFY once per kind -----------
