@@ -8,7 +8,7 @@ from django.db.models.functions import Now
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_leases.exceptions import InvalidDuration, LeaseLost
+from django_leases.exceptions import InvalidArgument, InvalidDuration, LeaseLost
 from django_leases.limits import CONCURRENCY
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets.claims import claim_by_path
@@ -156,6 +156,27 @@ def test_claim__bad_ttl_raises_before_any_write(ttl: object) -> None:
     with pytest.raises(InvalidDuration):
         PaymentJob.objects.claim("w1", ttl=ttl)  # type: ignore[arg-type]
     assert PaymentJob.objects.filter(status=Status.PENDING).count() == 1
+
+
+def test_claim__a_filtered_queryset_is_refused_not_ignored() -> None:
+    """A claim takes from the whole queue: given `filter(...)`, it used to take the job the
+    filter left out (the capture below)."""
+    capture = PaymentJob.objects.enqueue("capture")
+    refund = PaymentJob.objects.enqueue("refund")
+    refunds = PaymentJob.objects.filter(pk=refund.pk)
+    for claim in (
+        lambda: refunds.claim("w1", ttl=60),
+        lambda: refunds.complete_and_claim("w1", [], ttl=60),
+    ):
+        with pytest.raises(InvalidArgument, match=r"kinds=, or one job with claim_job\(pk\)"):
+            claim()
+    assert PaymentJob.objects.filter(status=Status.PENDING).count() == 2
+    assert JobAttempt.objects.count() == 0
+    # What the filter meant, said the ways a claim understands.
+    assert [job.pk for job in PaymentJob.objects.claim("w1", ttl=60, kinds=["refund"])] == [
+        refund.pk
+    ]
+    assert PaymentJob.objects.using("default").claim_job(capture.pk, "w1", ttl=60) is not None
 
 
 def test_claim__accepts_timedelta_and_float_ttl() -> None:

@@ -29,6 +29,7 @@ from django.db.models.functions import Now
 from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import ClaimPath, Dialect, dialect_of, in_passes
+from django_leases.exceptions import InvalidArgument
 from django_leases.handlers import Lengths, lease_lengths_of, throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind
 from django_leases.querysets.acks import complete_locked
@@ -94,8 +95,10 @@ def claim(
     decides ownership, and an open row in the
     attempt ledger in the same transaction. Kinds with a `limit=` or `rate=` are claimed
     first, each in a transaction of its own within its throttle (`throttles.claim_throttled()`).
+    A claim takes from the whole queue: on a filtered queryset it raises `InvalidArgument`
+    (choose with `kinds=`, or one job with `claim_job(pk)`).
     """
-    seconds, kinds = claim_args(owner, ttl, limit, kinds)
+    seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
     if kinds == []:
         return []
     throttled = throttles_of(kinds) if throttles() else {}
@@ -140,7 +143,7 @@ def complete_and_claim(
     statement), and the jobs next in line of those locks are claimed then if it came back
     short. Elsewhere it is those two transactions, the completions committed first.
     """
-    seconds, kinds = claim_args(owner, ttl, limit, kinds)
+    seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
     if claim_path(qs) != "postgresql+ledger" or kinds == [] or throttles_of(kinds):
         return qs.complete_many(owner, leases), qs.claim(
             owner, ttl=seconds, limit=limit, kinds=kinds
@@ -180,9 +183,21 @@ def in_claim_order(jobs: list[J]) -> list[J]:
 
 
 def claim_args(
-    owner: str, ttl: float | timedelta, limit: int, kinds: Collection[str] | None
+    qs: LeaseQuerySet[J],
+    owner: str,
+    ttl: float | timedelta,
+    limit: int,
+    kinds: Collection[str] | None,
 ) -> tuple[float, list[str] | None]:
-    """Check a claim's arguments; return the TTL in seconds and the kinds as a list."""
+    """Check a claim's arguments; return the TTL in seconds and the kinds as a list.
+
+    Raises InvalidArgument for a filtered queryset: a claim takes from the whole queue, so
+    it would ignore the filters, and take jobs they leave out."""
+    if qs.query.has_filters():
+        raise InvalidArgument(
+            "claim() takes from the whole queue and cannot honour a queryset's filters: "
+            "choose kinds with kinds=, or one job with claim_job(pk)"
+        )
     seconds = to_seconds(ttl, "ttl")
     check_owner(owner)
     check_int(limit, "limit", CLAIM_LIMIT)
