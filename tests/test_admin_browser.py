@@ -101,6 +101,7 @@ def queue_at_3am() -> dict[str, int]:
 
 
 @override_settings(DJANGO_LEASES={"NEAR_EXPIRY": 300})
+@pytest.mark.slow
 def test_admin__release_a_stuck_lease_from_the_overview(live_server: Any, admin_user: Any) -> None:
     made = queue_at_3am()
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)

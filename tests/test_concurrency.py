@@ -35,6 +35,7 @@ def run_claimers(processes: Processes, count: int, *args: str) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_claim__eight_processes_claim_every_job_exactly_once(processes: Processes) -> None:
     PaymentJob.objects.bulk_create(PaymentJob(kind="noop") for _ in range(RACE_JOBS))
     limit = 5

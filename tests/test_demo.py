@@ -55,6 +55,7 @@ def summary_count(out: str, label: str) -> int:
     return int(match.group(1))
 
 
+@pytest.mark.slow
 def test_demo__settles_every_payment_without_a_double_charge(processes: Processes) -> None:
     proc = demo(processes, "--jobs", "40", "--workers", "2", "--timeout", "240")
     out = proc.communicate(timeout=300)[0]

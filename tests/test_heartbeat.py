@@ -35,6 +35,7 @@ def worker(processes: Processes, *args: str, **env: str) -> Any:
 
 
 @pytest.mark.parametrize("new_lease_slot", ["later", "earlier"])
+@pytest.mark.slow
 def test_heartbeat__tells_two_leases_of_one_job_apart(
     processes: Processes, new_lease_slot: str
 ) -> None:

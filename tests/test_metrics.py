@@ -182,9 +182,9 @@ def test_worker_metrics__a_timeout_is_counted(processes: Processes) -> None:
     assert value(scrape(url), "django_leases_completions_total", kind="hangs") == 0
 
 
-@pytest.mark.django_db(transaction=True)
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
 def test_worker_metrics__a_paused_worker_counts_its_lost_lease_and_fenced_out_write(
     processes: Processes,
 ) -> None:

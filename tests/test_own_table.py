@@ -46,6 +46,7 @@ def listed(client: Client, **params: str) -> set[int]:
 
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
 def test_own_table__workers_sigkill_watcher_completion_prune_and_admin(
     processes: Processes, admin_client: Client
 ) -> None:

@@ -423,6 +423,7 @@ def assert_one_job_per_tick() -> list[int]:
 
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
 def test_schedules__three_workers_and_a_watcher_enqueue_one_job_per_tick(
     processes: Processes,
 ) -> None:
@@ -574,6 +575,7 @@ def wait_for_database_clock(seconds: float) -> None:
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("catch_up", [True, False])
+@pytest.mark.slow
 def test_schedules__ticks_missed_while_nothing_ran_are_caught_up_once_or_skipped(
     processes: Processes, catch_up: bool
 ) -> None:

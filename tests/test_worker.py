@@ -149,6 +149,7 @@ def test_worker__sigkill_mid_job_is_rescued_after_ttl(processes: Processes) -> N
     assert ledger(job) == [(1, "victim", "lease_lost"), (2, "rescuer", "completed")]
 
 
+@pytest.mark.slow
 def test_worker__paused_past_its_lease_writes_nothing(processes: Processes) -> None:
     # Attempt 1 takes 4 s; attempt 2 (the new owner's) takes 10 s, so the zombie resumes while
     # the new owner is still running, even on a loaded machine.
@@ -217,6 +218,7 @@ def test_worker__never_starts_a_job_whose_lease_ran_out_before_its_slot_got_it(
     assert fresh(first).status == Status.COMPLETED
 
 
+@pytest.mark.slow
 def test_worker__long_job_with_heartbeats_is_never_claimed_twice(processes: Processes) -> None:
     job = PaymentJob.objects.enqueue("sleep", {"seconds": 10})  # 5 x the TTL
     worker(processes, "long", "--ttl", "2", "--heartbeat", "0.4")
@@ -317,6 +319,7 @@ def test_worker__survives_the_database_going_away(processes: Processes) -> None:
     assert not PaymentJob.objects.exclude(status=Status.COMPLETED).exists()
 
 
+@pytest.mark.slow
 def test_worker__sigterm_lets_running_jobs_finish_and_exits_zero(processes: Processes) -> None:
     # Long enough that SIGTERM lands while both run, even when a loaded machine delays the test
     # process by seconds between reading "started" and sending the signal.

@@ -288,6 +288,7 @@ def test_worker__an_outcome_the_database_refuses_still_ends_the_attempt(
     assert (stats.completed, stats.retried) == (1, 1)
 
 
+@pytest.mark.slow
 def test_worker__reclaiming_its_own_expired_job_keeps_the_new_lease_alive(run_in_thread) -> None:
     # Attempt 1 outlives its (made stale) lease; attempt 2, on the other slot of the same
     # worker, runs for several TTLs and must be renewed all along.
