@@ -14,9 +14,10 @@ SQLite and MariaDB have no NOTIFY: polling is their only mode.
 
 `--load RATE` measures the same latency under load instead: --workers worker processes
 (--concurrency slots each) drain a steady stream of RATE jobs/s for --seconds, enqueued one at a
-time in autocommit, each at its own moment of the schedule (n / RATE), by one child; every job of
-the stream is a sample. The first second of the stream (the workers' ramp) is not counted. The
-claim is where the handler starts: the slot runs it as soon as the claim returns.
+time in autocommit, each at its own moment of the schedule (n / RATE), by --enqueuers children
+taking turns; every job of the stream is a sample. The first second of the stream (the workers'
+ramp) is not counted. The claim is where the handler starts: the slot runs it as soon as the
+claim returns.
 """
 
 from __future__ import annotations
@@ -65,30 +66,36 @@ def enqueue_one_by_one(
     return {"ms": [(claimed[pk] - created[pk]).total_seconds() * 1000 for pk in counted]}
 
 
-def enqueue_stream(rate: float, seconds: float, job_timeout: float) -> dict[str, Any]:
-    """Enqueue `rate` jobs a second for `seconds`, one per autocommit INSERT at its moment of the
-    schedule; wait until all are completed; return each counted job's claimed_at - created_at
-    in ms, how many fell behind the schedule, and the rate reached."""
+def enqueue_stream(
+    rate: float, seconds: float, job_timeout: float, share: int = 0, shares: int = 1
+) -> dict[str, Any]:
+    """Enqueue this child's `share` of `shares` of a stream of `rate` jobs a second for
+    `seconds`, one per autocommit INSERT at its moment of the schedule (job n at n / rate, this
+    child taking every n with n % shares == share), from the parent's GO; wait until all are
+    completed; return each counted job's claimed_at - created_at in ms, how many fell behind the
+    schedule, and the rate this child reached."""
     from django_leases.models import JobAttempt, PaymentJob
 
     total = int(rate * seconds)
     pks = []
     late = 0
+    PaymentJob.objects.exists()  # connect before the stream starts
+    common.wait_for_go()
     start = time.monotonic()
-    for n in range(total):
+    for n in range(share, total, shares):
         delay = start + n / rate - time.monotonic()
         if delay > 0:
             time.sleep(delay)
         elif delay < -0.01:
             late += 1
         pks.append(PaymentJob.objects.enqueue("noop", {}).pk)
-    reached = total / (time.monotonic() - start)
+    reached = len(pks) / (time.monotonic() - start)
     deadline = time.monotonic() + job_timeout
     while PaymentJob.objects.filter(pk__in=pks).exclude(status="completed").exists():
         if time.monotonic() > deadline:
             raise RuntimeError(f"the stream was not drained within {job_timeout:.0f}s")
         time.sleep(0.05)
-    counted = pks[int(rate) :]  # the first second is the workers' ramp
+    counted = pks[int(rate / shares) :]  # the first second is the workers' ramp
     created = dict(PaymentJob.objects.filter(pk__in=counted).values_list("pk", "created_at"))
     claimed = dict(
         JobAttempt.objects.filter(job_ref__in=counted, attempt=1).values_list(
@@ -182,14 +189,25 @@ def measure_loaded(
             watch=workers,
         )
         common.note(f"{db.vendor}: {args.load:g} jobs/s for {args.seconds:g}s ...")
-        result = procs.call(
-            db,
-            "bench.wakeup_latency:enqueue_stream",
-            timeout=args.seconds + 2 * args.timeout,
-            rate=args.load,
-            seconds=args.seconds,
-            job_timeout=args.timeout,
-        )
+        target = "bench.wakeup_latency:enqueue_stream"
+        enqueuers = [
+            procs.start_barrier(
+                db,
+                target,
+                rate=args.load,
+                seconds=args.seconds,
+                job_timeout=args.timeout,
+                share=share,
+                shares=args.enqueuers,
+            )
+            for share in range(args.enqueuers)
+        ]
+        parts = procs.release_barrier(enqueuers, target, timeout=args.seconds + 2 * args.timeout)
+        result = {
+            "ms": [ms for part in parts for ms in part["ms"]],
+            "late": sum(part["late"] for part in parts),
+            "rate": sum(part["rate"] for part in parts),
+        }
     finally:
         conn.close()
         for worker in workers:
@@ -307,6 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         type=common.positive_int,
         default=2,
         help="worker processes draining the --load stream (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--enqueuers",
+        type=common.positive_int,
+        default=4,
+        help="processes enqueuing the --load stream, each every n-th job of its schedule (one "
+        "autocommit INSERT a job, as web requests would; one process falls behind past a few "
+        "hundred jobs/s) (default: %(default)r)",
     )
     parser.add_argument(
         "--concurrency",
