@@ -2,6 +2,8 @@
 
 Every system drains the same number of jobs on the same throw-away PostgreSQL database with the
 same number of worker processes, each started with its own worker command as real processes.
+The `-mysql` systems do the same on a throw-away MariaDB database: django-leases' worker against
+a bare mysqlclient lease loop.
 Enqueueing is not timed: the clock runs from the start of the workers until a poll of the
 database sees every job finished. Rounds are interleaved (each round rotates the order) and the
 median and spread over the rounds are reported, with each peer's ratio to django-leases and
@@ -23,6 +25,7 @@ While `run_lease_worker` is not available, django-leases is measured as the quer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import statistics
@@ -56,6 +59,8 @@ class System:
     cwd: str | None = None
     # The django-leases handler kind its workers run (its jobs are enqueued with it).
     kind: str = "noop"
+    # The database it runs on: "postgresql" or "mysql" (MariaDB).
+    database: str = "postgresql"
 
     def missing(self) -> list[str]:
         return [module for module in self.requires if find_spec(module) is None]
@@ -90,6 +95,11 @@ def leases_workers(args: argparse.Namespace, has_command: bool) -> list[list[str
 
 def bare_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
     return [common.child_command("bench.throughput:bare_loop", ttl=args.ttl)] * args.bare_processes
+
+
+def bare_mysql_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
+    loop = common.child_command("bench.throughput:bare_mysql_loop", ttl=args.ttl)
+    return [loop] * args.bare_processes
 
 
 def leases_batch_workers(args: argparse.Namespace, has_command: bool) -> list[list[str]]:
@@ -129,13 +139,19 @@ LEASES_POLL = (
     f"count(*) FILTER (WHERE status IN ('completed', 'failed', 'review')) "
     f"FROM {common.JOB_TABLE}"
 )
+LEASES_TABLES = (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker")
+# MariaDB has no FILTER: a true comparison is 1.
+LEASES_POLL_MYSQL = (
+    f"SELECT COALESCE(SUM(status = 'completed'), 0), "
+    f"COALESCE(SUM(status IN ('completed', 'failed', 'review')), 0) FROM {common.JOB_TABLE}"
+)
 # The peer apps a system's workers load (bench/settings.py): their own only.
 NO_PEERS = (("BENCH_PEERS", ""),)
 SYSTEMS = [
     System(
         "django-leases",
         ("django_leases",),
-        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_TABLES,
         LEASES_POLL,
         leases_workers,
         env=NO_PEERS,
@@ -143,7 +159,7 @@ SYSTEMS = [
     System(
         "leases-cma0 (django-leases, CONN_MAX_AGE=0)",
         ("django_leases",),
-        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_TABLES,
         LEASES_POLL,
         leases_workers,
         env=(("BENCH_CONN_MAX_AGE", "0"), *NO_PEERS),
@@ -151,7 +167,7 @@ SYSTEMS = [
     System(
         "bare (psycopg lease loop, no ledger)",
         ("psycopg",),
-        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_TABLES,
         LEASES_POLL,
         bare_workers,
         env=NO_PEERS,
@@ -160,11 +176,29 @@ SYSTEMS = [
         f"django-leases-batch (run_lease_worker --concurrency=--batch, kind {BATCH_KIND}: "
         "ack=batch)",
         ("django_leases",),
-        (common.JOB_TABLE, common.LEDGER_TABLE, "django_leases_worker"),
+        LEASES_TABLES,
         LEASES_POLL,
         leases_batch_workers,
         env=NO_PEERS,
         kind=BATCH_KIND,
+    ),
+    System(
+        "django-leases-mysql (run_lease_worker on MariaDB)",
+        ("django_leases", "MySQLdb"),
+        LEASES_TABLES,
+        LEASES_POLL_MYSQL,
+        leases_workers,
+        env=NO_PEERS,
+        database="mysql",
+    ),
+    System(
+        "bare-mysql (mysqlclient lease loop on MariaDB, no ledger)",
+        ("MySQLdb",),
+        LEASES_TABLES,
+        LEASES_POLL_MYSQL,
+        bare_mysql_workers,
+        env=NO_PEERS,
+        database="mysql",
     ),
     System(
         "pgqueuer",
@@ -315,6 +349,62 @@ def bare_loop(ttl: float) -> dict[str, Any]:
     return {"done": done}
 
 
+def bare_mysql_loop(ttl: float) -> dict[str, Any]:
+    """Claim one job, complete it, until nothing is claimable: mysqlclient alone on MariaDB, no
+    ledger.
+
+    The floor of a lease queue on this table there: per job a transaction that locks one job
+    (`SELECT ... LIMIT 1 FOR UPDATE SKIP LOCKED`, the claim order of django-leases' index led by
+    kind) and leases it (UPDATE: database clock, token and attempts incremented), then one that
+    completes it (restating id, status, owner and token), on one persistent connection.
+    """
+    from django.db import connection
+
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.autocommit(False)
+    owner = common.owner_name("bare")
+    table = common.JOB_TABLE
+    pick = f"""
+        SELECT id, lease_token FROM {table}
+        WHERE status = 'pending' AND run_at <= CURRENT_TIMESTAMP(6) AND kind = 'noop'
+          AND attempts < max_attempts
+        ORDER BY priority DESC, run_at, id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED
+    """  # noqa: S608 - a constant table name
+    lease = f"""
+        UPDATE {table}
+        SET status = 'processing', lease_owner = %(owner)s,
+            lease_until = CURRENT_TIMESTAMP(6) + INTERVAL %(micros)s MICROSECOND,
+            heartbeat_at = CURRENT_TIMESTAMP(6),
+            lease_token = lease_token + 1, attempts = attempts + 1
+        WHERE id = %(pk)s
+    """  # noqa: S608 - a constant table name
+    complete = f"""
+        UPDATE {table}
+        SET status = 'completed', completed_at = CURRENT_TIMESTAMP(6), last_error = ''
+        WHERE id = %(pk)s AND status = 'processing' AND lease_owner = %(owner)s
+          AND lease_token = %(token)s
+    """  # noqa: S608 - a constant table name
+    micros = round(ttl * 1e6)
+    done = 0
+    with raw.cursor() as cursor:
+        while True:
+            cursor.execute(pick)
+            row = cursor.fetchone()
+            if row is None:
+                raw.commit()
+                break
+            pk, token = row
+            cursor.execute(lease, {"pk": pk, "owner": owner, "micros": micros})
+            raw.commit()
+            cursor.execute(complete, {"pk": pk, "owner": owner, "token": token + 1})
+            done += cursor.rowcount
+            raw.commit()
+    return {"done": done}
+
+
 def has_worker_command() -> dict[str, Any]:
     from django.core.management import get_commands
 
@@ -387,7 +477,7 @@ def drain(
         first = None
         succeeded = finished = 0
         while (now := time.monotonic()) - started < args.timeout:
-            succeeded, finished = db.row(conn, system.poll_sql)
+            succeeded, finished = (int(n) for n in db.row(conn, system.poll_sql))
             if finished and first is None:
                 first = (now, finished)
                 machine_at[0] = machine_cpu()
@@ -451,16 +541,27 @@ def checkout(text: str) -> tuple[str, str, str | None]:
 
 
 def run(args: argparse.Namespace, procs: common.Processes) -> None:
-    reason = common.check_server("postgresql", args.pg_url)
-    if reason:
-        raise SystemExit(f"PostgreSQL is needed for this benchmark: {reason}")
     wanted = [s for s in SYSTEMS if s.name.split()[0] in args.systems]
     skipped = {s.name: f"not installed ({', '.join(s.missing())})" for s in wanted if s.missing()}
     systems = [s for s in wanted if s.name not in skipped] + checkouts(args.checkout)
-    with common.temp_database("postgresql", args.pg_url, "throughput") as db:
-        common.note(f"migrating {db.name} ...")
-        procs.call(db, "bench._common:migrate")
-        has_command = procs.call(db, "bench.throughput:has_worker_command")["found"]
+    urls = common.server_urls(args)
+    with contextlib.ExitStack() as stack:
+        dbs: dict[str, common.BenchDB] = {}
+        for vendor in sorted({s.database for s in systems}):
+            reason = common.check_server(vendor, urls[vendor])
+            if reason:
+                skipped.update({s.name: reason for s in systems if s.database == vendor})
+                continue
+            db = dbs[vendor] = stack.enter_context(
+                common.temp_database(vendor, urls[vendor], "throughput")
+            )
+            common.note(f"migrating {db.name} ...")
+            procs.call(db, "bench._common:migrate")
+        systems = [s for s in systems if s.database in dbs]
+        if not systems:
+            raise SystemExit(f"nothing to measure: {skipped}")
+        first = dbs[systems[0].database]
+        has_command = procs.call(first, "bench.throughput:has_worker_command")["found"]
         mode = (
             f"run_lease_worker --concurrency {args.concurrency}"
             if has_command
@@ -469,11 +570,12 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
         )
         if has_command and not args.ledger:
             raise SystemExit("--no-ledger only applies to the queryset loop")
-        systems = prepare(systems, db, procs, has_command, skipped)
+        systems = prepare(systems, dbs, procs, has_command, skipped)
         results: dict[str, list[Drain]] = {s.name: [] for s in systems}
         for round_no in range(args.rounds):
             order = systems[round_no % len(systems) :] + systems[: round_no % len(systems)]
             for system in order:
+                db = dbs[system.database]
                 common.note(f"round {round_no + 1}/{args.rounds}: {system.name}: enqueue ...")
                 procs.call(
                     db,
@@ -495,14 +597,15 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
 
 def prepare(
     systems: list[System],
-    db: common.BenchDB,
+    dbs: dict[str, common.BenchDB],
     procs: common.Processes,
     has_command: bool,
     skipped: dict[str, str],
 ) -> list[System]:
-    """Install what `systems` need beyond the migrations (pgqueuer's schema); move a system
-    that cannot run here to `skipped`, with why. Return the ones to measure."""
-    kinds = procs.call(db, "bench.throughput:registered_kinds")
+    """Install what `systems` need beyond the migrations (pgqueuer's schema) on their database
+    of `dbs`; move a system that cannot run here to `skipped`, with why. Return the ones to
+    measure."""
+    kinds = procs.call(dbs[systems[0].database], "bench.throughput:registered_kinds")
     ready = []
     for system in systems:
         if system.kind not in kinds:
@@ -515,6 +618,7 @@ def prepare(
             ready.append(system)
         if system.name == "pgqueuer":
             # Its own CLI creates its tables, types and triggers (durability "durable").
+            db = dbs[system.database]
             install = [sys.executable, "-m", "pgqueuer", f"--pg-dsn={db.url}", "install"]
             procs.run(install, common.child_env(db), "pgqueuer-install")
     return ready
@@ -596,7 +700,8 @@ def report(
     ]
     title = (
         f"throughput: {args.jobs} no-op jobs, {args.workers} worker processes, "
-        f"{args.rounds} interleaved rounds, batch {args.batch}, PostgreSQL, workers' "
+        f"{args.rounds} interleaved rounds, batch {args.batch}, PostgreSQL (the -mysql systems: "
+        f"MariaDB), workers' "
         f"CONN_MAX_AGE={args.conn_max_age}; django-leases measured as: {mode}"
     )
     if args.markdown:
@@ -612,6 +717,11 @@ def report(
     print()
     for label, a, b in (
         ("django-leases / bare psycopg loop", "django-leases", "bare"),
+        (
+            "django-leases-mysql / bare mysqlclient loop (MariaDB)",
+            "django-leases-mysql",
+            "bare-mysql",
+        ),
         ("django-leases / django-tasks (database)", "django-leases", "django-tasks"),
         ("CONN_MAX_AGE=0 / persistent (django-leases)", "leases-cma0", "django-leases"),
         ("django-leases-batch / pgqueuer", "django-leases-batch", "pgqueuer"),
@@ -683,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         "--bare-processes",
         type=common.positive_int,
         default=4,
-        help="processes of the bare psycopg lease loop (default: %(default)r)",
+        help="processes of each bare lease loop, psycopg and mysqlclient (default: %(default)r)",
     )
     parser.add_argument(
         "--batch",

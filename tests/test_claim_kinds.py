@@ -1,5 +1,6 @@
 """A claim of given kinds: claim order across the kinds, other kinds' backlog left alone and not
-walked, at most `limit` rows locked, exactly once under a race."""
+walked, no row locked that it does not claim, not short while others hold rows, exactly once
+under a race."""
 
 import json
 import random
@@ -11,10 +12,12 @@ from typing import Any
 
 import pytest
 from django.db import connection, transaction
+from django.db.models import QuerySet
 from django.db.models.functions import Now
 
 from django_leases.models import PaymentJob
-from django_leases.sql.postgresql import CANDIDATE_SLACK
+from django_leases.querysets.claims import claim_by_path
+from django_leases.sql.merge import CANDIDATE_SLACK
 
 from .conftest import ON_SQLITE, Processes
 from .rows import copy_row
@@ -36,6 +39,35 @@ def enqueue_mix(seed: int, per_kind: int) -> None:
             PaymentJob.objects.filter(pk=job.pk).update(run_at=Now() + timedelta(minutes=minutes))
 
 
+PATHS = ["dialect"] if connection.vendor == "mysql" else ["dialect", "orm"]
+"""The claim's path on this database, and the ORM path (MariaDB's own) beside it."""
+
+Claim = Callable[[str, int, list[str]], list[PaymentJob]]
+
+
+@pytest.fixture(params=PATHS)
+def claim_by(request: pytest.FixtureRequest) -> Claim:
+    """`claim(owner, limit, kinds)` by this database's path, or by the ORM path."""
+
+    def claim(owner: str, limit: int, kinds: list[str]) -> list[PaymentJob]:
+        if request.param == "orm":
+            return claim_by_path(PaymentJob.objects.all(), owner, 60.0, limit, kinds, "orm")
+        return PaymentJob.objects.claim(owner, ttl=60, limit=limit, kinds=kinds)
+
+    return claim
+
+
+def row_locks(test: Callable[..., None]) -> Callable[..., None]:
+    """Mark a test of the row locks a claim holds, seen from a second connection."""
+    no_locks = pytest.mark.skipif(
+        ON_SQLITE, reason="SQLite has no row locks: a claim holds the write lock"
+    )
+    marks = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True), no_locks]
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
 def claim_order(kinds: list[str]) -> list[int]:
     """The due jobs of `kinds` in the order the specification gives: priority, run_at, id."""
     due = PaymentJob.objects.due().filter(kind__in=kinds)
@@ -45,14 +77,14 @@ def claim_order(kinds: list[str]) -> list[int]:
 @pytest.mark.django_db
 @pytest.mark.parametrize(("kinds", "limit"), [(SERVED, 3), (SERVED[:1], 2), (SERVED, 1)])
 def test_claim__keeps_claim_order_across_kinds_behind_a_backlog(
-    kinds: list[str], limit: int
+    kinds: list[str], limit: int, claim_by: Claim
 ) -> None:
     # More due jobs of each kind than one claim of several kinds reads per kind.
     enqueue_mix(seed=limit, per_kind=2 * CANDIDATE_SLACK)
     expected = claim_order(kinds)
     assert all(len(claim_order([kind])) > limit + CANDIDATE_SLACK for kind in kinds)
     claimed: list[int] = []
-    while batch := PaymentJob.objects.claim("w", ttl=60, limit=limit, kinds=kinds):
+    while batch := claim_by("w", limit, kinds):
         assert len(batch) <= limit
         claimed.extend(job.pk for job in batch)
     assert claimed == expected
@@ -70,30 +102,65 @@ def test_claim__several_kinds_skip_a_kind_with_nothing_due() -> None:
     assert [job.pk for job in claimed] == [due.pk]
 
 
-@pytest.mark.concurrency
-@pytest.mark.django_db(transaction=True)
-@pytest.mark.skipif(ON_SQLITE, reason="SQLite has no row locks: a claim holds the write lock")
-def test_claim__several_kinds_lock_no_more_than_limit_rows() -> None:
+@row_locks
+def test_claim__several_kinds_lock_no_more_than_limit_rows(claim_by: Claim) -> None:
     enqueue_mix(seed=7, per_kind=10)
     due = len(claim_order(SERVED))
 
     def claim() -> int:
-        return len(PaymentJob.objects.claim("holder", ttl=60, limit=2, kinds=SERVED))
+        return len(claim_by("holder", 2, SERVED))
 
     assert lockable_while_held(claim, SERVED) == (2, due - 2)
+
+
+@row_locks
+def test_claim__several_kinds_lock_no_more_expired_leases_than_they_take_over(
+    claim_by: Claim,
+) -> None:
+    expire_mix(per_kind=10)
+    expired = PaymentJob.objects.expired()
+    counts = {kind: expired.filter(kind=kind).count() for kind in [*SERVED, BACKLOG]}
+
+    def claim() -> int:
+        return len(claim_by("holder", 2, SERVED))
+
+    def lockable_kinds() -> Counter[str]:
+        kind_of = dict(expired.values_list("pk", "kind"))
+        return Counter(kind_of[pk] for pk in lockable(expired))
+
+    held, free = while_held(claim, lockable_kinds)
+    assert held == 2
+    assert free[SERVED[0]] + free[SERVED[1]] == counts[SERVED[0]] + counts[SERVED[1]] - 2
+    assert free[BACKLOG] == counts[BACKLOG]
+
+
+def lockable(jobs: QuerySet[PaymentJob]) -> list[int]:
+    """Return the ids of `jobs` this connection can lock now, each tried on its own by primary
+    key: a locking read of many rows may take a plan (MariaDB's) that skips, or locks, others."""
+    pks = list(jobs.values_list("pk", flat=True))
+    with transaction.atomic():
+        rows = PaymentJob.objects.select_for_update(skip_locked=True)
+        return [pk for pk in pks if rows.filter(pk=pk).exists()]
 
 
 def lockable_while_held(claim: Callable[[], int], kinds: list[str]) -> tuple[int, int]:
     """Run `claim` (returning how many jobs it claimed) in a transaction on another thread and
     count, while that transaction holds its locks, the due jobs of `kinds` still lockable here;
     return both counts."""
+    due = PaymentJob.objects.filter(kind__in=kinds, status="pending").due()
+    return while_held(claim, lambda: len(lockable(due)))
+
+
+def while_held(claim: Callable[[], Any], probe: Callable[[], Any]) -> tuple[Any, Any]:
+    """Run `claim` in a transaction on another thread and `probe` here while that transaction
+    is still open (holding its locks); return what each returned."""
     claimed, release = threading.Event(), threading.Event()
-    counts: list[int] = []
+    results: list[Any] = []
 
     def holder() -> None:
         try:
             with transaction.atomic():
-                counts.append(claim())
+                results.append(claim())
                 claimed.set()
                 release.wait(30)
         finally:
@@ -103,13 +170,53 @@ def lockable_while_held(claim: Callable[[], int], kinds: list[str]) -> tuple[int
     thread.start()
     try:
         assert claimed.wait(30)
-        with transaction.atomic():
-            free = PaymentJob.objects.filter(kind__in=kinds, status="pending").due()
-            lockable = list(free.select_for_update(skip_locked=True).values_list("pk", flat=True))
+        probed = probe()
     finally:
         release.set()
         thread.join(30)
-    return counts[0], len(lockable)
+    return results[0], probed
+
+
+@row_locks
+def test_claim__several_kinds_leave_every_other_job_to_a_concurrent_claim(
+    claim_by: Claim,
+) -> None:
+    # More due jobs of each kind than the claim reads as candidates: it locks what it claims.
+    enqueue_mix(seed=11, per_kind=CANDIDATE_SLACK + 8)
+    order, backlog_order = claim_order(SERVED), claim_order([BACKLOG])
+
+    def claim(kinds: list[str], limit: int) -> list[int]:
+        return [job.pk for job in claim_by("w", limit, kinds)]
+
+    def others() -> tuple[list[int], list[int]]:
+        return claim([BACKLOG], 500), claim(SERVED, 500)
+
+    held, (backlog, served) = while_held(lambda: claim(SERVED, 2), others)
+    assert held == order[:2]
+    assert backlog == backlog_order
+    assert served == order[2:]
+
+
+@row_locks
+def test_claim__several_kinds_are_not_short_while_their_first_jobs_are_held(
+    claim_by: Claim,
+) -> None:
+    enqueue_mix(seed=13, per_kind=2 * CANDIDATE_SLACK)
+    order = claim_order(SERVED)
+    # More of the first jobs held than one read of candidates holds, in another transaction.
+    first = order[: CANDIDATE_SLACK + 8]
+
+    def hold() -> int:
+        # One row at a time: a locking read of many ids may scan (and lock) the whole table.
+        rows = PaymentJob.objects.select_for_update()
+        return sum(len(rows.filter(pk=pk).values_list("pk", flat=True)) for pk in first)
+
+    def claim() -> list[int]:
+        return [job.pk for job in claim_by("w", 3, SERVED)]
+
+    held, claimed = while_held(hold, claim)
+    assert held == len(first)
+    assert claimed == order[len(first) : len(first) + 3]
 
 
 @pytest.mark.concurrency
@@ -149,7 +256,9 @@ def expire_mix(per_kind: int) -> None:
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("kinds", [SERVED, SERVED[:1]])
-def test_claim__takes_over_its_kinds_expired_leases_oldest_first(kinds: list[str]) -> None:
+def test_claim__takes_over_its_kinds_expired_leases_oldest_first(
+    kinds: list[str], claim_by: Claim
+) -> None:
     expire_mix(per_kind=CANDIDATE_SLACK + 4)
     expected = list(
         PaymentJob.objects.expired()
@@ -158,7 +267,7 @@ def test_claim__takes_over_its_kinds_expired_leases_oldest_first(kinds: list[str
         .values_list("pk", flat=True)
     )
     claimed: list[int] = []
-    while batch := PaymentJob.objects.claim("w", ttl=60, kinds=kinds):
+    while batch := claim_by("w", 1, kinds):
         assert batch[0].taken_over  # type: ignore[attr-defined]
         claimed.append(batch[0].pk)
     assert claimed == expected
@@ -245,3 +354,62 @@ def test_claim__reads_none_of_another_kinds_backlog(kinds: list[str], backlog: s
     # limit = 2: each kind's range is read a row or two past what the merge hands on, and the
     # rows it hands on are probed by primary key; nothing else, however long the ranges.
     assert 0 < examined <= len(kinds) * (2 + 2) + 2, examined
+
+
+def mariadb_rows_read(node: Any) -> float:
+    """Rows MariaDB's ANALYZE FORMAT=JSON says each access of the job table really read."""
+    if isinstance(node, list):
+        return sum(mariadb_rows_read(child) for child in node)
+    if not isinstance(node, dict):
+        return 0
+    own = 0.0
+    if node.get("table_name") == PaymentJob._meta.db_table:
+        own = node.get("r_rows", 0) * node.get("r_loops", 1)
+    return own + sum(mariadb_rows_read(child) for child in node.values())
+
+
+BACKLOG_ROWS = 20_000
+SERVED_ROWS = 300
+
+
+# transaction=True: ANALYZE TABLE commits the test's rows (an implicit commit on MariaDB).
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(connection.vendor != "mysql", reason="ANALYZE FORMAT=JSON is MariaDB's")
+@pytest.mark.parametrize("kinds", [SERVED, SERVED[:1]])
+@pytest.mark.parametrize("backlog", ["due", "expired"])
+def test_claim__reads_none_of_another_kinds_backlog_on_mariadb(
+    kinds: list[str], backlog: str
+) -> None:
+    add_backlog(backlog, BACKLOG_ROWS)
+    # Enough jobs of each served kind that the optimizer expects to find LIMIT rows soon when
+    # it walks the index led by `status` in claim order (as a worker's queue would have).
+    for kind in kinds:
+        ready = PaymentJob.objects.due() if backlog == "due" else PaymentJob.objects.expired()
+        job = ready.filter(kind=kind).first()
+        assert job is not None
+        copy_row(PaymentJob, job.pk, SERVED_ROWS)
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE TABLE {PaymentJob._meta.db_table}")
+        cursor.fetchall()
+    job_table = f"FROM {connection.ops.quote_name(PaymentJob._meta.db_table)}"
+    selects: list[tuple[str, Any]] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql.lstrip("( ").startswith("SELECT") and job_table in sql:
+            selects.append((sql, params))
+        return execute(sql, params, many, context)
+
+    limit = 2
+    with transaction.atomic(), connection.execute_wrapper(record):
+        assert len(PaymentJob.objects.claim("w", ttl=60, limit=limit, kinds=kinds)) == limit
+        transaction.set_rollback(True)
+    examined = 0.0
+    for sql, params in selects:  # every read of the job table: candidates, locks, read-back
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("ANALYZE FORMAT=JSON " + sql, params)
+            examined += mariadb_rows_read(json.loads(cursor.fetchone()[0]))
+            transaction.set_rollback(True)
+    # Each kind's range is read up to `limit + CANDIDATE_SLACK` rows (and past the few of its
+    # own not due yet: at most 5), the rows chosen are locked and read back by primary key;
+    # none of the backlog's.
+    assert 0 < examined <= len(kinds) * (limit + CANDIDATE_SLACK + 5) + 4 * limit, examined

@@ -3,7 +3,8 @@
 `LeaseQuerySet.claim()`, `claim_job()` and `complete_and_claim()`: functions taking the
 queryset first, bound there as methods. Every claim is one conditional UPDATE (PostgreSQL: one
 statement with the ledger's rows; SQLite: UPDATE ... RETURNING passes; MariaDB/MySQL: rows
-locked with SKIP LOCKED, then the UPDATE; `Dialect.claim_path()` picks) that gives each row a
+locked with SKIP LOCKED (for several kinds, chosen first by an unlocked read of each kind's
+range: `lock_merged()`), then the UPDATE; `Dialect.claim_path()` picks) that gives each row a
 new fencing token, `attempts + 1` and a lease from the database clock, and opens its ledger row
 in the same transaction.
 
@@ -46,6 +47,7 @@ from django_leases.querysets.base import (
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
 from django_leases.querysets.reads import takeover_guard_of
 from django_leases.querysets.throttles import claim_throttled
+from django_leases.sql.merge import CANDIDATE_SLACK
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import PROCESSING, StuckPolicy
 from django_leases.throttles import Throttle
@@ -302,6 +304,12 @@ def orm_claim(
     )
 
 
+TAKEOVER_ORDER: tuple[str, ...] = ("lease_until",)
+"""The claim order of expired leases: the oldest first."""
+DUE_ORDER: tuple[str, ...] = ("-priority", "run_at", "id")
+"""The claim order of due jobs."""
+
+
 def claim_pass_locking(
     qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, kinds: Wanted, takeover: bool
 ) -> list[J]:
@@ -314,18 +322,80 @@ def claim_pass_locking(
         base = qs._claimable_pass(None, takeover).exclude(kind__in=kinds)
     else:
         base = qs._claimable_pass(kinds, takeover)
-    order = ("lease_until",) if takeover else ("-priority", "run_at", "id")
-    ids = list(
-        base.select_for_update(skip_locked=True)
-        .order_by(*order)
-        .values_list("pk", flat=True)[:limit]
-    )
+    order = TAKEOVER_ORDER if takeover else DUE_ORDER
+    if isinstance(kinds, list) and len(set(kinds)) > 1:
+        ids = lock_merged(qs, base, sorted(set(kinds)), takeover, limit)
+    else:
+        # Every kind, or one: one ordered range of an index, locked row by row up to LIMIT.
+        ids = list(
+            base.select_for_update(skip_locked=True)
+            .order_by(*order)
+            .values_list("pk", flat=True)[:limit]
+        )
     if not ids:
         return []
     won = base.filter(pk__in=ids).update(**claim_values(owner, seconds, lengths_of(seconds, kinds)))
     if won == 0:
         return []
     return list(qs.filter(pk__in=ids, status=PROCESSING, lease_owner=owner).order_by(*order))
+
+
+MERGE_READS = 4
+"""Candidate reads a claim of several kinds makes at most (`lock_merged()`)."""
+
+
+def lock_merged(
+    qs: LeaseQuerySet[J], base: LeaseQuerySet[J], kinds: list[str], takeover: bool, limit: int
+) -> list[int]:
+    """Lock up to `limit` jobs of `base` (claimable jobs of several `kinds`) in claim order,
+    and no other row; return their ids.
+
+    One locking SELECT of `kind IN (...)` in claim order walks the index led by `status` past
+    every other kind's jobs (MariaDB), and a locking read of each kind's range would lock every
+    row it reads before the merge sorts them (InnoDB). So the candidates are read without
+    locks (`merged_candidates()`), then locked by primary key in their order, as many at a time
+    as are still wanted, each lock restating `base`'s whole predicate with SKIP LOCKED: a row
+    another transaction holds, or that changed since the read, is passed over, never waited
+    for. If the candidates run out first, the next read reaches past those tried, up to
+    MERGE_READS reads: a claim comes back short only while other transactions hold more than
+    that many of the first rows. Tested on MariaDB 10.11, PostgreSQL 15 and SQLite.
+    """
+    tried: set[int] = set()
+    locked: list[int] = []
+    for _ in range(MERGE_READS):
+        count = len(tried) + limit - len(locked) + CANDIDATE_SLACK
+        read = merged_candidates(qs, kinds, takeover, count)
+        fresh = [pk for pk in read if pk not in tried]
+        tried.update(fresh)
+        while fresh and len(locked) < limit:
+            chunk, fresh = fresh[: limit - len(locked)], fresh[limit - len(locked) :]
+            rows = base.filter(pk__in=chunk).select_for_update(skip_locked=True)
+            locked += rows.values_list("pk", flat=True)
+        if len(locked) == limit or len(read) < count:
+            break
+    return locked
+
+
+def merged_candidates(
+    qs: LeaseQuerySet[J], kinds: list[str], takeover: bool, count: int
+) -> list[int]:
+    """Return the ids of the first `count` claimable jobs of `kinds` in claim order, read
+    without locks: each kind's first `count` from its own range of the index led by `kind` (so
+    no other kind's backlog is walked), in one UNION ALL where the database takes ordered,
+    limited arms (SQLite: one read each), merged here."""
+    order = TAKEOVER_ORDER if takeover else DUE_ORDER
+    columns = ("pk", "lease_until") if takeover else ("pk", "priority", "run_at")
+    candidates = qs._claimable_pass(None, takeover).order_by(*order).values_list(*columns)
+    arms = [candidates.filter(kind=kind)[:count] for kind in kinds]
+    if connections[qs.db].features.supports_slicing_ordering_in_compound:
+        rows = list(arms[0].union(*arms[1:], all=True))
+    else:
+        rows = [row for arm in arms for row in arm]
+    if takeover:
+        rows.sort(key=lambda row: (row[1], row[0]))
+    else:
+        rows.sort(key=lambda row: (-row[1], row[2], row[0]))
+    return [row[0] for row in rows[:count]]
 
 
 def claim_values(owner: str, seconds: float, lengths: Lengths) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""The merge of several kinds' ordered ranges, shared by the claims of PostgreSQL and SQLite."""
+"""The merge of several kinds' ordered ranges, shared by the claims of PostgreSQL and SQLite
+(and the ORM path's candidate reads, `querysets.claims`)."""
+
+CANDIDATE_SLACK = 32
+"""How many jobs of each kind beyond `limit` a claim of several kinds reads, for rows that
+concurrent claims hold locked and this one skips."""
 
 
 def merge_keys(order: list[str]) -> tuple[str, str]:

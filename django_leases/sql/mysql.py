@@ -1,6 +1,7 @@
 """MariaDB/MySQL specifics. Their claim is the ORM path (`SELECT ... FOR UPDATE SKIP LOCKED`, then
-the conditional UPDATE): they have no `UPDATE ... RETURNING` and refuse a LIMIT in an IN subquery
-on the table being updated, so their claim is not written by hand."""
+the conditional UPDATE; for several kinds an unlocked read of each kind's first rows first,
+`querysets.claims.lock_merged()`): they have no `UPDATE ... RETURNING` and refuse a LIMIT in an
+IN subquery on the table being updated, so their claim is not written by hand."""
 
 from typing import Any
 

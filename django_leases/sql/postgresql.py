@@ -9,7 +9,7 @@ from typing import Any
 
 from django_leases.sql import MIGRATE, Claim, lease_length, literal
 from django_leases.sql.insert import InsertDialect
-from django_leases.sql.merge import merge_keys
+from django_leases.sql.merge import CANDIDATE_SLACK, merge_keys
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
 Params = dict[str, Any]
@@ -52,10 +52,6 @@ EXPIRED = (
     " AND attempts < max_attempts"
 )
 """The claim's predicate of an expired lease it may take over (before the takeover guard)."""
-
-CANDIDATE_SLACK = 32
-"""How many due jobs of each kind beyond `limit` a claim of several kinds reads, for rows that
-concurrent claims hold locked and this one skips."""
 
 
 def claim(table: str, claim: Claim, *, ledger: LedgerNames | None) -> tuple[str, Params]:

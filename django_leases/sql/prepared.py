@@ -11,7 +11,7 @@ from functools import lru_cache
 from typing import Any
 
 from django_leases.sql import Params
-from django_leases.sql.postgresql import CANDIDATE_SLACK
+from django_leases.sql.merge import CANDIDATE_SLACK
 
 
 def prepared_claim(statement: tuple[str, Params]) -> tuple["Prepared", Params]:
