@@ -16,7 +16,7 @@ from django.db.models.signals import post_init, pre_init
 
 from django_leases.dialects import dialect_of
 from django_leases.querysets.ledger import J
-from django_leases.sql.insert import InsertDialect, insert_arrays, insert_jobs
+from django_leases.sql.insert import AS_JSON, InsertDialect, insert_arrays, insert_jobs
 
 MAX_PARAMETERS = 65535
 """PostgreSQL's limit of parameters in one statement; SQLite's is the backend's own."""
@@ -158,30 +158,32 @@ def insert(
     template = model(**values)
     shared = [f.get_db_prep_save(f.pre_save(template, True), connection) for f in plan.shared]
     called = plan.own[1 + keyed :]
-    build = _Build(model, alias, plan, template)
     saved: list[J | None] = []
-    for start in range(0, len(rows), plan.batch if plan.types is None else len(rows)):
-        batch = rows[start : start + (plan.batch if plan.types is None else len(rows))]
-        own = [
-            [payload, *([key] if keyed else []), *(f.get_default() for f in called)]
-            for payload, key in batch
-        ]
+    step = len(rows) if plan.types is not None else plan.batch
+    for start in range(0, len(rows), step):
+        batch = rows[start : start + step]
+        # A row's own values, in the order of `plan.own`: its payload, its key if keyed
+        # (without a key the row's None is past the end), the defaults that are called.
+        own: Sequence[Sequence[Any]] = batch
+        if called:
+            own = [(*row[: 1 + keyed], *(f.get_default() for f in called)) for row in batch]
         shape: dict[str, Any] = {
             "returning": plan.quoted_returning,
             "skip_conflicts": skip_conflicts,
             "delayed": None if delay is None else (plan.run_at, delay),
         }
         if plan.types is not None and len(batch) > 1:
+            kinds = plan.types[len(plan.shared) :]
             arrays = [
-                _array(field, [row[j] for row in own], connection)
-                for j, field in enumerate(plan.own)
+                _array(field, kind, [row[j] for row in own], connection)
+                for j, (field, kind) in enumerate(zip(plan.own, kinds, strict=True))
             ]
             sql, params = insert_arrays(
                 plan.dialect, plan.table, plan.quoted, shared, arrays, types=plan.types, **shape
             )
         else:
             prepared = [
-                [f.get_db_prep_save(v, connection) for f, v in zip(plan.own, row, strict=True)]
+                [f.get_db_prep_save(v, connection) for f, v in zip(plan.own, row, strict=False)]
                 for row in own
             ]
             sql, params = insert_jobs(
@@ -191,19 +193,18 @@ def insert(
             cursor.execute(sql, params)
             returned = cursor.fetchall()
         matched = _matched(batch, returned, by_key) if skip_conflicts else returned
-        saved.extend(
-            None if found is None else build(row, found)
-            for row, found in zip(own, matched, strict=True)
-        )
+        saved.extend(_saved(model, alias, plan, template, own, matched))
     return saved
 
 
-def _array(field: Field[Any, Any], values: list[Any], connection: Any) -> Any:
-    """The parameter of `insert_arrays()` for the column of `field` holding `values`: for the
-    payload one JSON document of them, as Django adapts one value (`adapt_json_value`)."""
+def _array(field: Field[Any, Any], kind: str, values: list[Any], connection: Any) -> Any:
+    """The parameter of `insert_arrays()` for the column of `field` (of type `kind`) holding
+    `values`: a list of them prepared, or one JSON document of them (`AS_JSON`), adapted as
+    Django adapts one JSON value; the payloads as the field adapts one."""
     if isinstance(field, JSONField):
         return connection.ops.adapt_json_value(values, field.encoder)
-    return [field.get_db_prep_save(value, connection) for value in values]
+    prepared = [field.get_db_prep_save(value, connection) for value in values]
+    return connection.ops.adapt_json_value(prepared, None) if kind in AS_JSON else prepared
 
 
 def _matched(rows: Sequence[Row], returned: list[Any], by_key: bool) -> list[Any | None]:
@@ -217,45 +218,54 @@ def _matched(rows: Sequence[Row], returned: list[Any], by_key: bool) -> list[Any
     return [next(order) if key is None else keys.get(key) for _, key in rows]
 
 
-class _Build:
-    """Build the saved job of a row from its own values and its RETURNING row, as Django
-    builds a row it reads (`Model.from_db()`); if no receiver of `pre_init` or `post_init`
-    awaits it, as Django builds a job it unpickles (`model_unpickle()`: `Model.__new__()`,
-    then the fields' values in its `__dict__`), without `Model.__init__()`."""
-
-    def __init__(self, model: type[J], alias: str, plan: _Plan, template: Model) -> None:
-        self.model, self.alias, self.plan = model, alias, plan
-        self.connection = connections[alias]
-        # A generated column is left to be read when asked for, as a deferred field.
-        self.base = {
-            field.attname: template.__dict__[field.attname]
-            for field in model._meta.concrete_fields
-            if not field.generated and field.attname in template.__dict__
-        }
-        self.cache = template._state.fields_cache  # the relations given as instances
-        self.signalled = pre_init.has_listeners(model) or post_init.has_listeners(model)
-        self.converted = any(converters for _, converters, _ in plan.returning)
-
-    def __call__(self, row: list[Any], found: Any) -> Any:
-        plan, values = self.plan, dict(self.base)
-        values.update(zip(plan.places[0], row, strict=True))
-        if self.converted:
-            found = [
-                _convert(value, converters, col, self.connection)
-                for (_, converters, col), value in zip(plan.returning, found, strict=True)
+def _saved(
+    model: type[J],
+    alias: str,
+    plan: _Plan,
+    template: Model,
+    rows: Sequence[Sequence[Any]],
+    found: list[Any | None],
+) -> list[J | None]:
+    """Build the saved job of each row from its own values and its RETURNING row (None: left
+    out), as Django builds a row it reads (`Model.from_db()`); if no receiver of `pre_init` or
+    `post_init` awaits them, as Django builds a job it unpickles (`model_unpickle()`:
+    `Model.__new__()`, then the fields' values as its `__dict__`), without `__init__()`."""
+    connection = connections[alias]
+    # A generated column is left to be read when asked for, as a deferred field.
+    base = {
+        field.attname: template.__dict__[field.attname]
+        for field in model._meta.concrete_fields
+        if not field.generated and field.attname in template.__dict__
+    }
+    cache = template._state.fields_cache  # the relations given as instances
+    signalled = pre_init.has_listeners(model) or post_init.has_listeners(model)
+    converted = any(converters for _, converters, _ in plan.returning)
+    own, returned = plan.places
+    saved: list[J | None] = []
+    for row, columns in zip(rows, found, strict=True):
+        if columns is None:
+            saved.append(None)
+            continue
+        if converted:
+            columns = [
+                _convert(value, converters, col, connection)
+                for (_, converters, col), value in zip(plan.returning, columns, strict=True)
             ]
-        values.update(zip(plan.places[1], found, strict=True))
-        if self.signalled:
+        values = base.copy()
+        values.update(zip(own, row, strict=False))  # a row may end in a None key
+        values.update(zip(returned, columns, strict=True))
+        if signalled:
             fields = [values.get(name, DEFERRED) for name in plan.names]
-            job = self.model.from_db(self.alias, plan.names, fields)
+            job = model.from_db(alias, plan.names, fields)
         else:
-            job = self.model.__new__(self.model)
+            job = model.__new__(model)
             job.__dict__ = values
-            job._state = ModelState()
-            job._state.adding, job._state.db = False, self.alias
-        if self.cache:
-            job._state.fields_cache = dict(self.cache)
-        return job
+            job._state = state = ModelState()
+            state.adding, state.db = False, alias
+        if cache:
+            job._state.fields_cache = dict(cache)
+        saved.append(job)
+    return saved
 
 
 def _convert(value: Any, converters: list[Any], col: Any, connection: Any) -> Any:

@@ -8,6 +8,14 @@ from typing import Any
 
 Params = dict[str, Any]
 
+AS_JSON = {
+    "jsonb": "jsonb_array_elements",
+    "varchar": "jsonb_array_elements_text",
+    "text": "jsonb_array_elements_text",
+}
+"""The column types whose values `insert_arrays()` takes as one JSON array, and the function
+that reads it (psycopg dumps a list of them element by element in Python, `json` at once)."""
+
 
 @dataclass(frozen=True)
 class InsertDialect:
@@ -64,8 +72,8 @@ def insert_arrays(
 ) -> tuple[str, Params]:
     """Return one INSERT of the rows `arrays` hold, as `insert_jobs()` does, for a database
     of `arrays` (PostgreSQL): the rows' own values come as one parameter per column (`a<column>`),
-    an array of them, or for a `jsonb` column one JSON array of them, so that the text and the
-    parameters are the same few whatever the rows; `types` are the columns' types.
+    an array of them, or for a column of a type of `AS_JSON` one JSON array of them, so that the
+    text and the parameters are the same few whatever the rows; `types` are the columns' types.
     """
     params = _shared(dialect, shared, delayed)
     params.update((f"a{j}", array) for j, array in enumerate(arrays))
@@ -118,10 +126,9 @@ def _select(types: tuple[str, ...], shared: int, own: range, tail: list[str]) ->
     (tested on 15). Each shared value is cast: a parameter alone in a select list has no type
     of its own."""
     arrays = ", ".join(
-        f"jsonb_array_elements(%(a{j})s::jsonb)"
-        if types[shared + j] == "jsonb"
-        else f"unnest(%(a{j})s::{types[shared + j]}[])"
+        f"{AS_JSON[kind]}(%(a{j})s::jsonb)" if kind in AS_JSON else f"unnest(%(a{j})s::{kind}[])"
         for j in own
+        for kind in [types[shared + j]]
     )
     values = [
         *(f"%(s{j})s::{types[j]}" for j in range(shared)),
