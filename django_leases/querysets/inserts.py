@@ -228,7 +228,8 @@ def _saved(
 ) -> list[J | None]:
     """Build the saved job of each row from its own values and its RETURNING row (None: left
     out), as Django builds a row it reads (`Model.from_db()`); if no receiver of `pre_init` or
-    `post_init` awaits them, as Django builds a job it unpickles (`model_unpickle()`:
+    `post_init` awaits them and the model keeps Django's `__init__()`, as Django builds a job it
+    unpickles (`model_unpickle()`:
     `Model.__new__()`, then the fields' values as its `__dict__`), without `__init__()`."""
     connection = connections[alias]
     # A generated column is left to be read when asked for, as a deferred field.
@@ -238,7 +239,12 @@ def _saved(
         if not field.generated and field.attname in template.__dict__
     }
     cache = template._state.fields_cache  # the relations given as instances
-    signalled = pre_init.has_listeners(model) or post_init.has_listeners(model)
+    # A model of the project's own that overrides __init__() is built through it, as a read is.
+    signalled = (
+        pre_init.has_listeners(model)
+        or post_init.has_listeners(model)
+        or model.__init__ is not Model.__init__
+    )
     converted = any(converters for _, converters, _ in plan.returning)
     own, returned = plan.places
     saved: list[J | None] = []
