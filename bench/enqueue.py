@@ -4,9 +4,11 @@
 For each reachable database (PostgreSQL, SQLite, MariaDB/MySQL) one child process runs every
 variant `--rounds` times, interleaved (each round rotates the order), on an emptied table:
 `--rows` jobs in one transaction (the one-by-one variants) or one call (the batch variants),
-commit included. It prints each variant's median jobs/s, its spread and the statements it sent
-per job (counted in a separate short run), then the ratios of the medians of the per-round
-ratios: enqueue() / create(), enqueue_many() / bulk_create(), enqueue_many() / pgqueuer.
+commit included; a batch variant's input (payloads, keys, unsaved instances) is built before
+the clock starts. It prints each variant's median jobs/s, its spread and the statements it
+sent per job (counted in a separate short run), then the ratios of the medians of the
+per-round ratios: enqueue() / create(), enqueue_many() / bulk_create(), enqueue_many() /
+pgqueuer.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ RATIOS = (
 )
 
 
-def _variants(vendor: str) -> dict[str, Callable[[int], None]]:
-    """Each variant: a function that enqueues `n` no-op jobs (`n` payloads {"n": i})."""
+def _variants(vendor: str) -> dict[str, Callable[[int], Callable[[], None]]]:
+    """Each variant: a function that builds the input of `n` no-op jobs (`n` payloads
+    {"n": i}), untimed, and returns the timed call that enqueues them, commit included."""
     from importlib.util import find_spec
 
     from django.db import transaction
@@ -50,28 +53,35 @@ def _variants(vendor: str) -> dict[str, Callable[[int], None]]:
 
     jobs = PaymentJob.objects
 
-    def one_by_one(add: Callable[[int], Any]) -> Callable[[int], None]:
+    def one_by_one(add: Callable[[int], Any]) -> Callable[[int], Callable[[], None]]:
         def run(n: int) -> None:
             with transaction.atomic():
                 for i in range(n):
                     add(i)
 
-        return run
+        return lambda n: lambda: run(n)
 
-    def bulk(n: int, keys: bool) -> None:
+    def bulk(n: int, keys: bool) -> Callable[[], None]:
         rows = [
             PaymentJob(kind="noop", payload={"n": i}, idempotency_key=f"k{i}" if keys else None)
             for i in range(n)
         ]
-        with transaction.atomic():
-            jobs.bulk_create(rows)
 
-    def many(n: int, keys: bool) -> None:
+        def run() -> None:
+            with transaction.atomic():
+                jobs.bulk_create(rows)
+
+        return run
+
+    def many(n: int, keys: bool) -> Callable[[], None]:
         payloads = [{"n": i} for i in range(n)]
-        with transaction.atomic():
-            jobs.enqueue_many(
-                "noop", payloads, idempotency_keys=[f"k{i}" for i in range(n)] if keys else None
-            )
+        idempotency_keys = [f"k{i}" for i in range(n)] if keys else None
+
+        def run() -> None:
+            with transaction.atomic():
+                jobs.enqueue_many("noop", payloads, idempotency_keys=idempotency_keys)
+
+        return run
 
     variants = {
         "create": one_by_one(lambda i: jobs.create(kind="noop", payload={"n": i})),
@@ -92,14 +102,18 @@ def _variants(vendor: str) -> dict[str, Callable[[int], None]]:
     return variants
 
 
-def _pgqueuer_enqueue(n: int) -> None:
+def _pgqueuer_enqueue(n: int) -> Callable[[], None]:
     """pgqueuer's batch enqueue of `n` jobs: one `Queries.enqueue` call (one INSERT)."""
     import asyncio
 
-    asyncio.run(_pgqueuer_batch(n))
+    payloads: list[bytes | None] = [b'{"n": %d}' % i for i in range(n)]
+    entrypoints, priorities = ["noop"] * n, [0] * n
+    return lambda: asyncio.run(_pgqueuer_batch(entrypoints, payloads, priorities))
 
 
-async def _pgqueuer_batch(n: int) -> None:
+async def _pgqueuer_batch(
+    entrypoints: list[str], payloads: list[bytes | None], priorities: list[int]
+) -> None:
     import os
 
     import psycopg
@@ -108,14 +122,14 @@ async def _pgqueuer_batch(n: int) -> None:
     dsn = os.environ["DATABASE_URL"]
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as connection:
         queries = Queries(PsycopgDriver(connection))
-        payloads = [b'{"n": %d}' % i for i in range(n)]
         start = time.perf_counter()
-        await queries.enqueue(["noop"] * n, payloads, [0] * n)
+        await queries.enqueue(entrypoints, payloads, priorities)
         _PGQ_SECONDS.append(time.perf_counter() - start)
 
 
 _PGQ_SECONDS: list[float] = []
-"""pgqueuer's own timing of its INSERT, without the event loop and connection set-up."""
+"""pgqueuer's own timing of its INSERT (autocommit: its commit included), without the event
+loop and connection set-up."""
 
 
 def _empty() -> None:
@@ -127,14 +141,15 @@ def _empty() -> None:
     common.empty_tables(*tables)
 
 
-def _statements(run: Callable[[int], None], rows: int) -> float:
-    """Statements `run` sends per job, the commit included."""
+def _statements(variant: Callable[[int], Callable[[], None]], rows: int) -> float:
+    """Statements `variant` sends per job, the commit included."""
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
     _empty()
+    run = variant(rows)
     with CaptureQueriesContext(connection) as queries:
-        run(rows)
+        run()
     return len(queries.captured_queries) / rows
 
 
@@ -148,14 +163,15 @@ def measure(rows: int, rounds: int) -> dict[str, Any]:
     rates: dict[str, list[float]] = {name: [] for name in names}
     for name in names:  # warm-up
         _empty()
-        variants[name](min(rows, 50))
+        variants[name](min(rows, 50))()
     statements = {name: _statements(variants[name], 20) for name in names if name != "pgqueuer"}
     for round_ in range(rounds):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             _empty()
             _PGQ_SECONDS.clear()
+            run = variants[name](rows)
             start = time.perf_counter()
-            variants[name](rows)
+            run()
             seconds = _PGQ_SECONDS[0] if _PGQ_SECONDS else time.perf_counter() - start
             rates[name].append(rows / seconds)
     return {"vendor": connection.vendor, "rates": rates, "statements": statements}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -170,23 +171,49 @@ def check_json(value: Any, name: str) -> None:
     database stores alike: only dicts, lists, strings, finite numbers, booleans and None, at
     most MAX_JSON_DEPTH levels deep, no NUL or lone surrogate, integers of 64 bits."""
     # Iterative, so that a deeply nested (or self-containing) value is refused by the depth
-    # bound instead of a RecursionError.
-    stack: list[tuple[Any, str, int]] = [(value, name, 0)]
+    # bound instead of a RecursionError. A place is (its container's place, its key or index,
+    # whether a key), spelled out only for an error: it was most of the time of a check.
+    stack: list[tuple[Any, Any, int]] = [(value, None, 0)]
     while stack:
-        item, where, depth = stack.pop()
-        if isinstance(item, dict | list | tuple):
-            if depth >= MAX_JSON_DEPTH:
-                raise InvalidPayload(
-                    f"{name} is nested deeper than {MAX_JSON_DEPTH} levels (at {where})"
-                )
-            if isinstance(item, dict):
-                for key, child in item.items():
-                    _check_json_scalar(key, f"a key of {where}", name, key=True)
-                    stack.append((child, f"{where}[{shown(key, 30)}]", depth + 1))
-            else:
-                stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
-        else:
-            _check_json_scalar(item, where, name)
+        item, place, depth = stack.pop()
+        if not isinstance(item, dict | list | tuple):
+            _check_json_scalar(item, _where(name, place), name)
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise InvalidPayload(
+                f"{name} is nested deeper than {MAX_JSON_DEPTH} levels (at {_where(name, place)})"
+            )
+        keyed = isinstance(item, dict)
+        pairs: Iterable[tuple[Any, Any]] = (
+            item.items() if isinstance(item, dict) else enumerate(item)
+        )
+        for key, child in pairs:
+            if keyed and not _plain(key):
+                _check_json_scalar(key, f"a key of {_where(name, place)}", name, key=True)
+            if isinstance(child, dict | list | tuple):
+                stack.append((child, (place, key, keyed), depth + 1))
+            elif not _plain(child):
+                _check_json_scalar(child, _where(name, (place, key, keyed)), name)
+
+
+def _plain(item: Any) -> bool:
+    """Whether `item` is a JSON scalar every database stores alike, at a glance: False may
+    still be one (a subclass of str), for `_check_json_scalar` to tell."""
+    kind = type(item)
+    if kind is str:
+        return BAD_CHARACTER.search(item) is None
+    if kind is int:
+        return JSON_INT[0] <= item <= JSON_INT[1]
+    return item is None or kind is bool or (kind is float and math.isfinite(item))
+
+
+def _where(name: str, place: Any) -> str:
+    """Spell out a place of `check_json()`: `payload['items'][0]`."""
+    steps = []
+    while place is not None:
+        place, key, keyed = place
+        steps.append(f"[{shown(key, 30)}]" if keyed else f"[{key}]")
+    return name + "".join(reversed(steps))
 
 
 def _check_json_scalar(item: Any, where: str, name: str, *, key: bool = False) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from functools import partial
-from itertools import groupby
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import FieldDoesNotExist, ValidationError
@@ -161,18 +160,24 @@ def enqueue_all(
         values, delay = job_values(qs, kind, **qs._enqueue_options(options))
     except InvalidArgument as exc:
         raise type(exc)(f"payloads[0]: {exc}") from None
+    keyed = next((i for i, (_, key) in enumerate(jobs) if key is not None), None)
+    if keyed is not None:
+        try:
+            _check_idempotency_field(qs.model)
+        except InvalidArgument as exc:
+            raise type(exc)(f"payloads[{keyed}]: {exc}") from None
     rows = []
     for position, (payload, key) in enumerate(jobs):
         try:
-            rows.append(job_row(qs, values, payload, key))
+            rows.append(job_row(payload, key))
         except InvalidArgument as exc:
             raise type(exc)(f"payloads[{position}]: {exc}") from None
     if not inserts.returns_rows(qs.db):
         # One transaction: a job that fails rolls back the ones before it.
         with transaction.atomic(using=qs.db):
-            return [enqueue_with_savepoints(qs, row, delay) for row in rows]
+            return [enqueue_with_savepoints(qs, values, row, delay) for row in rows]
     with transaction.atomic(using=qs.db, savepoint=False):
-        done, created = insert_all(qs, rows, delay)
+        done, created = insert_all(qs, values, rows, delay)
     if created:
         notify(qs, kind)
     return done
@@ -194,15 +199,18 @@ def enqueue_one(
     values, delay = job_values(
         qs, kind, run_at=run_at, priority=priority, max_attempts=max_attempts, lock=lock, **fields
     )
-    row = job_row(qs, values, payload, idempotency_key)
+    if idempotency_key is not None:
+        _check_idempotency_field(qs.model)
+    row = job_row(payload, idempotency_key)
     if not inserts.returns_rows(qs.db):
-        return enqueue_with_savepoints(qs, row, delay)
-    if idempotency_key is None and not row["lock"]:
+        return enqueue_with_savepoints(qs, values, row, delay)
+    if idempotency_key is None and not values["lock"]:
         # Nothing can conflict: a plain INSERT, in the caller's transaction or on its own.
-        [job] = inserts.insert(qs.db, [qs.model(**row)], skip_conflicts=False, delay=delay)
+        [new] = inserts.insert(qs.model, qs.db, values, [row], skip_conflicts=False, delay=delay)
+        job = cast("J", new)  # inserted without skipping
     else:
         with transaction.atomic(using=qs.db, savepoint=False):
-            [job], created = insert_all(qs, [row], delay)
+            [job], created = insert_all(qs, values, [row], delay)
         if not created:
             return job
     notify(qs, kind)
@@ -226,40 +234,35 @@ def job_values(
     return {**values, **_own_fields(qs.model, fields)}, delay
 
 
-def job_row(
-    qs: LeaseQuerySet[J], values: dict[str, Any], payload: Any, key: str | None
-) -> dict[str, Any]:
-    """Return the fields of one job: `values` with its checked payload and key."""
+def job_row(payload: Any, key: str | None) -> inserts.Row:
+    """Return the checked payload (None: `{}`) and idempotency key of one job."""
     payload = {} if payload is None else payload
     check_json(payload, "payload")
-    row = {**values, "payload": payload}
     if key is not None:
-        _check_idempotency_field(qs.model)
-        row["idempotency_key"] = check_text(key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
-    return row
+        check_text(key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
+    return payload, key
 
 
 def insert_all(
-    qs: LeaseQuerySet[J], rows: list[dict[str, Any]], delay: float | None
+    qs: LeaseQuerySet[J], values: dict[str, Any], rows: list[inserts.Row], delay: float | None
 ) -> tuple[list[J], bool]:
-    """Add a job per row (every row of one lock, or of none), in enqueue order; return them,
-    the first job of an idempotency key in each place of that key, and whether any is new.
+    """Add a job of the fields `values` per row (payload and key; all of one lock, or of
+    none), in enqueue order; return them, the first job of an idempotency key in each place
+    of that key, and whether any is new.
 
     One INSERT per batch: the jobs of no lock at once, those of a lock after its first new
     job, which alone may take the lock. No savepoint: a conflict skips the row.
     """
     first_of: dict[str, int] = {}
     new = []
-    for position, row in enumerate(rows):
-        key = row.get("idempotency_key")
+    for position, (_, key) in enumerate(rows):
         if key is None or key not in first_of:
             new.append(position)
             if key is not None:
                 first_of[key] = position
-    unsaved = {position: qs.model(**rows[position]) for position in new}
     saved: dict[int, J] = {}
     created = False
-    if rows[0]["lock"]:
+    if values["lock"]:
         if len(new) > 1 and first_of:
             # Jobs of keys that exist already are not new: they take no place in the lock.
             for job in table_jobs(qs).filter(idempotency_key__in=list(first_of)):
@@ -269,82 +272,91 @@ def insert_all(
         # one then may), the later ones wait behind it.
         while new and not created:
             position = new.pop(0)
-            saved[position], created = insert_locked(qs, unsaved[position], delay)
-        for position in new:
-            unsaved[position].status = WAITING
-    jobs, added = insert_or_existing(qs, [unsaved[position] for position in new], delay)
+            saved[position], created = insert_locked(qs, values, rows[position], delay)
+        values = {**values, "status": WAITING}
+    jobs, added = insert_or_existing(qs, values, [rows[position] for position in new], delay)
     saved.update(zip(new, jobs, strict=True))
     ordered = []
-    for position, row in enumerate(rows):
-        key = row.get("idempotency_key")
+    for position, (_, key) in enumerate(rows):
         ordered.append(saved[position if key is None else first_of[key]])
     return ordered, bool(created or added)
 
 
 def insert_or_existing(
-    qs: LeaseQuerySet[J], jobs: list[J], delay: float | None
+    qs: LeaseQuerySet[J], values: dict[str, Any], rows: list[inserts.Row], delay: float | None
 ) -> tuple[list[J], int]:
-    """Insert `jobs` (none of them taking a lock); return them, each job whose idempotency
-    key exists already replaced by the first job of that key, and how many are new.
+    """Insert a job of `values` per row (none of them taking a lock); return them, each job
+    whose idempotency key exists already replaced by the first job of that key, and how many
+    are new.
 
-    One INSERT per run of jobs with keys and of jobs without, in order: ids follow the
-    order of `jobs`, which is a lock's order."""
-    added: set[int] = set()
-    for keyless, run in groupby(jobs, key=lambda job: _key(job) is None):
-        inserted = inserts.insert(qs.db, list(run), skip_conflicts=not keyless, delay=delay)
-        added.update(id(job) for job in inserted)
-    skipped = [job for job in jobs if id(job) not in added]
+    One INSERT, in order: ids follow the order of `rows`, which is a lock's order."""
+    keyed = any(key is not None for _, key in rows)
+    inserted = inserts.insert(qs.model, qs.db, values, rows, skip_conflicts=keyed, delay=delay)
+    skipped = [position for position, job in enumerate(inserted) if job is None]
     if not skipped:
-        return jobs, len(jobs)
-    existing = {
-        _key(job): job
-        for job in table_jobs(qs).filter(idempotency_key__in=[_key(j) for j in skipped])
-    }
-    missing = [job for job in skipped if _key(job) not in existing]
+        return cast("list[J]", inserted), len(rows)
+    keys = [rows[position][1] for position in skipped]
+    existing = {_key(job): job for job in table_jobs(qs).filter(idempotency_key__in=keys)}
+    missing = [position for position in skipped if rows[position][1] not in existing]
     if missing:
-        # Another unique column refused them: inserted again without skipping, the
-        # database raises its own error, in a savepoint that the caller's transaction
-        # survives.
+        # Another unique column refused them: inserted again without skipping, the database
+        # raises its own error, in a savepoint that the caller's transaction survives.
+        refused = [rows[position] for position in missing]
         with transaction.atomic(using=qs.db):
-            inserts.insert(qs.db, missing, skip_conflicts=False, delay=delay)
-    found = [
-        existing[_key(job)] if id(job) not in added and _key(job) in existing else job
-        for job in jobs
-    ]
-    return found, len(added) + len(missing)
+            again = inserts.insert(
+                qs.model, qs.db, values, refused, skip_conflicts=False, delay=delay
+            )
+            if any(key is None for _, key in refused):
+                # Unless the refusing row went away meanwhile. The jobs without a key that
+                # went in the first time are not told apart (RETURNING gave fewer of them):
+                # none of the batch stands.
+                raise IntegrityError(f"a unique index of {qs.model._meta.label} refused a job")
+        for position, job in zip(missing, again, strict=True):
+            inserted[position] = job
+    found = [existing[rows[i][1]] if job is None else job for i, job in enumerate(inserted)]
+    return found, len(rows) - len(skipped) + len(missing)
 
 
-def insert_locked(qs: LeaseQuerySet[J], job: J, delay: float | None) -> tuple[J, bool]:
-    """Insert `job` of the lock `job.lock`: pending and holding it if it is free, else
-    waiting (see `locks.enqueue_locked()`, whose rounds these are, with conflicts skipped instead
-    of caught in savepoints); return it, or the first job of its key, and whether it is new.
+def insert_locked(
+    qs: LeaseQuerySet[J], values: dict[str, Any], row: inserts.Row, delay: float | None
+) -> tuple[J, bool]:
+    """Insert the job of `values` and `row` of the lock `values["lock"]`: pending and holding
+    it if it is free, else waiting (see `locks.enqueue_locked()`, whose rounds these are, with
+    conflicts skipped instead of caught in savepoints); return it, or the first job of its
+    key, and whether it is new.
     """
-    jobs = table_jobs(qs)
+    jobs, lock, key = table_jobs(qs), values["lock"], row[1]
     for _ in range(ENQUEUE_ROUNDS):
-        if holder_share_locked(qs, job.lock):
-            job.status, job.lock_holder = WAITING, None
-            [found], added = insert_or_existing(qs, [job], delay)
+        if holder_share_locked(qs, lock):
+            waiting = {**values, "status": WAITING, "lock_holder": None}
+            [found], added = insert_or_existing(qs, waiting, [row], delay)
             return found, bool(added)
-        job.status, job.lock_holder = PENDING, job.lock
-        if inserts.insert(qs.db, [job], skip_conflicts=True, delay=delay):
+        holding = {**values, "status": PENDING, "lock_holder": lock}
+        [job] = inserts.insert(qs.model, qs.db, holding, [row], skip_conflicts=True, delay=delay)
+        if job is not None:
             return job, True
-        key = _key(job)
         existing = None if key is None else jobs.filter(idempotency_key=key).first()
         if existing is not None:
             return existing, False
-        if not jobs.filter(lock_holder=job.lock).exists():
-            # Another unique column refused it: its own error, as in `_insert_or_existing`.
+        if not jobs.filter(lock_holder=lock).exists():
+            # Another unique column refused it: its own error, as in `insert_or_existing`.
             with transaction.atomic(using=qs.db):
-                inserts.insert(qs.db, [job], skip_conflicts=False, delay=delay)
-            return job, True
-    raise LeaseError(f"lock {job.lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
+                [job] = inserts.insert(
+                    qs.model, qs.db, holding, [row], skip_conflicts=False, delay=delay
+                )
+            return cast("J", job), True  # inserted without skipping
+    raise LeaseError(f"lock {lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
 
 
-def enqueue_with_savepoints(qs: LeaseQuerySet[J], row: dict[str, Any], delay: float | None) -> J:
-    """Enqueue the job of `row` through the ORM, conflicts caught in savepoints: for a
-    database that returns no rows from an INSERT (MySQL; MariaDB does)."""
-    values = {**row, **({} if delay is None else {"run_at": after(delay)})}
-    key = values.get("idempotency_key")
+def enqueue_with_savepoints(
+    qs: LeaseQuerySet[J], values: dict[str, Any], row: inserts.Row, delay: float | None
+) -> J:
+    """Enqueue the job of `values` and `row` through the ORM, conflicts caught in
+    savepoints: for a database that returns no rows from an INSERT (MySQL; MariaDB does)."""
+    payload, key = row
+    values = {**values, "payload": payload, **({} if delay is None else {"run_at": after(delay)})}
+    if key is not None:
+        values["idempotency_key"] = key
     with transaction.atomic(using=qs.db):
         if key is None:
             job = add_job(qs, values)

@@ -8,70 +8,132 @@ from typing import Any
 
 Params = dict[str, Any]
 
+AS_JSON = {
+    "jsonb": "jsonb_array_elements",
+    "varchar": "jsonb_array_elements_text",
+    "text": "jsonb_array_elements_text",
+}
+"""The column types whose values `insert_arrays()` takes as one JSON array, and the function
+that reads it (psycopg dumps a list of them element by element in Python, `json` at once)."""
+
 
 @dataclass(frozen=True)
 class InsertDialect:
     """How a database skips the rows a unique index refuses (a verb, or a clause after the
-    values), and computes its clock plus `%(delay)s` (the parameter `delay(seconds)`)."""
+    values), and computes its clock plus `%(delay)s` (the parameter `delay(seconds)`).
+    `arrays`: the rows can come as one array per column, `unnest()`ed (PostgreSQL).
+    `parameters`: the most parameters one statement should take (0: the database's limit)."""
 
     now_plus: str
     delay: Callable[[float], Any]
     skip_verb: str = "INSERT"
     skip_suffix: str = ""
+    arrays: bool = False
+    parameters: int = 0
 
 
 def insert_jobs(
     dialect: InsertDialect,
     table: str,
     columns: Sequence[str],
+    shared: Sequence[Any],
     rows: Sequence[Sequence[Any]],
     *,
     returning: Sequence[str],
     skip_conflicts: bool,
     delayed: tuple[str, float] | None = None,
 ) -> tuple[str, Params]:
-    """Return one INSERT of `rows` (values in `columns`' order, parameters `v<row>_<column>`),
-    RETURNING `returning` of each row inserted.
+    """Return one INSERT of `rows`, RETURNING `returning` of each row inserted.
 
-    `skip_conflicts`: a row that a unique index refuses is left out instead of failing the
-    statement (and the transaction). `delayed`: (column, seconds) set to the database clock plus
-    the seconds, in every row.
+    Every row takes the values `shared` in the first columns (parameters `s<column>`) and its
+    own values in the others (`v<row>_<column>`). `skip_conflicts`: a row that a unique index
+    refuses is left out instead of failing the statement (and the transaction). `delayed`:
+    (column, seconds) set to the database clock plus the seconds, in every row.
     """
-    params: Params = {}
+    params = _shared(dialect, shared, delayed)
+    own = len(columns) - len(shared)
+    for i, row in enumerate(rows):
+        params.update(zip([f"v{i}_{j}" for j in range(own)], row, strict=True))
+    shape = (tuple(columns), tuple(returning), skip_conflicts, delayed[0] if delayed else None)
+    return _text(dialect, table, len(shared), len(rows), *shape), params
+
+
+def insert_arrays(
+    dialect: InsertDialect,
+    table: str,
+    columns: Sequence[str],
+    shared: Sequence[Any],
+    arrays: Sequence[Any],
+    *,
+    types: Sequence[str],
+    returning: Sequence[str],
+    skip_conflicts: bool,
+    delayed: tuple[str, float] | None = None,
+) -> tuple[str, Params]:
+    """Return one INSERT of the rows `arrays` hold, as `insert_jobs()` does, for a database
+    of `arrays` (PostgreSQL): the rows' own values come as one parameter per column (`a<column>`),
+    an array of them, or for a column of a type of `AS_JSON` one JSON array of them, so that the
+    text and the parameters are the same few whatever the rows; `types` are the columns' types.
+    """
+    params = _shared(dialect, shared, delayed)
+    params.update((f"a{j}", array) for j, array in enumerate(arrays))
+    shape = (tuple(columns), tuple(returning), skip_conflicts, delayed[0] if delayed else None)
+    return _text(dialect, table, len(shared), tuple(types), *shape), params
+
+
+def _shared(
+    dialect: InsertDialect, shared: Sequence[Any], delayed: tuple[str, float] | None
+) -> Params:
+    params = {f"s{j}": value for j, value in enumerate(shared)}
     if delayed:
         params["delay"] = dialect.delay(delayed[1])
-    for i, row in enumerate(rows):
-        params.update(zip([f"v{i}_{j}" for j in range(len(row))], row, strict=True))
-    text = _text(
-        dialect,
-        table,
-        tuple(columns),
-        len(rows),
-        tuple(returning),
-        skip_conflicts,
-        delayed[0] if delayed else None,
-    )
-    return text, params
+    return params
 
 
 @lru_cache(maxsize=256)
 def _text(
     dialect: InsertDialect,
     table: str,
+    shared: int,
+    rows: int | tuple[str, ...],
     columns: tuple[str, ...],
-    rows: int,
     returning: tuple[str, ...],
     skip_conflicts: bool,
     delayed: str | None,
 ) -> str:
-    """The text of `insert_jobs()`: the same for every INSERT of one shape and row count."""
-    tail = f", {dialect.now_plus}" if delayed else ""
-    values = ", ".join(
-        f"({', '.join(f'%(v{i}_{j})s' for j in range(len(columns)))}{tail})" for i in range(rows)
-    )
+    """The text of an INSERT of `rows` rows of VALUES, or with the columns' types the rows of
+    arrays: the same for every INSERT of one shape."""
+    tail = [dialect.now_plus] if delayed else []
+    own = range(len(columns) - shared)
+    if isinstance(rows, tuple):
+        source = _select(rows, shared, own, tail)
+    else:
+        values = [f"%(s{j})s" for j in range(shared)]
+        source = "VALUES " + ", ".join(
+            f"({', '.join([*values, *(f'%(v{i}_{j})s' for j in own), *tail])})" for i in range(rows)
+        )
     verb, suffix = (dialect.skip_verb, dialect.skip_suffix) if skip_conflicts else ("INSERT", "")
     targets = ", ".join([*columns, *([delayed] if delayed else [])])
     return (
-        f"{verb} INTO {table} ({targets}) VALUES {values}"  # noqa: S608 - names quoted by the caller, values are parameters
+        f"{verb} INTO {table} ({targets}) {source}"  # noqa: S608 - names quoted by the caller, values are parameters
         f" {suffix} RETURNING {', '.join(returning)}"
     )
+
+
+def _select(types: tuple[str, ...], shared: int, own: range, tail: list[str]) -> str:
+    """The rows of `insert_arrays()`: the arrays' elements side by side (ROWS FROM), in the
+    arrays' order, which the ids follow, as Django's `bulk_create()` of UNNEST relies on too
+    (tested on 15). Each shared value is cast: a parameter alone in a select list has no type
+    of its own."""
+    arrays = ", ".join(
+        f"{AS_JSON[kind]}(%(a{j})s::jsonb)" if kind in AS_JSON else f"unnest(%(a{j})s::{kind}[])"
+        for j in own
+        for kind in [types[shared + j]]
+    )
+    values = [
+        *(f"%(s{j})s::{types[j]}" for j in range(shared)),
+        *(f"u.c{j}" for j in own),
+        *tail,
+    ]
+    names = ", ".join(f"c{j}" for j in own)
+    return f"SELECT {', '.join(values)} FROM ROWS FROM ({arrays}) AS u({names})"  # noqa: S608
