@@ -325,6 +325,69 @@ def test_enqueue_many__sends_one_insert_for_a_batch() -> None:
     assert sorted(PaymentJob.objects.values_list("payload__n", flat=True)) == list(range(50))
 
 
+PAYLOADS: list[Any] = [
+    {"order": {"id": 7, "lines": [{"sku": "a", "qty": 2}, {"sku": "b", "qty": None}]}},
+    {"text": "Zahlung über 5 € ✓ 🧾", "quote": 'say "hi"\\n'},
+    [1, 2.5, True, False, None, "x"],
+    "a plain string",
+    2**63 - 1,
+    -0.125,
+    None,
+    {},
+]
+"""Payloads of every JSON shape, for the rows enqueue_many() writes (None: `{}`)."""
+
+
+def test_enqueue_many__writes_each_job_as_enqueue_does_and_returns_what_it_stored() -> None:
+    options = {"priority": 4, "max_attempts": 3, "run_at": 600}
+    keys = [None if n % 3 else f"k{n}" for n in range(len(PAYLOADS))]
+    one_by_one = [
+        PaymentJob.objects.enqueue("capture", payload, idempotency_key=key, **options).pk
+        for payload, key in zip(PAYLOADS, keys, strict=True)
+    ]
+    batch = PaymentJob.objects.enqueue_many(
+        "capture", PAYLOADS, idempotency_keys=[key and f"b-{key}" for key in keys], **options
+    )
+
+    def row(pk: int) -> dict[str, Any]:
+        values = PaymentJob.objects.filter(pk=pk).values().get()
+        values["delay"] = values.pop("run_at") - values.pop("created_at")
+        del values["id"]
+        return values
+
+    for pk, job in zip(one_by_one, batch, strict=True):
+        assert row(job.pk) == {**row(pk), "idempotency_key": job.idempotency_key}
+        # The job returned is the job stored, every field (the database's defaults included).
+        stored = PaymentJob.objects.get(pk=job.pk)
+        fields = [field.attname for field in PaymentJob._meta.concrete_fields]
+        assert [getattr(job, name) for name in fields] == [getattr(stored, n) for n in fields]
+        assert not job._state.adding and job._state.db == stored._state.db
+    assert [job.payload for job in batch] == [{} if p is None else p for p in PAYLOADS]
+    assert [job.idempotency_key for job in batch] == [key and f"b-{key}" for key in keys]
+
+
+@pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="rows as arrays are PostgreSQL's INSERT"
+)
+def test_enqueue_many__sends_the_same_few_parameters_whatever_the_batch_size() -> None:
+    def statement(count: int) -> tuple[str, int]:
+        seen: list[tuple[str, Any]] = []
+
+        def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+            seen.append((sql, params))
+            return execute(sql, params, many, context)
+
+        payloads = [{"n": n} for n in range(count)]
+        keys = [f"{count}-{n}" if n % 2 else None for n in range(count)]
+        with connection.execute_wrapper(record):
+            jobs = PaymentJob.objects.enqueue_many("capture", payloads, idempotency_keys=keys)
+        assert [job.payload for job in jobs] == payloads
+        [(sql, params)] = [(sql, params) for sql, params in seen if sql.startswith("INSERT")]
+        return sql, len(params)
+
+    assert statement(3) == statement(3000)
+
+
 def test_enqueue_many__keys_repeated_in_the_batch_and_existing_return_the_first_job() -> None:
     existing = PaymentJob.objects.enqueue("capture", {"n": 0}, idempotency_key="k0")
     payloads = [{"n": n} for n in range(1, 6)]
