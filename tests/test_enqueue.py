@@ -13,6 +13,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection, transaction
 from django.db.models.functions import Now
+from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 
 from django_leases.exceptions import InvalidArgument, InvalidPayload
@@ -364,6 +365,20 @@ def test_enqueue_many__writes_each_job_as_enqueue_does_and_returns_what_it_store
         assert not job._state.adding and job._state.db == stored._state.db
     assert [job.payload for job in batch] == [{} if p is None else p for p in PAYLOADS]
     assert [job.idempotency_key for job in batch] == [key and f"b-{key}" for key in keys]
+
+
+def test_enqueue_many__a_post_init_receiver_sees_every_job_it_returns() -> None:
+    seen: list[Any] = []
+
+    def receiver(sender: Any, instance: PaymentJob, **kwargs: Any) -> None:
+        seen.append(instance)
+
+    post_init.connect(receiver, sender=PaymentJob)
+    try:
+        jobs = PaymentJob.objects.enqueue_many("capture", [{"n": n} for n in range(4)])
+    finally:
+        post_init.disconnect(receiver, sender=PaymentJob)
+    assert all(any(job is instance for instance in seen) for job in jobs)
 
 
 @pytest.mark.skipif(
