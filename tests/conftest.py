@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -140,11 +141,34 @@ def finish(proc: "subprocess.Popen[str]", timeout: float = 60) -> str:
     return pending + (out or "")
 
 
+def processes_marked(name: str, value: str) -> list[int]:
+    """Return the pids of live processes whose environment has `name` set to `value`."""
+    found = []
+    wanted = f"{name}={value}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if wanted in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
 class Processes:
-    """Child processes started by one test; all are killed at teardown."""
+    """Child processes started by one test; all are killed at teardown, and so is every process
+    they started, even in a session of its own (the demo's workers): each carries `MARKER` in
+    its environment. A test that fails before it stops its processes' children must not leave
+    them writing into the next test's database."""
+
+    MARKER = "LEASES_TEST_PROCESSES"
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[str]] = []
+        self.marker = uuid.uuid4().hex
 
     def start(
         self, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None
@@ -153,7 +177,7 @@ class Processes:
         proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
-            env=env or subprocess_env(),
+            env={**(env or subprocess_env()), self.MARKER: self.marker},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -175,6 +199,19 @@ class Processes:
                 proc.wait(timeout=10)
             if proc.stdout:
                 proc.stdout.close()
+        if not self.procs:
+            return
+        for _ in range(50):
+            left = processes_marked(self.MARKER, self.marker)
+            if not left:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        raise AssertionError(f"processes {left} outlived SIGKILL")
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ import json
 import re
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from django_leases.models import JobAttempt, PaymentJob, Worker
 from example_project.payments import psp
 from example_project.payments.models import Payment
 
-from .conftest import Processes, finish, read_until, subprocess_env
+from .conftest import Processes, finish, processes_marked, read_until, subprocess_env
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -33,20 +34,22 @@ def demo(processes: Processes, *args: str, marker: str = "") -> subprocess.Popen
     return processes.manage("demo", *args, env=env)
 
 
-def processes_marked(marker: str) -> list[int]:
-    """Return the pids of live processes whose environment carries `marker`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        if f"DEMO_TEST_MARKER={marker}".encode() in environ and state != "Z":
-            found.append(int(entry.name))
-    return found
+def demo_processes(marker: str) -> list[int]:
+    return processes_marked("DEMO_TEST_MARKER", marker)
+
+
+def children_of_demo(proc: subprocess.Popen[str], marker: str, logs: Path) -> list[int]:
+    """Wait until the demo's three children (two workers and the watcher) are alive; return
+    their pids, or fail with their logs."""
+    deadline = time.monotonic() + 10
+    while True:
+        children = [pid for pid in demo_processes(marker) if pid != proc.pid]
+        if len(children) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    shown = {log.name: log.read_text()[-2000:] for log in sorted(logs.glob("*.log"))}
+    assert len(children) == 3, (children, shown)
+    return children
 
 
 def summary_count(out: str, label: str) -> int:
@@ -116,16 +119,16 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
 def test_demo__ctrl_c_leaves_no_process_behind(processes: Processes) -> None:
     marker = uuid.uuid4().hex
     proc = demo(processes, "--jobs", "300", "--workers", "2", marker=marker)
-    read_until(proc, "their logs are in", timeout=120)
-    children = [pid for pid in processes_marked(marker) if pid != proc.pid]
-    assert len(children) == 3, children  # two workers and the watcher
+    seen = read_until(proc, "their logs are in", "leases-demo-", timeout=120)
+    logs = Path(re.findall(r"their logs are in\s+(\S+)", seen)[-1])
+    children_of_demo(proc, marker, logs)
 
     proc.send_signal(signal.SIGINT)
     out = finish(proc)
 
     assert proc.returncode == 130, out
     assert "interrupted by SIGINT: every worker and watcher was stopped" in out
-    assert processes_marked(marker) == []
+    assert demo_processes(marker) == []
     # Each worker was stopped in order (SIGTERM: it marked itself stopped), unless the demo had
     # already killed it on purpose.
     killed = {"demo-w1"} if "SIGKILL demo-w1" in out else set()
