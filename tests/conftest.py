@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 from weakref import WeakKeyDictionary
 
@@ -18,6 +19,7 @@ from django.db import connection, connections
 
 from django_leases.db import UNWRAPPED_CALLS
 
+from . import forkserver
 from .pgbouncer import EXECUTABLE as PGBOUNCER
 from .pgbouncer import PgBouncer
 from .ports import free_port
@@ -174,15 +176,20 @@ class Processes:
         self, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None
     ) -> subprocess.Popen[str]:
         cmd = [*(prefix or []), sys.executable, *args]
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env={**(env or subprocess_env()), self.MARKER: self.marker},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        env = {**(env or subprocess_env()), self.MARKER: self.marker}
+        options: dict[str, Any] = {
+            "cwd": ROOT,
+            "env": env,
+            "stdout": subprocess.PIPE,
+            "stderr": subprocess.STDOUT,
+            "text": True,
+            "start_new_session": True,
+        }
+        fork_server = None if prefix else forkserver.server(env, str(ROOT))
+        if fork_server is not None and fork_server.serves(env):
+            proc: subprocess.Popen[str] = forkserver.ForkedPopen(fork_server, cmd, **options)
+        else:
+            proc = subprocess.Popen(cmd, **options)
         self.procs.append(proc)
         return proc
 
@@ -260,3 +267,7 @@ def pgbouncer(request: pytest.FixtureRequest) -> Iterator[PgBouncer]:
     url = os.environ["DATABASE_URL"]
     with PgBouncer(url, pool_mode=mode, pool_size=size, port=free_port()) as bouncer:
         yield bouncer
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    forkserver.close()
