@@ -223,6 +223,11 @@ class ForkServer:
             self.proc.wait()
 
 
+def enabled() -> bool:
+    """Whether children may be forked here: on Linux, unless `LEASES_TEST_FORKSERVER=0`."""
+    return os.environ.get("LEASES_TEST_FORKSERVER", "1") != "0" and sys.platform == "linux"
+
+
 _server: ForkServer | None = None
 _server_lock = threading.Lock()
 
@@ -230,7 +235,7 @@ _server_lock = threading.Lock()
 def server(env: dict[str, str], cwd: str) -> ForkServer | None:
     """This process's fork server, started at the first call; None where there is none."""
     global _server
-    if os.environ.get("LEASES_TEST_FORKSERVER", "1") == "0" or not sys.platform.startswith("linux"):
+    if not enabled():
         return None
     with _server_lock:
         if _server is None:

@@ -1,0 +1,81 @@
+"""The suite's fork server (tests/forkserver.py): a forked child is what a started one would be."""
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from . import forkserver
+from .conftest import ROOT, Processes, finish, subprocess_env
+
+# Prints what a child can see of how it was started.
+PROBE = (
+    "import json, os, sys; "
+    "print(json.dumps({'argv': sys.argv, 'cwd': os.getcwd(), 'pid': os.getpid(), "
+    "'ppid': os.getppid(), 'pgid': os.getpgid(0), 'sid': os.getsid(0), "
+    "'mark': os.environ.get('PROBE_MARK'), 'path0': sys.path[0], "
+    "'stdin': sys.stdin.read(), 'main': __name__})); "
+    "print('to stderr', file=sys.stderr); sys.exit(int(sys.argv[1]))"
+)
+
+pytestmark = pytest.mark.skipif(
+    not forkserver.enabled(), reason="no fork server here (not Linux, or turned off)"
+)
+
+
+def probe(processes: Processes, *args: str, **env: str) -> tuple[dict[str, object], str, int]:
+    proc = processes.start("-c", PROBE, *args, env=subprocess_env(**env))
+    out = finish(proc)
+    first, *rest = out.splitlines()
+    return json.loads(first), "\n".join(rest), proc.pid
+
+
+def test_forkserver__a_forked_child_is_a_child_of_its_own_session(processes: Processes) -> None:
+    seen, rest, pid = probe(processes, "7", "x", PROBE_MARK="m1")
+    proc = processes.procs[-1]
+    assert isinstance(proc, forkserver.ForkedPopen)
+    assert proc.returncode == 7
+    assert seen == {
+        "argv": ["-c", "7", "x"],
+        "cwd": str(ROOT),
+        "pid": pid,
+        "ppid": os.getpid(),  # reparented to the test process: Popen waits for it
+        "pgid": pid,  # start_new_session
+        "sid": pid,
+        "mark": "m1",
+        "path0": "",
+        "stdin": "",
+        "main": "__main__",
+    }
+    assert rest == "to stderr"
+
+
+def test_forkserver__a_signal_ends_a_forked_child_as_any_child(processes: Processes) -> None:
+    proc = processes.start("-c", "import time; print('up', flush=True); time.sleep(60)")
+    assert isinstance(proc, forkserver.ForkedPopen)
+    assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_forkserver__a_module_and_a_script_run_as_python_runs_them(processes: Processes) -> None:
+    module = processes.start("-m", "json.tool", "--help")
+    assert isinstance(module, forkserver.ForkedPopen)
+    assert "usage:" in finish(module) and module.returncode == 0
+    script = processes.manage("help", "run_lease_worker")
+    assert isinstance(script, forkserver.ForkedPopen)
+    assert "--burst" in finish(script) and script.returncode == 0
+
+
+def test_forkserver__a_start_up_environment_of_its_own_starts_the_plain_way(
+    processes: Processes,
+) -> None:
+    env = subprocess_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    proc = processes.start("-c", "import sys; print(sys.path[1])", env=env)
+    assert not isinstance(proc, forkserver.ForkedPopen)
+    assert finish(proc).strip() == str(ROOT / "tests")
+    assert proc.returncode == 0
+    assert sys.executable in proc.args  # type: ignore[operator]
