@@ -16,7 +16,7 @@ from .conftest import ON_SQLITE, Processes
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
-RACE_JOBS = int(os.environ.get("LEASES_RACE_JOBS", "5000"))
+RACE_JOBS = int(os.environ.get("LEASES_RACE_JOBS", "2000"))
 
 
 def run_claimers(processes: Processes, count: int, *args: str) -> list[dict]:
