@@ -16,41 +16,39 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 from weakref import WeakKeyDictionary
 
 from django.db import DatabaseError, NotSupportedError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from django_leases import sql
+from django_leases import passes, sql
+from django_leases.passes import R, Run, Statement
 from django_leases.sql import Claim, mysql, postgresql, sqlite
 from django_leases.sql import prepared as statements
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.postgresql import LedgerNames
 
-ClaimPath = Literal["postgresql+ledger", "postgresql", "sqlite", "orm"]
+ClaimPath = Literal["postgresql+ledger", "postgresql", "sqlite", "mysql+ledger", "mysql", "orm"]
 """How a claim runs: PostgreSQL's one statement (with the ledger's CTEs, or the ledger written
-after it), SQLite's UPDATE ... RETURNING passes, or the ORM's SELECT ... FOR UPDATE SKIP LOCKED
-then conditional UPDATE (MariaDB/MySQL, and the specification the others are tested against)."""
+after it), SQLite's UPDATE ... RETURNING passes, MariaDB/MySQL's passes of row locks, UPDATE and
+read-back (with the ledger's rows, or the ledger written after them), or the ORM's SELECT ...
+FOR UPDATE SKIP LOCKED then conditional UPDATE (the specification the others are tested
+against). A path named "+ledger" writes the stock ledger's rows in its own statements."""
 
 KEEPALIVE_PROBES = 3
 """TCP keepalive probes of a PostgreSQL connection before it is given up on."""
 
 logger = logging.getLogger("django_leases.worker")
 
-R = TypeVar("R")
-Statement = tuple[str, sql.Params]
-CursorFor = Callable[[], CursorWrapper]
 DB = BaseDatabaseWrapper
 """A Django connection."""
 Ledger = LedgerNames | None
 """The stock ledger's names, or None: no ledger, or a ledger of its own."""
-Run = Callable[[Statement, CursorFor | None], list[R]]
-"""Runs a claim's statement on the cursor given (None: a bound one), rows to models."""
 Key = tuple[int, int]
 Groups = list[dict[int, int]]
 """Leases as `querysets.base.key_groups()` splits them: {job id: token} a statement each."""
@@ -281,7 +279,7 @@ class SQLite(Dialect):
         return "orm" if ledger is None else "sqlite"
 
     def claim(self, run: Run[R], table: str, claim: Claim, ledger: Ledger, db: DB) -> list[R]:
-        return in_passes(
+        return passes.in_passes(
             claim.limit,
             lambda limit, takeover: run(sqlite.claim_pass(table, claim, limit, takeover), None),
         )
@@ -308,6 +306,31 @@ class MySQL(Dialect):
     fencing_clock = mysql.FENCING_CLOCK
     insert = mysql.INSERT
     session_clock = mysql.SESSION_CLOCK
+
+    def claim_path(self, ledger: LedgerNames | None) -> ClaimPath:
+        return "mysql+ledger" if ledger is not None else "mysql"
+
+    def complete_many_path(self, ledger: LedgerNames | None) -> ClaimPath:
+        return "orm" if ledger is None else "mysql+ledger"
+
+    def claim(self, run: Run[R], table: str, claim: Claim, ledger: Ledger, db: DB) -> list[R]:
+        with db.cursor() as cursor:
+            return passes.locking_passes(cursor, run, table, claim, ledger)
+
+    def complete_many(
+        self, cursor: CursorWrapper, table: str, ledger: LedgerNames, owner: str, groups: Groups
+    ) -> set[Key]:
+        # In the caller's transaction, as the ORM path: lock the rows still held (no UPDATE
+        # ... RETURNING to say which won), complete exactly those, close their ledger rows.
+        done: set[Key] = set()
+        for group in groups:
+            cursor.execute(*mysql.lock_held(table, owner=owner, group=group))
+            held = dict(cursor.fetchall())
+            if held:
+                cursor.execute(*mysql.complete_held(table, owner=owner, group=held))
+                cursor.execute(*mysql.close_completed(table, ledger, owner=owner, group=held))
+                done.update(held.items())
+        return done
 
     def share_lock_holder(self, table: str, lock: str) -> Statement:
         return mysql.share_lock_holder(table, lock=lock)
@@ -462,22 +485,6 @@ def deadlocked(exc: BaseException, vendor: str) -> bool:
     """Whether the `vendor` database rolled the transaction back to break a deadlock or lock
     wait (`Dialect.deadlocked`)."""
     return named(vendor).deadlocked(exc)
-
-
-def in_passes(limit: int, claim_pass: Callable[[int, bool], list[R]]) -> list[R]:
-    """Claim up to `limit` jobs in two passes of `claim_pass(limit, takeover)`: expired leases
-    first (rare; the pass is one cheap index probe), then due jobs, each job marked
-    `taken_over` by its pass. Each pass's UPDATE restates the full claimable predicate."""
-    jobs: list[R] = []
-    for takeover in (True, False):
-        remaining = limit - len(jobs)
-        if remaining <= 0:
-            break
-        batch = claim_pass(remaining, takeover)
-        for job in batch:
-            job.taken_over = takeover  # type: ignore[attr-defined]
-        jobs.extend(batch)
-    return jobs
 
 
 def _match(patterns: Iterable[tuple[re.Pattern[str], str]], text: str) -> str | None:

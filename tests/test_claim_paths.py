@@ -1,9 +1,9 @@
 """Every claim path against the ORM path, its readable specification, on generated job sets.
 
 The ORM path (`SELECT ... FOR UPDATE SKIP LOCKED`, then the conditional `filter(...).update(...)`)
-is what MariaDB/MySQL run; PostgreSQL and SQLite run raw statements from `sql/`. On the same rows
-each path must claim the same jobs, in the same order, with the same ledger rows: the attempts
-it opens and the expired holders' rows it closes.
+is the specification; PostgreSQL, SQLite and MariaDB/MySQL run raw statements from `sql/`. On the
+same rows each path must claim the same jobs, in the same order, with the same ledger rows: the
+attempts it opens and the expired holders' rows it closes.
 """
 
 import enum
@@ -37,6 +37,8 @@ def paths() -> list[ClaimPath]:
         return ["postgresql+ledger", "postgresql"]
     if connection.vendor == "sqlite":
         return ["sqlite"]
+    if connection.vendor == "mysql":
+        return ["mysql+ledger", "mysql"]
     return []
 
 
@@ -129,7 +131,12 @@ def test_claim_paths__claim_what_the_orm_path_claims(seed: int, settings: Any) -
 
 def completion_paths() -> list[ClaimPath]:
     """The fast paths of `complete_many()` on this database besides the ORM path."""
-    return {"postgresql": ["postgresql+ledger"], "sqlite": ["sqlite"]}.get(connection.vendor, [])
+    paths: dict[str, list[ClaimPath]] = {
+        "postgresql": ["postgresql+ledger"],
+        "sqlite": ["sqlite"],
+        "mysql": ["mysql+ledger"],
+    }
+    return paths.get(connection.vendor, [])
 
 
 def held_and_lost(seed: int) -> dict[int, int]:

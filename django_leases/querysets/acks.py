@@ -94,9 +94,9 @@ def complete_many_by_path(
 def complete_unlocked(
     qs: LeaseQuerySet[J], owner: str, groups: list[dict[int, int]]
 ) -> set[LeaseKey]:
-    """The specification (and MariaDB/MySQL's path) of the batched completion of the jobs
-    without a lock, in the caller's transaction: lock the rows still held, then complete
-    exactly those; the row locks keep the read true until commit."""
+    """The specification (MariaDB/MySQL's statements write it out) of the batched completion
+    of the jobs without a lock, in the caller's transaction: lock the rows still held, then
+    complete exactly those; the row locks keep the read true until commit."""
     done: set[LeaseKey] = set()
     for group in groups:
         held = qs.filter(keys_filter(group), status=PROCESSING, lease_owner=owner, lock="")

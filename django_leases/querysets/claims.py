@@ -4,7 +4,8 @@
 queryset first, bound there as methods. Every claim is one conditional UPDATE (PostgreSQL: one
 statement with the ledger's rows; SQLite: UPDATE ... RETURNING passes; MariaDB/MySQL: rows
 locked with SKIP LOCKED (for several kinds, chosen first by an unlocked read of each kind's
-range: `lock_merged()`), then the UPDATE; `Dialect.claim_path()` picks) that gives each row a
+range: `lock_merged()`), then the UPDATE, in `sql.mysql`'s statements; `Dialect.claim_path()`
+picks) that gives each row a
 new fencing token, `attempts + 1` and a lease from the database clock, and opens its ledger row
 in the same transaction.
 
@@ -29,10 +30,11 @@ from django.db.models.functions import Now
 
 from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.dialects import ClaimPath, Dialect, dialect_of, in_passes
+from django_leases.dialects import ClaimPath, Dialect, dialect_of
 from django_leases.exceptions import InvalidArgument
 from django_leases.handlers import Lengths, lease_lengths_of, throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind
+from django_leases.passes import in_passes
 from django_leases.querysets.acks import complete_locked
 from django_leases.querysets.base import (
     LeaseKey,
@@ -47,7 +49,7 @@ from django_leases.querysets.base import (
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
 from django_leases.querysets.reads import takeover_guard_of
 from django_leases.querysets.throttles import claim_throttled
-from django_leases.sql.merge import CANDIDATE_SLACK
+from django_leases.sql import merge
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import PROCESSING, StuckPolicy
 from django_leases.throttles import Throttle
@@ -252,12 +254,15 @@ def claim_by_path(
         # One statement claims and writes the ledger: atomic without a transaction block.
         jobs = raw_claim(qs, owner, seconds, limit, kinds, ledger=True)
     else:
+        # A path named "+ledger" writes the ledger's rows itself, else the ORM writes them.
+        ledger = path.endswith("+ledger")
         with transaction.atomic(using=qs.db) if atomic else nullcontext():
             if path == "orm":
                 jobs = orm_claim(qs, owner, seconds, limit, kinds)
             else:
-                jobs = raw_claim(qs, owner, seconds, limit, kinds, ledger=False)
-            open_attempts(qs, jobs, owner)
+                jobs = raw_claim(qs, owner, seconds, limit, kinds, ledger=ledger)
+            if not ledger:
+                open_attempts(qs, jobs, owner)
     return in_claim_order(jobs)
 
 
@@ -297,7 +302,7 @@ def raw_claim(
 def orm_claim(
     qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, kinds: Wanted
 ) -> list[J]:
-    """The ORM's claim: the specification, and MariaDB/MySQL's path."""
+    """The ORM's claim: the specification, which MariaDB/MySQL's statements write out."""
     return in_passes(
         limit,
         lambda limit, takeover: claim_pass_locking(qs, owner, seconds, limit, kinds, takeover),
@@ -340,10 +345,6 @@ def claim_pass_locking(
     return list(qs.filter(pk__in=ids, status=PROCESSING, lease_owner=owner).order_by(*order))
 
 
-MERGE_READS = 4
-"""Candidate reads a claim of several kinds makes at most (`lock_merged()`)."""
-
-
 def lock_merged(
     qs: LeaseQuerySet[J], base: LeaseQuerySet[J], kinds: list[str], takeover: bool, limit: int
 ) -> list[int]:
@@ -356,24 +357,17 @@ def lock_merged(
     locks (`merged_candidates()`), then locked by primary key in their order, as many at a time
     as are still wanted, each lock restating `base`'s whole predicate with SKIP LOCKED: a row
     another transaction holds, or that changed since the read, is passed over, never waited
-    for. If the candidates run out first, the next read reaches past those tried, up to
-    MERGE_READS reads: a claim comes back short only while other transactions hold more than
-    that many of the first rows. Tested on MariaDB 10.11, PostgreSQL 15 and SQLite.
+    for (`sql.merge.lock_in_order()`, which MariaDB/MySQL's own statements share). Tested on
+    MariaDB 10.11, PostgreSQL 15 and SQLite.
     """
-    tried: set[int] = set()
-    locked: list[int] = []
-    for _ in range(MERGE_READS):
-        count = len(tried) + limit - len(locked) + CANDIDATE_SLACK
-        read = merged_candidates(qs, kinds, takeover, count)
-        fresh = [pk for pk in read if pk not in tried]
-        tried.update(fresh)
-        while fresh and len(locked) < limit:
-            chunk, fresh = fresh[: limit - len(locked)], fresh[limit - len(locked) :]
-            rows = base.filter(pk__in=chunk).select_for_update(skip_locked=True)
-            locked += rows.values_list("pk", flat=True)
-        if len(locked) == limit or len(read) < count:
-            break
-    return locked
+
+    def lock(chunk: list[int]) -> list[int]:
+        rows = base.filter(pk__in=chunk).select_for_update(skip_locked=True)
+        return list(rows.values_list("pk", flat=True))
+
+    return merge.lock_in_order(
+        lambda count: merged_candidates(qs, kinds, takeover, count), lock, limit
+    )
 
 
 def merged_candidates(
@@ -391,11 +385,7 @@ def merged_candidates(
         rows = list(arms[0].union(*arms[1:], all=True))
     else:
         rows = [row for arm in arms for row in arm]
-    if takeover:
-        rows.sort(key=lambda row: (row[1], row[0]))
-    else:
-        rows.sort(key=lambda row: (-row[1], row[2], row[0]))
-    return [row[0] for row in rows[:count]]
+    return merge.in_claim_order(rows, takeover, count)
 
 
 def claim_values(owner: str, seconds: float, lengths: Lengths) -> dict[str, Any]:
