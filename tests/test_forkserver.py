@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from .conftest import ROOT, Processes, finish, subprocess_env
 PROBE = (
     "import json, os, sys; "
     "print(json.dumps({'argv': sys.argv, 'cwd': os.getcwd(), 'pid': os.getpid(), "
-    "'ppid': os.getppid(), 'pgid': os.getpgid(0), 'sid': os.getsid(0), "
+    "'pgid': os.getpgid(0), 'sid': os.getsid(0), "
     "'mark': os.environ.get('PROBE_MARK'), 'path0': sys.path[0], "
     "'stdin': sys.stdin.read(), 'main': __name__})); "
     "print('to stderr', file=sys.stderr); sys.exit(int(sys.argv[1]))"
@@ -41,7 +42,6 @@ def test_forkserver__a_forked_child_is_a_child_of_its_own_session(processes: Pro
         "argv": ["-c", "7", "x"],
         "cwd": str(ROOT),
         "pid": pid,
-        "ppid": os.getpid(),  # reparented to the test process: Popen waits for it
         "pgid": pid,  # start_new_session
         "sid": pid,
         "mark": "m1",
@@ -57,6 +57,9 @@ def test_forkserver__a_signal_ends_a_forked_child_as_any_child(processes: Proces
     assert isinstance(proc, forkserver.ForkedPopen)
     assert proc.stdout is not None and proc.stdout.readline() == "up\n"
     assert proc.poll() is None
+    # Reparented to the test process once the server answered: Popen waits for it.
+    stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    assert int(stat[1]) == os.getpid()
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=10) == -signal.SIGKILL
 
