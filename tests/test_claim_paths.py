@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.core.exceptions import FieldDoesNotExist
 from django.db import connection, transaction
 from django.db.models.functions import Now
 
@@ -19,6 +20,7 @@ from django_leases import sql
 from django_leases.dialects import ClaimPath
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets.acks import complete_many_by_path
+from django_leases.querysets.base import LOADERS, raw_rows
 from django_leases.querysets.claims import claim_by_path
 from django_leases.querysets.ledger import ledger_names
 from django_leases.sql import postgresql
@@ -298,3 +300,26 @@ def test_prepared__types_its_parameters_and_refuses_what_it_cannot_type_or_write
         prepared_sql.prepared(("SELECT %(a)s", {"a": [1, "x"]}), written_in={})
     with pytest.raises(TypeError, match="only integers"):
         prepared_sql.prepared(("SELECT 1 LIMIT %(n)s", {"n": 2.5}), written_in={"n": 2.5})  # type: ignore[dict-item]
+
+
+def test_raw_rows__load_fields_through_their_converters_and_other_columns_as_attributes() -> None:
+    job = PaymentJob.objects.create(kind="capture", payload={"amount": [1, "2"]})
+    table = connection.ops.quote_name(PaymentJob._meta.db_table)
+    statement = (f"SELECT *, 1 AS extra FROM {table} WHERE id = %(pk)s", {"pk": job.pk})  # noqa: S608
+    qs = PaymentJob.objects.all()
+    (loaded,) = raw_rows(qs, statement)
+    assert loaded.payload == {"amount": [1, "2"]} and loaded.extra == 1  # type: ignore[attr-defined]
+    assert [getattr(loaded, f.attname) for f in PaymentJob._meta.concrete_fields] == [
+        getattr(job, f.attname) for f in PaymentJob._meta.concrete_fields
+    ]
+    assert loaded._state.db == qs.db and not loaded._state.adding
+    # One loader per connection and columns, kept with the connection.
+    before = dict(getattr(connection, LOADERS))
+    raw_rows(qs, statement)
+    other = (statement[0].replace("1 AS extra", "2 AS other"), statement[1])
+    assert raw_rows(qs, other)[0].other == 2  # type: ignore[attr-defined]
+    loaders = getattr(connection, LOADERS)
+    assert all(loaders[key] is loader for key, loader in before.items())
+    assert [columns[-1] for _, columns in loaders.keys() - before.keys()] == ["other"]
+    with pytest.raises(FieldDoesNotExist, match="primary key"):
+        raw_rows(qs, (f"SELECT kind FROM {table}", {}))  # noqa: S608
