@@ -43,7 +43,8 @@ KEEPALIVE_PROBES = 3
 logger = logging.getLogger("django_leases.worker")
 
 R = TypeVar("R")
-Statement = tuple[str, sql.Params]
+Statement = tuple[str, sql.Params | None]
+"""A statement's text and parameters; None: none, the text is sent as it is."""
 CursorFor = Callable[[], CursorWrapper]
 DB = BaseDatabaseWrapper
 """A Django connection."""
@@ -163,7 +164,9 @@ class PostgreSQL(Dialect):
             return run(statement, None)
         db.ensure_connection()
         try:
-            session = _sessions.setdefault(db.connection, _Session())
+            session = _sessions.get(db.connection) or _sessions.setdefault(
+                db.connection, _Session()
+            )
         except TypeError:  # a driver connection without weak references
             return run(statement, None)
         if session.misses >= MISSES_ALLOWED:
@@ -171,7 +174,9 @@ class PostgreSQL(Dialect):
         text, params = statement
         shape = tuple(zip(params, map(type, params.values()), strict=True))
         prepared, names = statements.claim_prepared(text, params["limit"], shape)
-        execute = (prepared.execute, {name: params[name] for name in names})
+        values = {name: params[name] for name in names}
+        quote = partial(_quote, db.connection)
+        execute = (session.literals.execute(prepared.execute, values, quote), None)
         literal = partial(self.cursor, db, server_binding=False)
         for _attempt in range(2):
             now = time.monotonic()
@@ -378,13 +383,23 @@ class _Statement:
 
 @dataclass
 class _Session:
-    """What this process prepared in one database connection, by name."""
+    """What this process prepared in one database connection, by name, and the literals its
+    EXECUTEs wrote in. Only the connection's thread uses it."""
 
     statements: dict[str, _Statement] = field(default_factory=dict)
     misses: int = 0
+    literals: postgresql.Literals = field(default_factory=postgresql.Literals)
 
 
 _sessions: WeakKeyDictionary[Any, _Session] = WeakKeyDictionary()
+
+
+def _quote(driver_connection: Any, value: Any) -> str:
+    """`value` as psycopg writes it into a statement as a literal."""
+    # Imported here: psycopg is an optional dependency, needed only by PostgreSQL users.
+    from psycopg import sql as composed
+
+    return composed.Literal(value).as_string(driver_connection)
 
 
 def _prepare(

@@ -302,6 +302,53 @@ def test_prepared__types_its_parameters_and_refuses_what_it_cannot_type_or_write
         prepared_sql.prepared(("SELECT 1 LIMIT %(n)s", {"n": 2.5}), written_in={"n": 2.5})  # type: ignore[dict-item]
 
 
+def test_postgresql_literals__write_integers_here_and_keep_what_the_driver_quotes() -> None:
+    quoted: list[Any] = []
+
+    def quote(value: Any) -> str:
+        quoted.append(value)
+        return f"<{value!r}>"
+
+    def written(*values: Any) -> str:
+        names = {f"v{n}": value for n, value in enumerate(values)}
+        execute = "EXECUTE x (" + ", ".join(f"%({name})s" for name in names) + ")"
+        return literals.execute(execute, names, quote)
+
+    literals = postgresql.Literals()
+    assert written(7, [1, 22], [], "w", 1.0, "w", 1.0) == (
+        "EXECUTE x (7, '{1,22}', '{}', <'w'>, <1.0>, <'w'>, <1.0>)"
+    )
+    assert quoted == ["w", 1.0]  # each text and float quoted once, then kept
+    # What is not an int, a list of ints, a text or a float is quoted every time, as it is.
+    written(True, Pk.ONE, [Pk.ONE], Kind.CAPTURE, True)
+    assert quoted == ["w", 1.0, True, Pk.ONE, [Pk.ONE], Kind.CAPTURE, True]
+    # A float kept apart from the equal int and bool (1.0 == 1 == True); a % stays as it is.
+    assert written(1, 1.0, "%s") == "EXECUTE x (1, <1.0>, <'%s'>)"
+    prepared, values = prepared_sql.prepared(
+        ("SELECT %(a)s, %(b)s LIMIT %(n)s", {"a": "x", "b": [3], "n": 2}), written_in={"n": 2}
+    )
+    assert literals.execute(prepared.execute, values, quote) == (
+        f"EXECUTE {prepared.name} (<'x'>, '{{3}}')"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prepared_claim__writes_each_owner_kind_and_length_in_as_itself() -> None:
+    # Quotes, a backslash and percent signs: on PostgreSQL the EXECUTE goes without parameters,
+    # its texts written in by the driver's quoting; two owners and lengths on one connection.
+    owners = ["o'wner\\1 %s", "o'wner\\2 %(x)s"]
+    PaymentJob.objects.bulk_create(PaymentJob(kind="cap'ture%") for _ in range(4))
+    for owner, ttl in zip(owners, (60.0, 30.5), strict=True):
+        jobs = PaymentJob.objects.claim(owner, ttl=ttl, limit=2, kinds=["cap'ture%"])
+        assert [job.lease_owner for job in jobs] == [owner, owner]
+    rows = PaymentJob.objects.values_list("lease_owner", "lease_until", "heartbeat_at")
+    lengths = {owner: round((until - beat).total_seconds(), 2) for owner, until, beat in rows}
+    assert lengths == {owners[0]: 60.0, owners[1]: 30.5}
+    keys = [(job.pk, job.lease_token) for job in jobs]
+    won, claimed = PaymentJob.objects.complete_and_claim(owners[1], keys, ttl=30.5, limit=2)
+    assert (won, claimed) == (set(keys), [])
+
+
 def test_raw_rows__load_fields_through_their_converters_and_other_columns_as_attributes() -> None:
     job = PaymentJob.objects.create(kind="capture", payload={"amount": [1, "2"]})
     table = connection.ops.quote_name(PaymentJob._meta.db_table)
