@@ -12,9 +12,11 @@ PostgreSQL only. A throw-away database gets `--jobs` pending no-op jobs, then on
 2. layers: the same worker under `py-spy record --nonblocking` (sampling its threads on the CPU;
    a thread waiting on the socket or a lock is not sampled). Each sample is put in one layer
    by the frames of the worker it is in (claim, completion, handler dispatch, thread hand-off,
-   heartbeat, Django connection handling, start-up) and, separately, by the library its innermost
-   frame is in (psycopg, model instantiation, the ORM's SQL compiler, ...). Skipped, with why,
-   when py-spy is not installed or may not trace (`--no-py-spy` skips it).
+   heartbeat, Django connection handling, start-up), by its thread (the acknowledgement writer,
+   the slots, the main thread) and by the library its innermost frame is in (psycopg, model
+   instantiation, the ORM's SQL compiler, ...). `--gil` samples only the thread holding the
+   GIL: where the worker's Python runs. Skipped, with why, when py-spy is not installed or may
+   not trace (`--no-py-spy` skips it).
 3. plans: `EXPLAIN (ANALYZE, BUFFERS)` of the claim and the completion statements exactly as the
    worker issued them in step 1 (text and parameters), in a rolled-back transaction on a table
    with pending jobs.
@@ -70,6 +72,14 @@ OPERATION_LAYERS = {
         "thread hand-off (claimed batch to slots, slots back to the loop)",
     ),
     **dict.fromkeys(
+        ("add", "take", "next_ready", "written"),
+        "acknowledgement buffer (slots adding, the writer taking)",
+    ),
+    **dict.fromkeys(
+        ("leases", "note_claimed", "acknowledged", "_flush_and_claim", "_flush"),
+        "batch write's own work (leases built, counts; acks thread)",
+    ),
+    **dict.fromkeys(
         ("_tidy_connections", "keep_usable", "harden", "close_old_connections", "close_all"),
         "Django connection handling",
     ),
@@ -95,7 +105,14 @@ LIBRARY_LAYERS = (
 )
 
 
+def unprefixed(sql: str) -> str:
+    """`sql` without the statement timeout the worker sends in front of a transaction's first
+    statement (`db.StatementTimeout`)."""
+    return re.sub(r"^\s*SET LOCAL statement_timeout = \d+; ", "", sql)
+
+
 def label(sql: str) -> str:
+    sql = unprefixed(sql)
     for pattern, name in STATEMENT_LABELS:
         if re.search(pattern, sql):
             return name
@@ -135,8 +152,8 @@ def timed_worker(kind: str, concurrency: int, ttl: float) -> dict[str, Any]:
                 entry = totals.setdefault(name, [0, 0.0])
                 entry[0] += 1
                 entry[1] += elapsed
-                if name in EXPLAINED and not sql.startswith("DEALLOCATE"):
-                    samples.setdefault(name, (sql, params))
+                if name in EXPLAINED and not unprefixed(sql).startswith("DEALLOCATE"):
+                    samples.setdefault(name, (unprefixed(sql), params))
 
     def wrap(sender: Any, connection: Any, **kwargs: Any) -> None:
         if timer not in connection.execute_wrappers:
@@ -209,7 +226,8 @@ def explain(samples: dict[str, list[Any]]) -> dict[str, str]:
                     job = PaymentJob.objects.claim(params["owner"], ttl=60, limit=1)[0]
                     params = {**params, "pk": job.pk, "token": job.lease_token}
                 with connection.cursor() as cursor:
-                    cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS) {sql}", params)
+                    # A prepared claim's EXECUTE comes with its values written in (no params).
+                    cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS) {sql}", params or None)
                     plans[name] = "\n".join(row[0] for row in cursor.fetchall())
         transaction.set_rollback(True)
     return plans
@@ -264,7 +282,9 @@ def py_spy_record(
         f"--ttl={args.ttl}",
         "--verbosity=0",
     )
-    argv = [py_spy, "record", "--nonblocking", "--format=raw", f"--rate={args.rate}"]
+    argv = [py_spy, "record", "--nonblocking", "--threads", "--format=raw", f"--rate={args.rate}"]
+    if args.gil:
+        argv.append("--gil")
     try:
         procs.run([*argv, f"--output={out}", "--", *worker], common.child_env(db), "py-spy")
     except common.ChildError as exc:
@@ -280,6 +300,20 @@ def parse_raw(path: Path) -> Iterable[tuple[list[str], int]]:
             yield stack.split(";"), int(count)
 
 
+THREAD_ROLES = (
+    ("lease-acks", "acknowledgement writer (batch completions, claims ahead)"),
+    ("lease-slot-", "slots (handlers, hand-offs)"),
+    ("lease-heartbeat", "heartbeat and lease clock"),
+    ("lease-clock", "heartbeat and lease clock"),
+)
+MAIN_THREAD = "main (start-up, claim loop, exit)"
+
+
+def thread_role(frame: str) -> str:
+    """The role of the thread a sample is in, from py-spy's `thread (id): name` frame."""
+    return next((role for name, role in THREAD_ROLES if name in frame), MAIN_THREAD)
+
+
 def function_of(frame: str) -> str:
     """The function's own name: "_slot_main" of "LeaseWorker._slot_main (django_leases/...)"."""
     return frame.split(" (", 1)[0].strip().rsplit(".", 1)[-1]
@@ -288,11 +322,15 @@ def function_of(frame: str) -> str:
 def layers_report(path: Path) -> None:
     operations: Counter[str] = Counter()
     libraries: Counter[str] = Counter()
+    threads: Counter[str] = Counter()
     total = 0
     for frames, count in parse_raw(path):
         total += count
+        threads[thread_role(frames[0])] += count
         worker = [function_of(f) for f in reversed(frames) if "django_leases/" in f]
-        in_loop = any(name in ("run", "_slot_main", "_heartbeat_loop") for name in worker)
+        in_loop = any(
+            name in ("run", "_slot_main", "_heartbeat_loop", "_ack_loop") for name in worker
+        )
         operation = next(
             (OPERATION_LAYERS[name] for name in worker if name in OPERATION_LAYERS),
             "other worker code" if in_loop else START_UP,
@@ -311,6 +349,11 @@ def layers_report(path: Path) -> None:
             [name, n, "-" if name == START_UP else f"{n / work * 100:.1f}%"]
             for name, n in operations.most_common()
         ],
+    )
+    common.print_table(
+        "the same samples by the worker's thread",
+        ["thread", "samples", "%"],
+        [[name, n, f"{n / total * 100:.1f}%"] for name, n in threads.most_common()],
     )
     common.print_table(
         "the same samples by the library of the innermost frame",
@@ -385,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-py-spy", dest="py_spy", action="store_false", help="skip the py-spy profile"
+    )
+    parser.add_argument(
+        "--gil",
+        action="store_true",
+        help="sample only the thread holding the GIL (py-spy --gil): where the worker's Python "
+        "runs, leaving out threads waiting in a blocking call or for the GIL",
     )
     common.add_common_arguments(parser, databases=None, timeout=600)
     args = parser.parse_args(argv)

@@ -25,6 +25,7 @@ While `run_lease_worker` is not available, django-leases is measured as the quer
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import os
 import resource
@@ -509,27 +510,41 @@ def drain(
     )
 
 
-def checkouts(specs: list[tuple[str, str, str | None]]) -> list[System]:
-    """django-leases systems whose workers import another checkout (`--checkout`)."""
-    leases = SYSTEMS[0]
+def checkouts(specs: list[tuple[str, str, str | None]], *, batch: bool = False) -> list[System]:
+    """django-leases systems whose workers import another checkout (`--checkout`), or run its
+    batched acks (`--checkout-batch`: kind `noop_batch`, as django-leases-batch)."""
+    leases = next(s for s in SYSTEMS if s.kind == (BATCH_KIND if batch else "noop"))
     systems = []
     for name, directory, max_age in specs:
         env = [("PYTHONPATH", directory), *NO_PEERS]
         if max_age is not None:
             env.append(("BENCH_CONN_MAX_AGE", max_age))
         label = f"leases-{name} ({directory}, CONN_MAX_AGE={max_age or 'as --conn-max-age'})"
+        if batch:
+            label = f"leases-batch-{name} ({directory}, kind {BATCH_KIND}: ack=batch)"
         systems.append(
             System(
                 label,
                 leases.requires,
                 leases.tables,
                 LEASES_POLL,
-                leases_workers,
+                leases.workers,
                 tuple(env),
                 cwd=directory,
+                kind=leases.kind,
             )
         )
     return systems
+
+
+def byte_compile(directories: list[str]) -> None:
+    """Byte-compile the Python code the Django workers import from `directories` (this tree and
+    each checkout), as pip does for what it installs: a peer's installed package starts from
+    its bytecode, and so do the workers of a checkout, even where PYTHONDONTWRITEBYTECODE is
+    set (a worker would otherwise compile django_leases from source at every start)."""
+    for directory in directories:
+        for package in ("django_leases", "bench", "example_project"):
+            compileall.compile_dir(Path(directory) / package, quiet=1)
 
 
 def checkout(text: str) -> tuple[str, str, str | None]:
@@ -544,6 +559,8 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
     wanted = [s for s in SYSTEMS if s.name.split()[0] in args.systems]
     skipped = {s.name: f"not installed ({', '.join(s.missing())})" for s in wanted if s.missing()}
     systems = [s for s in wanted if s.name not in skipped] + checkouts(args.checkout)
+    systems += checkouts(args.checkout_batch, batch=True)
+    byte_compile([".", *(directory for _, directory, _ in args.checkout + args.checkout_batch)])
     urls = common.server_urls(args)
     with contextlib.ExitStack() as stack:
         dbs: dict[str, common.BenchDB] = {}
@@ -788,6 +805,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=DIR[@CONN_MAX_AGE]",
         help="also measure run_lease_worker of the django-leases checkout in DIR (e.g. a "
         "`git worktree` of an earlier commit), optionally with its own CONN_MAX_AGE; repeatable",
+    )
+    parser.add_argument(
+        "--checkout-batch",
+        type=checkout,
+        action="append",
+        default=[],
+        metavar="NAME=DIR[@CONN_MAX_AGE]",
+        help="also measure the batched acks of the checkout in DIR, as django-leases-batch "
+        "(kind noop_batch, --concurrency and ACK_BATCH_SIZE = --batch); repeatable",
     )
     parser.add_argument(
         "--bare-processes",

@@ -4,14 +4,25 @@ Only names that do not import models are exported here, so that importing the pa
 triggers app loading.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from django_leases.exceptions import Cancelled, LeaseError, LeaseLost, PermanentError
 from django_leases.handlers import job_handler
 
-try:
-    __version__ = version("django-leases")
-except PackageNotFoundError:  # running from a source checkout that was never installed
-    __version__ = "0+unknown"
+
+def __getattr__(name: str) -> Any:
+    """Read `__version__` from the installed metadata when first asked for: importing
+    `importlib.metadata` and reading it took ~10 ms of every worker's start-up."""
+    if name != "__version__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("django-leases")
+    except PackageNotFoundError:  # running from a source checkout that was never installed
+        found = "0+unknown"
+    globals()["__version__"] = found
+    return found
+
 
 __all__ = ["Cancelled", "LeaseError", "LeaseLost", "PermanentError", "__version__", "job_handler"]

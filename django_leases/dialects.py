@@ -4,7 +4,7 @@ Django's own pattern (`connection.ops`): `dialect_of(connection)` picks the `Dia
 connection's backend the first time it is asked and keeps it beside that connection. Every
 difference between PostgreSQL, SQLite and MariaDB/MySQL that django-leases makes is a member of
 it: the claim's path and raw statements (PostgreSQL's run as prepared statements of the session,
-see "Prepared claims"), the batched and single completions, the enqueue's read
+kept by `sessions`), the batched and single completions, the enqueue's read
 of a lock holder, NOTIFY, row estimates, deadlock and configuration error codes, the fencing
 clock, the INSERT's words, the cursors, the network options. Nowhere else in the package is the
 backend named. The statements themselves are in `sql/`; a dialect only chooses among them.
@@ -12,12 +12,10 @@ backend named. The statements themselves are in `sql/`; a dialect only chooses a
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, Literal
 from weakref import WeakKeyDictionary
@@ -26,7 +24,7 @@ from django.db import DatabaseError, NotSupportedError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from django_leases import passes, sql
+from django_leases import passes, sessions, sql
 from django_leases.passes import R, Run, Statement
 from django_leases.sql import Claim, mysql, postgresql, sqlite
 from django_leases.sql import prepared as statements
@@ -42,8 +40,6 @@ against). A path named "+ledger" writes the stock ledger's rows in its own state
 
 KEEPALIVE_PROBES = 3
 """TCP keepalive probes of a PostgreSQL connection before it is given up on."""
-
-logger = logging.getLogger("django_leases.worker")
 
 DB = BaseDatabaseWrapper
 """A Django connection."""
@@ -160,16 +156,18 @@ class PostgreSQL(Dialect):
         if db.in_atomic_block:
             return run(statement, None)
         db.ensure_connection()
-        try:
-            session = _sessions.setdefault(db.connection, _Session())
-        except TypeError:  # a driver connection without weak references
-            return run(statement, None)
-        if session.misses >= MISSES_ALLOWED:
+        session = sessions.SESSIONS.get(db.connection) or sessions.start(db.connection)
+        if session is None or session.misses >= sessions.MISSES_ALLOWED:
             return run(statement, None)
         text, params = statement
         shape = tuple(zip(params, map(type, params.values()), strict=True))
         prepared, names = statements.claim_prepared(text, params["limit"], shape)
-        execute = (prepared.execute, {name: params[name] for name in names})
+        values = {name: params[name] for name in names}
+        execute: Statement = (
+            (prepared.execute, values)
+            if session.quote is None
+            else (session.literals.execute(prepared.execute, values, session.quote), None)
+        )
         literal = partial(self.cursor, db, server_binding=False)
         for _attempt in range(2):
             now = time.monotonic()
@@ -177,7 +175,7 @@ class PostgreSQL(Dialect):
             if known is not None and known.left > 0 and known.until > now:
                 known.left -= 1
             else:
-                _prepare(db, session, prepared, known, now)
+                sessions.prepare(db, session, prepared, known, now)
             try:
                 return run(execute, literal)
             except DatabaseError as exc:
@@ -187,7 +185,7 @@ class PostgreSQL(Dialect):
                     continue
                 if state != statements.PREPARED_GONE:
                     raise
-            if _lost(db, session, prepared):
+            if sessions.lost(db, session, prepared):
                 break
         return run(statement, None)
 
@@ -360,95 +358,6 @@ class MySQL(Dialect):
     def misconfiguration(self, exc: BaseException, text: str) -> str | None:
         code = exc.args[0] if exc.args else None
         return mysql.MISCONFIGURED_ERRORS.get(code) if isinstance(code, int) else None
-
-
-# ---- Prepared claims (PostgreSQL) -----------------------------------------------------------
-# Planning the claim costs PostgreSQL more than running it (0.3-0.6 ms against 0.5 ms for a
-# completion and a claim of 10 jobs). A prepared statement is planned once and its generic plan
-# kept (`sql.prepared.claim_prepared()` writes in what the plan needs to know). Its name is a
-# digest of its text, so behind a pooler that hands one server session to several clients a
-# statement found under it is this very statement; a session that lacks it is given it again.
-# Where the sessions keep losing it (transaction pooling), the claim is sent whole again.
-# A kept plan was made for the tables as they were then (one made while the ledger was empty
-# reads all of it once it has grown). PostgreSQL plans again after an ANALYZE; in between, a
-# statement is prepared anew after `FIRST_REPLAN` executions, then after twice as many each time
-# up to `REPLAN_EVERY`, and at the latest every `REPLAN_AFTER` seconds: often while a worker is
-# new, when new or emptied tables fill up fastest for their size, and later for under 1% of a
-# busy worker's claims (a quiet one prepares at nearly every claim: two more round trips).
-
-FIRST_REPLAN = 16
-"""Executions of a new prepared statement after which it is prepared (and planned) anew."""
-
-REPLAN_EVERY = 1024
-"""The most executions of a prepared statement before it is prepared (and planned) anew."""
-
-REPLAN_AFTER = 10.0
-"""Seconds after which a prepared statement is prepared (and planned) anew at its next use."""
-
-MISSES_ALLOWED = 3
-"""Statements a session may lose (not found at EXECUTE) before its connection stops preparing."""
-
-
-@dataclass
-class _Statement:
-    """A statement prepared in a session: the executions left and the time before it is prepared
-    anew, and how many executions this preparation was for."""
-
-    left: int
-    until: float
-    runs: int
-
-
-@dataclass
-class _Session:
-    """What this process prepared in one database connection, by name."""
-
-    statements: dict[str, _Statement] = field(default_factory=dict)
-    misses: int = 0
-
-
-_sessions: WeakKeyDictionary[Any, _Session] = WeakKeyDictionary()
-
-
-def _prepare(
-    connection: BaseDatabaseWrapper,
-    session: _Session,
-    prepared: statements.Prepared,
-    known: _Statement | None,
-    now: float,
-) -> None:
-    """Prepare `prepared` in the session: it is not there (`known` None) or no longer fresh."""
-    with connection.cursor() as cursor:
-        if known is not None:
-            try:
-                cursor.execute(prepared.deallocate)
-            except DatabaseError as exc:
-                if sql.sqlstate(exc) != statements.PREPARED_GONE:
-                    raise
-        try:
-            cursor.execute(prepared.prepare)
-        except DatabaseError as exc:
-            # Prepared in this server session by another client of a pooler: the same text.
-            if sql.sqlstate(exc) != statements.PREPARED_TAKEN:
-                raise
-    runs = FIRST_REPLAN if known is None else min(known.runs * 2, REPLAN_EVERY)
-    session.statements[prepared.name] = _Statement(runs - 1, now + REPLAN_AFTER, runs)
-
-
-def _lost(
-    connection: BaseDatabaseWrapper, session: _Session, prepared: statements.Prepared
-) -> bool:
-    """Note that the session lost `prepared`; return whether its connection stops preparing."""
-    session.statements.pop(prepared.name, None)
-    session.misses += 1
-    if session.misses < MISSES_ALLOWED:
-        return False
-    logger.info(
-        "database %r keeps losing prepared statements (a transaction pooler?): this "
-        "connection's claims are planned at every statement",
-        connection.alias,
-    )
-    return True
 
 
 DIALECTS: dict[str, Dialect] = {d.name: d for d in (PostgreSQL(), SQLite(), MySQL())}

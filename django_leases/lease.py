@@ -94,7 +94,9 @@ class Lease:
         raced that write, which decides (it finishes the lease, or finds it lost)."""
         self._presence = presence
         self._clock: Clock = time.monotonic if presence is None else presence.clock
-        self._lost = threading.Event()
+        # A flag, not an Event: nothing waits for it, and building an Event (a Condition and
+        # its lock) was two thirds of building a Lease, once per job claimed (bench/README.md).
+        self._lost = False
         self._marking = threading.Lock()
         self._lost_reason = ""
         self._cancelled = False
@@ -118,7 +120,7 @@ class Lease:
 
         Never by the clock once `finished`: the database accepted the outcome under this
         token, so nobody else owned the job before it."""
-        if not self._lost.is_set() and not self.finished and self._clock() >= self.valid_until:
+        if not self._lost and not self.finished and self._clock() >= self.valid_until:
             if self._clock() >= self._renewed_until:
                 self.mark_lost("not renewed for a whole TTL (database unreachable?)")
             else:
@@ -126,12 +128,12 @@ class Lease:
                     "the worker's registry row was not refreshed for WORKER_GONE_AFTER "
                     "(database unreachable?): the watcher may rescue its jobs"
                 )
-        return self._lost.is_set()
+        return self._lost
 
     @property
     def marked_lost(self) -> bool:
         """True once the lease was marked lost; unlike `lost`, never marks it by the clock."""
-        return self._lost.is_set()
+        return self._lost
 
     @property
     def valid_until(self) -> float:
@@ -156,11 +158,11 @@ class Lease:
         # Under its own lock: the heartbeat, the lease clock, the loop and the slot may all
         # find the lease lost at once, and the first reason is the one kept.
         with self._marking:
-            if self._lost.is_set():
+            if self._lost:
                 return
             self._lost_reason = reason
             self._cancelled = cancelled
-            self._lost.set()
+            self._lost = True
         hook = self._on_cancel
         if cancelled and hook is not None:
             hook()

@@ -107,18 +107,22 @@ class Outcomes:
         ]
 
     def note_claimed(self, jobs: list[Any]) -> None:
-        """Count and log the jobs a claim took."""
+        """Count and log the jobs a claim took: counted once per kind, logged one by one only
+        at DEBUG (on the acknowledgement writer, the batched worker's critical path)."""
+        for kind, count in Counter(job.kind for job in jobs).items():
+            self.stats.add("claimed", count, kind=kind)
+        debug = logger.isEnabledFor(logging.DEBUG)
         for job in jobs:
-            self.stats.add("claimed", kind=job.kind)
             self.stats.claimed_after_wait(job)
-            logger.debug(
-                "claimed job_id=%s kind=%s attempt=%s token=%s owner=%s",
-                job.pk,
-                job.kind,
-                job.attempts,
-                job.lease_token,
-                self.worker_id,
-            )
+            if debug:
+                logger.debug(
+                    "claimed job_id=%s kind=%s attempt=%s token=%s owner=%s",
+                    job.pk,
+                    job.kind,
+                    job.attempts,
+                    job.lease_token,
+                    self.worker_id,
+                )
 
     # ---- an attempt's end ---------------------------------------------------------------------
 

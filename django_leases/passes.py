@@ -19,7 +19,8 @@ from django_leases.sql import Claim, merge, mysql
 from django_leases.sql.postgresql import LedgerNames
 
 R = TypeVar("R", bound=Model)
-Statement = tuple[str, sql.Params]
+Statement = tuple[str, sql.Params | None]
+"""A statement's text and parameters; None: none, the text is sent as it is."""
 CursorFor = Callable[[], CursorWrapper]
 Run = Callable[[Statement, CursorFor | None], list[R]]
 """Runs a claim's statement on the cursor given (None: a bound one), rows to models."""

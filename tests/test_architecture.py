@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+import django_leases
 from django_leases.status import AttemptOutcome, JobStatus, StuckPolicy, Verdict
 
 PACKAGE = Path(__file__).resolve().parent.parent / "django_leases"
@@ -316,3 +317,22 @@ def test_architecture__the_doors_import_no_model() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60
     )
     assert (proc.returncode, proc.stdout) == (0, "False\n"), proc.stderr
+
+
+def test_architecture__importing_the_package_reads_no_metadata_until_its_version_is_asked() -> None:
+    """`__version__` is read from the installed metadata when first asked for: importing
+    `importlib.metadata` at every worker's start-up cost it ~10 ms."""
+    probe = (
+        "import sys, django_leases\n"
+        "print('importlib.metadata' in sys.modules)\n"
+        "from importlib.metadata import version\n"
+        "print(django_leases.__version__ == version('django-leases'))\n"
+        "print(django_leases.__version__ is django_leases.__version__)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"}
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert (proc.returncode, proc.stdout) == (0, "False\nTrue\nTrue\n"), proc.stderr
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        django_leases.nothing  # type: ignore[attr-defined]  # noqa: B018

@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.core.exceptions import FieldDoesNotExist
 from django.db import connection, transaction
 from django.db.models.functions import Now
 
@@ -19,6 +20,7 @@ from django_leases import sql
 from django_leases.dialects import ClaimPath
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets.acks import complete_many_by_path
+from django_leases.querysets.base import LOADERS, raw_rows
 from django_leases.querysets.claims import claim_by_path
 from django_leases.querysets.ledger import ledger_names
 from django_leases.sql import postgresql
@@ -305,3 +307,73 @@ def test_prepared__types_its_parameters_and_refuses_what_it_cannot_type_or_write
         prepared_sql.prepared(("SELECT %(a)s", {"a": [1, "x"]}), written_in={})
     with pytest.raises(TypeError, match="only integers"):
         prepared_sql.prepared(("SELECT 1 LIMIT %(n)s", {"n": 2.5}), written_in={"n": 2.5})  # type: ignore[dict-item]
+
+
+def test_postgresql_literals__write_integers_here_and_keep_what_the_driver_quotes() -> None:
+    quoted: list[Any] = []
+
+    def quote(value: Any) -> str:
+        quoted.append(value)
+        return f"<{value!r}>"
+
+    def written(*values: Any) -> str:
+        names = {f"v{n}": value for n, value in enumerate(values)}
+        execute = "EXECUTE x (" + ", ".join(f"%({name})s" for name in names) + ")"
+        return literals.execute(execute, names, quote)
+
+    literals = postgresql.Literals()
+    assert written(7, [1, 22], [], "w", 1.0, "w", 1.0) == (
+        "EXECUTE x (7, '{1,22}', '{}', <'w'>, <1.0>, <'w'>, <1.0>)"
+    )
+    assert quoted == ["w", 1.0]  # each text and float quoted once, then kept
+    # What is not an int, a list of ints, a text or a float is quoted every time, as it is.
+    written(True, Pk.ONE, [Pk.ONE], Kind.CAPTURE, True)
+    assert quoted == ["w", 1.0, True, Pk.ONE, [Pk.ONE], Kind.CAPTURE, True]
+    # A float kept apart from the equal int and bool (1.0 == 1 == True); a % stays as it is.
+    assert written(1, 1.0, "%s") == "EXECUTE x (1, <1.0>, <'%s'>)"
+    prepared, values = prepared_sql.prepared(
+        ("SELECT %(a)s, %(b)s LIMIT %(n)s", {"a": "x", "b": [3], "n": 2}), written_in={"n": 2}
+    )
+    assert literals.execute(prepared.execute, values, quote) == (
+        f"EXECUTE {prepared.name} (<'x'>, '{{3}}')"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prepared_claim__writes_each_owner_kind_and_length_in_as_itself() -> None:
+    # Quotes, a backslash and percent signs: on PostgreSQL the EXECUTE goes without parameters,
+    # its texts written in by the driver's quoting; two owners and lengths on one connection.
+    owners = ["o'wner\\1 %s", "o'wner\\2 %(x)s"]
+    PaymentJob.objects.bulk_create(PaymentJob(kind="cap'ture%") for _ in range(4))
+    for owner, ttl in zip(owners, (60.0, 30.5), strict=True):
+        jobs = PaymentJob.objects.claim(owner, ttl=ttl, limit=2, kinds=["cap'ture%"])
+        assert [job.lease_owner for job in jobs] == [owner, owner]
+    rows = PaymentJob.objects.values_list("lease_owner", "lease_until", "heartbeat_at")
+    lengths = {owner: round((until - beat).total_seconds(), 2) for owner, until, beat in rows}
+    assert lengths == {owners[0]: 60.0, owners[1]: 30.5}
+    keys = [(job.pk, job.lease_token) for job in jobs]
+    won, claimed = PaymentJob.objects.complete_and_claim(owners[1], keys, ttl=30.5, limit=2)
+    assert (won, claimed) == (set(keys), [])
+
+
+def test_raw_rows__load_fields_through_their_converters_and_other_columns_as_attributes() -> None:
+    job = PaymentJob.objects.create(kind="capture", payload={"amount": [1, "2"]})
+    table = connection.ops.quote_name(PaymentJob._meta.db_table)
+    statement = (f"SELECT *, 1 AS extra FROM {table} WHERE id = %(pk)s", {"pk": job.pk})  # noqa: S608
+    qs = PaymentJob.objects.all()
+    (loaded,) = raw_rows(qs, statement)
+    assert loaded.payload == {"amount": [1, "2"]} and loaded.extra == 1  # type: ignore[attr-defined]
+    assert [getattr(loaded, f.attname) for f in PaymentJob._meta.concrete_fields] == [
+        getattr(job, f.attname) for f in PaymentJob._meta.concrete_fields
+    ]
+    assert loaded._state.db == qs.db and not loaded._state.adding
+    # One loader per connection and columns, kept with the connection.
+    before = dict(getattr(connection, LOADERS))
+    raw_rows(qs, statement)
+    other = (statement[0].replace("1 AS extra", "2 AS other"), statement[1])
+    assert raw_rows(qs, other)[0].other == 2  # type: ignore[attr-defined]
+    loaders = getattr(connection, LOADERS)
+    assert all(loaders[key] is loader for key, loader in before.items())
+    assert [columns[-1] for _, columns in loaders.keys() - before.keys()] == ["other"]
+    with pytest.raises(FieldDoesNotExist, match="primary key"):
+        raw_rows(qs, (f"SELECT kind FROM {table}", {}))  # noqa: S608

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from django_leases import dialects as prepared_module
+from django_leases import sessions as prepared_module
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets.base import literal_cursor
 from django_leases.sql import prepared as prepared_sql
@@ -126,7 +126,7 @@ def test_claim__prepares_again_a_statement_the_session_lost() -> None:
 def test_claim__uses_the_same_statement_another_client_prepared_in_the_session() -> None:
     enqueue(4)
     assert len(claim(1)) == 1
-    prepared_module._sessions.clear()  # as if another client of a pooler had prepared it
+    prepared_module.SESSIONS.clear()  # as if another client of a pooler had prepared it
     with statements_sent() as sent:
         assert len(claim(1)) == 1
     assert [word.split()[0] for word in sent] == ["PREPARE", "EXECUTE"]

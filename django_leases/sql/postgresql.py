@@ -3,6 +3,7 @@ enqueue's share lock on a lock holder, and NOTIFY. Tested on 15."""
 
 import json
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -311,6 +312,42 @@ def complete_many(
         SELECT id, lease_token FROM done
     """  # noqa: S608 - names quoted by the caller, values are parameters
     return sql, {"pks": pks, "tokens": tokens, "owner": owner}
+
+
+class Literals:
+    """Write the values of a session's EXECUTEs in as a client-binding driver does: an integer,
+    and a list of integers (a `bigint[]` parameter), here; anything else (text, a float) as
+    `quote` (the driver's quoting) writes it, texts and floats kept: the same ones come at every
+    claim of a worker (owner, kinds, lease lengths). Only the session's thread uses it.
+
+    psycopg writes each element of a list through its own dumper: for the two arrays of a
+    batch's ids and tokens, most of the ~0.35 ms its binding of an EXECUTE took
+    (bench/README.md, "Batched acks: CPU a job"). The integers are checked ids, tokens, limits.
+    """
+
+    KEPT = 64
+    """Distinct texts and floats kept."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[type, Any], str] = {}
+
+    def execute(self, execute: str, values: Mapping[str, Any], quote: Callable[[Any], str]) -> str:
+        """Return `execute` (`prepared.Prepared.execute`) with `values` written in."""
+        written = {}
+        for name, value in values.items():
+            if type(value) is int:
+                written[name] = str(value)
+            elif type(value) is list and all(type(item) is int for item in value):
+                written[name] = "'{" + ",".join(map(str, value)) + "}'"
+            elif type(value) not in (str, float):
+                written[name] = quote(value)
+            elif (text := self._kept.get((type(value), value))) is not None:
+                written[name] = text
+            else:
+                written[name] = text = quote(value)
+                if len(self._kept) < self.KEPT:
+                    self._kept[type(value), value] = text
+        return execute % written
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
