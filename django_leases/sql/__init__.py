@@ -10,7 +10,12 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from django_leases.status import AttemptOutcome
+
+if TYPE_CHECKING:
+    from django_leases.sql.postgresql import LedgerNames
 
 Params = dict[str, Any]
 
@@ -109,3 +114,17 @@ def takeover_guard(*, review_by_default: bool, exceptions: Sequence[str]) -> tup
         return "AND checkpoint = ''", {}
     kinds, params = in_list("kind", "retry_kind", exceptions)
     return f"AND ({kinds} OR checkpoint = '')", params
+
+
+def completed_attempts(table: str, ledger: "LedgerNames", now: str) -> str:
+    """Return the SET clause closing ledger rows as completed at `now` (the database clock's
+    SQL) by %(owner)s, each keeping its job's checkpoint (SQLite's and MariaDB's batched
+    completion)."""
+    return f"""SET {ledger.outcome} = {literal(AttemptOutcome.COMPLETED)},
+            {ledger.ended_at} = {now},
+            {ledger.ended_by} = %(owner)s,
+            {ledger.checkpoint} = (
+                SELECT checkpoint FROM {table} WHERE id = {ledger.table}.{ledger.job_ref}
+            ),
+            {ledger.error_class} = '',
+            {ledger.error_message} = ''"""  # noqa: S608 - names quoted by the caller

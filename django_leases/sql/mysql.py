@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, lease_length, literal
+from django_leases.sql import MIGRATE, Claim, completed_attempts, lease_length, literal
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.postgresql import LEDGER_INSERT, LedgerNames
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
@@ -261,15 +261,7 @@ def close_completed(
 @lru_cache(maxsize=64)
 def _close_completed(table: str, ledger: LedgerNames, count: int) -> str:
     keys = _held_keys(ledger.job_ref, ledger.token, count)
-    return f"""UPDATE {ledger.table}
-        SET {ledger.outcome} = {literal(AttemptOutcome.COMPLETED)},
-            {ledger.ended_at} = {NOW},
-            {ledger.ended_by} = %(owner)s,
-            {ledger.checkpoint} = (
-                SELECT checkpoint FROM {table} WHERE id = {ledger.table}.{ledger.job_ref}
-            ),
-            {ledger.error_class} = '',
-            {ledger.error_message} = ''
+    return f"""UPDATE {ledger.table} {completed_attempts(table, ledger, NOW)}
         WHERE {keys} AND {ledger.ended_at} IS NULL"""  # noqa: S608
 
 

@@ -5,11 +5,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, lease_length, literal
+from django_leases.sql import MIGRATE, Claim, completed_attempts, lease_length, literal
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.merge import merge_keys
 from django_leases.sql.postgresql import LedgerNames
-from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
+from django_leases.status import COMPLETED, PENDING, PROCESSING
 
 Params = dict[str, Any]
 
@@ -63,15 +63,7 @@ def close_completed(
     completed by `owner`, each keeping its job's checkpoint: one UPDATE for the whole batch."""
     held, params = pairs_in(f"{ledger.job_ref}, {ledger.token}", pairs)
     sql = f"""
-        UPDATE {ledger.table}
-        SET {ledger.outcome} = {literal(AttemptOutcome.COMPLETED)},
-            {ledger.ended_at} = {NOW},
-            {ledger.ended_by} = %(owner)s,
-            {ledger.checkpoint} = (
-                SELECT checkpoint FROM {table} WHERE id = {ledger.table}.{ledger.job_ref}
-            ),
-            {ledger.error_class} = '',
-            {ledger.error_message} = ''
+        UPDATE {ledger.table} {completed_attempts(table, ledger, NOW)}
         WHERE {held} AND {ledger.ended_at} IS NULL
     """  # noqa: S608 - names quoted by the caller, values are parameters
     return sql, {**params, "owner": owner}
