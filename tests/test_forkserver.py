@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ PROBE = (
     "print(json.dumps({'argv': sys.argv, 'cwd': os.getcwd(), 'pid': os.getpid(), "
     "'pgid': os.getpgid(0), 'sid': os.getsid(0), "
     "'mark': os.environ.get('PROBE_MARK'), 'path0': sys.path[0], "
-    "'stdin': sys.stdin.read(), 'main': __name__})); "
+    "'stdin': sys.stdin.read(), 'main': __name__, 'started': sys.orig_argv[1:3]})); "
     "print('to stderr', file=sys.stderr); sys.exit(int(sys.argv[1]))"
 )
 
@@ -48,6 +47,7 @@ def test_forkserver__a_forked_child_is_a_child_of_its_own_session(processes: Pro
         "path0": "",
         "stdin": "",
         "main": "__main__",
+        "started": ["-m", "tests.forkserver"],  # forked, not started the plain way
     }
     assert rest == "to stderr"
 
@@ -77,8 +77,8 @@ def test_forkserver__a_start_up_environment_of_its_own_starts_the_plain_way(
     processes: Processes,
 ) -> None:
     env = subprocess_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    proc = processes.start("-c", "import sys; print(sys.path[1])", env=env)
+    proc = processes.start("-c", "import sys; print(sys.path[1]); print(sys.orig_argv[1])", env=env)
     assert not isinstance(proc, forkserver.ForkedPopen)
-    assert finish(proc).strip() == str(ROOT / "tests")
+    # Started from its own command line, not the server's.
+    assert finish(proc).split() == [str(ROOT / "tests"), "-c"]
     assert proc.returncode == 0
-    assert sys.executable in proc.args  # type: ignore[operator]
