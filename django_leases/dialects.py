@@ -156,8 +156,11 @@ class PostgreSQL(Dialect):
         if db.in_atomic_block:
             return run(statement, None)
         db.ensure_connection()
-        session = sessions.SESSIONS.get(db.connection) or sessions.start(db.connection)
-        if session is None or session.misses >= sessions.MISSES_ALLOWED:
+        try:
+            session = sessions.SESSIONS.get(db.connection) or sessions.start(db.connection)
+        except TypeError:  # a driver connection without weak references: not prepared
+            return run(statement, None)
+        if session.misses >= sessions.MISSES_ALLOWED:
             return run(statement, None)
         text, params = statement
         shape = tuple(zip(params, map(type, params.values()), strict=True))

@@ -72,13 +72,14 @@ SESSIONS: WeakKeyDictionary[Any, Session] = WeakKeyDictionary()
 """The session of each driver connection (`start()`), kept beside it."""
 
 
-def start(driver_connection: Any) -> Session | None:
-    """Keep and return a new session of `driver_connection`; None for a driver connection
-    without weak references (its claims are not prepared)."""
-    try:
-        return SESSIONS.setdefault(driver_connection, Session(quote=quoter(driver_connection)))
-    except TypeError:
-        return None
+def start(driver_connection: Any) -> Session:
+    """Keep and return a new session of `driver_connection`.
+
+    Raises:
+        TypeError: for a driver connection without weak references (not prepared), as
+            `SESSIONS.get()` does.
+    """
+    return SESSIONS.setdefault(driver_connection, Session(quote=quoter(driver_connection)))
 
 
 def quoter(driver_connection: Any) -> Callable[[Any], str] | None:
