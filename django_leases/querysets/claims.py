@@ -5,9 +5,8 @@ queryset first, bound there as methods. Every claim is one conditional UPDATE (P
 statement with the ledger's rows; SQLite: UPDATE ... RETURNING passes; MariaDB/MySQL: rows
 locked with SKIP LOCKED (for several kinds, chosen first by an unlocked read of each kind's
 range: `lock_merged()`), then the UPDATE, in `sql.mysql`'s statements; `Dialect.claim_path()`
-picks) that gives each row a
-new fencing token, `attempts + 1` and a lease from the database clock, and opens its ledger row
-in the same transaction.
+picks) that gives each row a new fencing token, `attempts + 1` and a lease from the database
+clock, and opens its ledger row in the same transaction.
 
 A claim on PostgreSQL reads in a few jumps (tests/test_architecture.py counts them): `claim()`,
 `claim_by_path()` (retried on deadlock), `raw_claim()` (the dialect, table and ledger of
