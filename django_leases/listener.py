@@ -12,10 +12,8 @@ from typing import Any
 
 from django.db import connections
 
-from django_leases.conf import leases_settings
 from django_leases.db import CLIENT_SLACK, network_timeout, watchdog
-from django_leases.dialects import dialect_of
-from django_leases.querysets.enqueue import notify_channel
+from django_leases.querysets.enqueue import notifies, notify_channel
 from django_leases.redaction import error_text
 from django_leases.sql import postgresql as statements
 
@@ -45,7 +43,7 @@ class Listener:
         """Return a listener for `model`'s table, or None where NOTIFY is not available; its
         LISTEN is bounded by the network timeout for leases of `ttl` seconds."""
         connection = connections[using]
-        if not dialect_of(connection).notifies or not leases_settings.USE_NOTIFY:
+        if not notifies(connection):
             return None
         params = {
             key: value

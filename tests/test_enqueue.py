@@ -269,6 +269,22 @@ def test_enqueue__of_a_lock_reads_its_holder_and_inserts_without_a_savepoint() -
 
 
 @pytest.mark.django_db(transaction=True)
+def test_enqueue__outside_a_transaction_is_one_statement_that_announces_the_job() -> None:
+    """Autocommit (a web request's default): the INSERT announces its job itself, at its own
+    commit, instead of a second statement and transaction after it; a key or a lock still takes
+    its transaction, announced once it commits."""
+    plain = sent(lambda: PaymentJob.objects.enqueue("capture", {"n": 1}))
+    keyed = sent(lambda: PaymentJob.objects.enqueue("capture", idempotency_key="k-1"))
+    again = sent(lambda: PaymentJob.objects.enqueue("capture", idempotency_key="k-1"))
+    notifies = connection.vendor == "postgresql"
+    assert [sql.split()[0] for sql in plain] == ["INSERT"]
+    assert notified(plain) == (1 if notifies else 0)
+    assert notified(keyed) == (1 if notifies else 0)
+    assert notified(again) == 0  # nothing new
+    assert PaymentJob.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
 def test_enqueue__notifies_once_per_kind_at_commit_and_never_on_rollback() -> None:
     def enqueue_in_one_transaction() -> None:
         with transaction.atomic():

@@ -205,9 +205,15 @@ def enqueue_one(
     if not inserts.returns_rows(qs.db):
         return enqueue_with_savepoints(qs, values, row, delay)
     if idempotency_key is None and not values["lock"]:
-        # Nothing can conflict: a plain INSERT, in the caller's transaction or on its own.
-        [new] = inserts.insert(qs.model, qs.db, values, [row], skip_conflicts=False, delay=delay)
+        # Nothing can conflict: a plain INSERT, in the caller's transaction or on its own; on
+        # its own, the INSERT announces the job too (one statement, one commit).
+        announce = announced_by_insert(qs, kind)
+        [new] = inserts.insert(
+            qs.model, qs.db, values, [row], skip_conflicts=False, delay=delay, notify=announce
+        )
         job = cast("J", new)  # inserted without skipping
+        if announce is not None:
+            return job
     else:
         with transaction.atomic(using=qs.db, savepoint=False):
             [job], created = insert_all(qs, values, [row], delay)
@@ -379,11 +385,25 @@ def add_job(qs: LeaseQuerySet[J], values: dict[str, Any]) -> J:
     return enqueue_locked(qs, values) if values["lock"] else qs.create(**values)
 
 
+def announced_by_insert(qs: LeaseQuerySet[J], kind: str) -> tuple[str, str] | None:
+    """The (channel, message) that an INSERT outside any transaction of Django's announces
+    itself, or None: the database has no NOTIFY, USE_NOTIFY is off, or the INSERT is part of
+    a transaction (`notify()` announces its kinds once, at its commit)."""
+    connection = connections[qs.db]
+    if connection.in_atomic_block or not notifies(connection):
+        return None
+    return notify_channel(qs.model), kind
+
+
+def notifies(connection: Any) -> bool:
+    return dialect_of(connection).notifies and leases_settings.USE_NOTIFY
+
+
 def notify(qs: LeaseQuerySet[J], kind: str) -> None:
     """Announce a new job of `kind` to the listening workers: once per kind and
     transaction, when it commits (at once outside a transaction)."""
     connection = connections[qs.db]
-    if not dialect_of(connection).notifies or not leases_settings.USE_NOTIFY:
+    if not notifies(connection):
         return
     channel = notify_channel(qs.model)
     if not connection.in_atomic_block:

@@ -137,6 +137,7 @@ def insert(
     *,
     skip_conflicts: bool,
     delay: float | None,
+    notify: tuple[str, str] | None = None,
 ) -> list[J | None]:
     """INSERT a job of `model` into the database `alias` per row of `rows`, each with the
     fields `values` and its row's payload and key; return each job saved (its id and database
@@ -144,7 +145,9 @@ def insert(
 
     Without `skip_conflicts` every row is inserted or the statement fails. With it, a row that a
     unique index refuses is left out; the rows with a key are told apart by it, those without by
-    their order. `delay`: `run_at` is the database clock plus these seconds.
+    their order. `delay`: `run_at` is the database clock plus these seconds. `notify`: (channel,
+    message) announced by the same statement when it inserts a row (a database whose dialect
+    has `notify`), heard once its transaction commits.
     """
     if not rows:
         return []
@@ -171,6 +174,7 @@ def insert(
             "returning": plan.quoted_returning,
             "skip_conflicts": skip_conflicts,
             "delayed": None if delay is None else (plan.run_at, delay),
+            "notify": notify,
         }
         if plan.types is not None and len(batch) > 1:
             kinds = plan.types[len(plan.shared) :]
@@ -192,6 +196,8 @@ def insert(
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             returned = cursor.fetchall()
+        if notify is not None:
+            returned = [found[:-1] for found in returned]  # the NOTIFY's column
         matched = _matched(batch, returned, by_key) if skip_conflicts else returned
         saved.extend(_saved(model, alias, plan, template, own, matched))
     return saved

@@ -22,7 +22,9 @@ class InsertDialect:
     """How a database skips the rows a unique index refuses (a verb, or a clause after the
     values), and computes its clock plus `%(delay)s` (the parameter `delay(seconds)`).
     `arrays`: the rows can come as one array per column, `unnest()`ed (PostgreSQL).
-    `parameters`: the most parameters one statement should take (0: the database's limit)."""
+    `parameters`: the most parameters one statement should take (0: the database's limit).
+    `notify`: an expression of `%(channel)s` and `%(message)s` that announces the rows inserted
+    to the listening workers, once the statement's transaction commits ("": no NOTIFY)."""
 
     now_plus: str
     delay: Callable[[float], Any]
@@ -30,6 +32,7 @@ class InsertDialect:
     skip_suffix: str = ""
     arrays: bool = False
     parameters: int = 0
+    notify: str = ""
 
 
 def insert_jobs(
@@ -42,19 +45,28 @@ def insert_jobs(
     returning: Sequence[str],
     skip_conflicts: bool,
     delayed: tuple[str, float] | None = None,
+    notify: tuple[str, str] | None = None,
 ) -> tuple[str, Params]:
     """Return one INSERT of `rows`, RETURNING `returning` of each row inserted.
 
     Every row takes the values `shared` in the first columns (parameters `s<column>`) and its
     own values in the others (`v<row>_<column>`). `skip_conflicts`: a row that a unique index
     refuses is left out instead of failing the statement (and the transaction). `delayed`:
-    (column, seconds) set to the database clock plus the seconds, in every row.
+    (column, seconds) set to the database clock plus the seconds, in every row. `notify`:
+    (channel, message) announced if a row is inserted, by the dialect's `notify` expression,
+    returned as one more column after `returning`.
     """
-    params = _shared(dialect, shared, delayed)
+    params = _shared(dialect, shared, delayed, notify)
     own = len(columns) - len(shared)
     for i, row in enumerate(rows):
         params.update(zip([f"v{i}_{j}" for j in range(own)], row, strict=True))
-    shape = (tuple(columns), tuple(returning), skip_conflicts, delayed[0] if delayed else None)
+    shape = (
+        tuple(columns),
+        tuple(returning),
+        skip_conflicts,
+        delayed[0] if delayed else None,
+        notify is not None,
+    )
     return _text(dialect, table, len(shared), len(rows), *shape), params
 
 
@@ -69,24 +81,36 @@ def insert_arrays(
     returning: Sequence[str],
     skip_conflicts: bool,
     delayed: tuple[str, float] | None = None,
+    notify: tuple[str, str] | None = None,
 ) -> tuple[str, Params]:
     """Return one INSERT of the rows `arrays` hold, as `insert_jobs()` does, for a database
     of `arrays` (PostgreSQL): the rows' own values come as one parameter per column (`a<column>`),
     an array of them, or for a column of a type of `AS_JSON` one JSON array of them, so that the
     text and the parameters are the same few whatever the rows; `types` are the columns' types.
     """
-    params = _shared(dialect, shared, delayed)
+    params = _shared(dialect, shared, delayed, notify)
     params.update((f"a{j}", array) for j, array in enumerate(arrays))
-    shape = (tuple(columns), tuple(returning), skip_conflicts, delayed[0] if delayed else None)
+    shape = (
+        tuple(columns),
+        tuple(returning),
+        skip_conflicts,
+        delayed[0] if delayed else None,
+        notify is not None,
+    )
     return _text(dialect, table, len(shared), tuple(types), *shape), params
 
 
 def _shared(
-    dialect: InsertDialect, shared: Sequence[Any], delayed: tuple[str, float] | None
+    dialect: InsertDialect,
+    shared: Sequence[Any],
+    delayed: tuple[str, float] | None,
+    notify: tuple[str, str] | None,
 ) -> Params:
     params = {f"s{j}": value for j, value in enumerate(shared)}
     if delayed:
         params["delay"] = dialect.delay(delayed[1])
+    if notify:
+        params["channel"], params["message"] = notify
     return params
 
 
@@ -100,6 +124,7 @@ def _text(
     returning: tuple[str, ...],
     skip_conflicts: bool,
     delayed: str | None,
+    notify: bool,
 ) -> str:
     """The text of an INSERT of `rows` rows of VALUES, or with the columns' types the rows of
     arrays: the same for every INSERT of one shape."""
@@ -116,7 +141,7 @@ def _text(
     targets = ", ".join([*columns, *([delayed] if delayed else [])])
     return (
         f"{verb} INTO {table} ({targets}) {source}"  # noqa: S608 - names quoted by the caller, values are parameters
-        f" {suffix} RETURNING {', '.join(returning)}"
+        f" {suffix} RETURNING {', '.join([*returning, *([dialect.notify] if notify else [])])}"
     )
 
 

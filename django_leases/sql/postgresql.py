@@ -365,6 +365,7 @@ INSERT = InsertDialect(
     now_plus="STATEMENT_TIMESTAMP() + make_interval(secs => %(delay)s)",
     delay=float,
     arrays=True,
+    notify="pg_notify(%(channel)s, %(message)s)",
 )
 """The enqueue's INSERT (`sql.insert.insert_jobs`): a row that a unique index refuses is left
 out (after waiting for the transaction of a conflicting row not yet committed). Many rows come
