@@ -27,6 +27,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench import _common as common
@@ -66,20 +67,49 @@ def enqueue_one_by_one(
     return {"ms": [(claimed[pk] - created[pk]).total_seconds() * 1000 for pk in counted]}
 
 
+def enqueuer(by: str) -> Callable[[], int]:
+    """Return a call that enqueues one `noop` job in autocommit and returns its id: through
+    `enqueue()` ("django"), or ("statement") by sending the very statement `enqueue()` sent for
+    a first job (its INSERT and NOTIFY; every value of it is the same for each job, the
+    database's clock included) through the bare driver connection, without Django's Python."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from django_leases.models import PaymentJob
+
+    if by == "django":
+        return lambda: PaymentJob.objects.enqueue("noop", {}).pk
+    with CaptureQueriesContext(connection) as sent:
+        PaymentJob.objects.enqueue("noop", {})  # a job of its own, not one of the stream
+    [statement] = [query["sql"] for query in sent.captured_queries if "INSERT" in query["sql"]]
+    cursor = connection.connection.cursor()
+
+    def send() -> int:
+        cursor.execute(statement)
+        return int(cursor.fetchone()[0])
+
+    return send
+
+
 def enqueue_stream(
-    rate: float, seconds: float, job_timeout: float, share: int = 0, shares: int = 1
+    rate: float,
+    seconds: float,
+    job_timeout: float,
+    share: int = 0,
+    shares: int = 1,
+    by: str = "django",
 ) -> dict[str, Any]:
     """Enqueue this child's `share` of `shares` of a stream of `rate` jobs a second for
     `seconds`, one per autocommit INSERT at its moment of the schedule (job n at n / rate, this
-    child taking every n with n % shares == share), from the parent's GO; wait until all are
-    completed; return each counted job's claimed_at - created_at in ms, how many fell behind the
-    schedule, and the rate this child reached."""
+    child taking every n with n % shares == share), from the parent's GO, `by` `enqueuer()`;
+    wait until all are completed; return each counted job's claimed_at - created_at in ms, how
+    many fell behind the schedule, and the rate this child reached."""
     from django_leases.models import JobAttempt, PaymentJob
 
     total = int(rate * seconds)
     pks = []
     late = 0
-    PaymentJob.objects.exists()  # connect before the stream starts
+    enqueue = enqueuer(by)  # connected before the stream starts
     common.wait_for_go()
     start = time.monotonic()
     for n in range(share, total, shares):
@@ -88,7 +118,7 @@ def enqueue_stream(
             time.sleep(delay)
         elif delay < -0.01:
             late += 1
-        pks.append(PaymentJob.objects.enqueue("noop", {}).pk)
+        pks.append(enqueue())
     reached = len(pks) / (time.monotonic() - start)
     deadline = time.monotonic() + job_timeout
     while PaymentJob.objects.filter(pk__in=pks).exclude(status="completed").exists():
@@ -199,6 +229,7 @@ def measure_loaded(
                 job_timeout=args.timeout,
                 share=share,
                 shares=args.enqueuers,
+                by=args.enqueue_by,
             )
             for share in range(args.enqueuers)
         ]
@@ -235,8 +266,9 @@ def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
             ]
         )
     common.print_table(
-        f"enqueue -> claim under a steady stream of {args.load:g} jobs/s, {args.workers} "
-        f"workers x --concurrency {args.concurrency}, ms on the database clock",
+        f"enqueue -> claim under a steady stream of {args.load:g} jobs/s ({args.enqueuers} "
+        f"enqueuers by {args.enqueue_by}), {args.workers} workers x --concurrency "
+        f"{args.concurrency}, ms on the database clock",
         ["database", "wake-up", "jobs/s sent", "late", "jobs", "p50", "p95", "p99", "max"],
         rows,
     )
@@ -333,6 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         help="processes enqueuing the --load stream, each every n-th job of its schedule (one "
         "autocommit INSERT a job, as web requests would; one process falls behind past a few "
         "hundred jobs/s) (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--enqueue-by",
+        choices=("django", "statement"),
+        default="django",
+        help="how the --enqueuers send each job: enqueue() ('django'), or the very statement "
+        "enqueue() sent for a first job through the bare driver connection ('statement': the "
+        "same INSERT and NOTIFY on the server, as from web processes on other machines, without "
+        "their Python on this machine's cores) (default: %(default)r)",
     )
     parser.add_argument(
         "--concurrency",
