@@ -69,8 +69,8 @@ def enqueue_one_by_one(
 
 def enqueuer(by: str) -> Callable[[], int]:
     """Return a call that enqueues one `noop` job in autocommit and returns its id: through
-    `enqueue()` ("django"), or ("statement") by sending the very statement `enqueue()` sent for
-    a first job (its INSERT and NOTIFY; every value of it is the same for each job, the
+    `enqueue()` ("django"), or ("statement") by sending the very statements `enqueue()` sent
+    for a first job (its INSERT and NOTIFY; every value of them is the same for each job, the
     database's clock included) through the bare driver connection, without Django's Python."""
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
@@ -81,12 +81,16 @@ def enqueuer(by: str) -> Callable[[], int]:
         return lambda: PaymentJob.objects.enqueue("noop", {}).pk
     with CaptureQueriesContext(connection) as sent:
         PaymentJob.objects.enqueue("noop", {})  # a job of its own, not one of the stream
-    [statement] = [query["sql"] for query in sent.captured_queries if "INSERT" in query["sql"]]
+    statements = [query["sql"] for query in sent.captured_queries]
     cursor = connection.connection.cursor()
 
     def send() -> int:
-        cursor.execute(statement)
-        return int(cursor.fetchone()[0])
+        pk = 0
+        for statement in statements:
+            cursor.execute(statement)
+            if statement.startswith("INSERT"):
+                pk = int(cursor.fetchone()[0])
+        return pk
 
     return send
 
@@ -370,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "--enqueue-by",
         choices=("django", "statement"),
         default="django",
-        help="how the --enqueuers send each job: enqueue() ('django'), or the very statement "
+        help="how the --enqueuers send each job: enqueue() ('django'), or the very statements "
         "enqueue() sent for a first job through the bare driver connection ('statement': the "
         "same INSERT and NOTIFY on the server, as from web processes on other machines, without "
         "their Python on this machine's cores) (default: %(default)r)",
