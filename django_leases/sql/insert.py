@@ -60,13 +60,7 @@ def insert_jobs(
     own = len(columns) - len(shared)
     for i, row in enumerate(rows):
         params.update(zip([f"v{i}_{j}" for j in range(own)], row, strict=True))
-    shape = (
-        tuple(columns),
-        tuple(returning),
-        skip_conflicts,
-        delayed[0] if delayed else None,
-        notify is not None,
-    )
+    shape = _shape(columns, returning, skip_conflicts, delayed, notify)
     return _text(dialect, table, len(shared), len(rows), *shape), params
 
 
@@ -90,14 +84,20 @@ def insert_arrays(
     """
     params = _shared(dialect, shared, delayed, notify)
     params.update((f"a{j}", array) for j, array in enumerate(arrays))
-    shape = (
-        tuple(columns),
-        tuple(returning),
-        skip_conflicts,
-        delayed[0] if delayed else None,
-        notify is not None,
-    )
+    shape = _shape(columns, returning, skip_conflicts, delayed, notify)
     return _text(dialect, table, len(shared), tuple(types), *shape), params
+
+
+def _shape(
+    columns: Sequence[str],
+    returning: Sequence[str],
+    skip_conflicts: bool,
+    delayed: tuple[str, float] | None,
+    notify: tuple[str, str] | None,
+) -> tuple[tuple[str, ...], tuple[str, ...], bool, str | None, bool]:
+    """What `_text()` needs to know of an INSERT besides its table and rows."""
+    column = delayed[0] if delayed else None
+    return tuple(columns), tuple(returning), skip_conflicts, column, notify is not None
 
 
 def _shared(
