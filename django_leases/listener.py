@@ -13,7 +13,7 @@ from typing import Any
 from django.db import connections
 
 from django_leases.db import CLIENT_SLACK, network_timeout, watchdog
-from django_leases.querysets.enqueue import notifies, notify_channel
+from django_leases.querysets.notices import notifies, notify_channel
 from django_leases.redaction import error_text
 from django_leases.sql import postgresql as statements
 

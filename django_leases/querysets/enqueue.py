@@ -1,11 +1,11 @@
 """Enqueueing on any job table: one job or many, awaitable too, on the database chosen; the
-checked arguments of a new job, the idempotency key, the project's own columns, the NOTIFY."""
+checked arguments of a new job, the idempotency key, the project's own columns (the NOTIFY:
+`notices.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import sync_to_async
@@ -13,7 +13,6 @@ from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.db import IntegrityError, connections, models, router, transaction
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.dialects import dialect_of
 from django_leases.exceptions import InvalidArgument, LeaseError
 from django_leases.handlers import max_attempts_of
 from django_leases.limits import (
@@ -38,6 +37,7 @@ from django_leases.querysets.locks import (
     holder_share_locked,
     table_jobs,
 )
+from django_leases.querysets.notices import announced_by_insert, notify
 from django_leases.status import PENDING, WAITING
 
 if TYPE_CHECKING:
@@ -385,58 +385,9 @@ def add_job(qs: LeaseQuerySet[J], values: dict[str, Any]) -> J:
     return enqueue_locked(qs, values) if values["lock"] else qs.create(**values)
 
 
-def announced_by_insert(qs: LeaseQuerySet[J], kind: str) -> tuple[str, str] | None:
-    """The (channel, message) that an INSERT outside any transaction of Django's announces
-    itself, or None: the database has no NOTIFY, USE_NOTIFY is off, or the INSERT is part of
-    a transaction (`notify()` announces its kinds once, at its commit)."""
-    connection = connections[qs.db]
-    if connection.in_atomic_block or not notifies(connection):
-        return None
-    return notify_channel(qs.model), kind
-
-
-def notifies(connection: Any) -> bool:
-    return dialect_of(connection).notifies and leases_settings.USE_NOTIFY
-
-
-def notify(qs: LeaseQuerySet[J], kind: str) -> None:
-    """Announce a new job of `kind` to the listening workers: once per kind and
-    transaction, when it commits (at once outside a transaction)."""
-    connection = connections[qs.db]
-    if not notifies(connection):
-        return
-    channel = notify_channel(qs.model)
-    if not connection.in_atomic_block:
-        _send_notify(qs.db, channel, kind)
-        return
-    # Django replaces the list of commit hooks at each commit, rollback and savepoint
-    # rollback: the kinds noted beside that very list are the ones whose NOTIFY is still
-    # due. After a savepoint rollback a kind may be announced twice, never not at all.
-    noted = getattr(connection, "_leases_notified", None)
-    if noted is None or noted[0] is not connection.run_on_commit:
-        noted = (connection.run_on_commit, set[tuple[str, str]]())
-        connection._leases_notified = noted  # type: ignore[attr-defined]
-    if (channel, kind) not in noted[1]:
-        noted[1].add((channel, kind))
-        hook = partial(_send_notify, qs.db, channel, kind)
-        transaction.on_commit(hook, using=qs.db, robust=True)
-
-
-def _send_notify(alias: str, channel: str, kind: str) -> None:
-    # After the commit, in autocommit: listeners can see the job when they hear of it.
-    connection = connections[alias]
-    with connection.cursor() as cursor:
-        cursor.execute(*dialect_of(connection).notify(channel, kind))
-
-
 def _key(job: models.Model) -> str | None:
     key: str | None = getattr(job, "idempotency_key", None)
     return key
-
-
-def notify_channel(model: type[models.Model]) -> str:
-    """Return the LISTEN/NOTIFY channel on which enqueues of `model` are announced."""
-    return f"django_leases_{model._meta.db_table}"[:63]
 
 
 def _job_fields(
