@@ -32,6 +32,7 @@ def announced_by_insert(qs: LeaseQuerySet[Any], kind: str) -> tuple[str, str] | 
 
 
 def notifies(connection: Any) -> bool:
+    """Whether enqueues on `connection` are announced: its database has NOTIFY, and USE_NOTIFY."""
     return dialect_of(connection).notifies and leases_settings.USE_NOTIFY
 
 
