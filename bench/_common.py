@@ -641,11 +641,16 @@ def note(text: str) -> None:
 # ---- Django side (run inside children only) --------------------------------------------------
 
 
-def migrate() -> dict[str, Any]:
-    """Create every table of the benchmark project."""
+def migrate(then: str | None = None) -> dict[str, Any]:
+    """Create every table of the benchmark project; then run the SQL of the file `then`, if
+    given (a what-if: a schema the migrations do not make, measured before it is proposed)."""
     from django.core.management import call_command
+    from django.db import connection
 
     call_command("migrate", verbosity=0, interactive=False)
+    if then:
+        with connection.cursor() as cursor:
+            cursor.execute(Path(then).read_text())
     return {}
 
 

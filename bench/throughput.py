@@ -573,7 +573,7 @@ def run(args: argparse.Namespace, procs: common.Processes) -> None:
                 common.temp_database(vendor, urls[vendor], "throughput")
             )
             common.note(f"migrating {db.name} ...")
-            procs.call(db, "bench._common:migrate")
+            procs.call(db, "bench._common:migrate", then=args.after_migrate)
         systems = [s for s in systems if s.database in dbs]
         if not systems:
             raise SystemExit(f"nothing to measure: {skipped}")
@@ -814,6 +814,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=DIR[@CONN_MAX_AGE]",
         help="also measure the batched acks of the checkout in DIR, as django-leases-batch "
         "(kind noop_batch, --concurrency and ACK_BATCH_SIZE = --batch); repeatable",
+    )
+    parser.add_argument(
+        "--after-migrate",
+        default=None,
+        metavar="FILE",
+        help="run the SQL of FILE on the throw-away database after its migrations, e.g. "
+        "bench/lean_job_table.sql (PostgreSQL): what a schema change would give every system",
     )
     parser.add_argument(
         "--bare-processes",
