@@ -25,6 +25,7 @@ class LeasesConfig(AppConfig):
         checks.register(lease_checks.check_worker_retention)
         checks.register(lease_checks.check_job_model)
         checks.register(lease_checks.check_ledgers)
+        checks.register(lease_checks.check_lock_holders)
         checks.register(lease_checks.check_network_timeout)
         checks.register(schedule_checks.check_schedules)
         checks.register(lease_checks.check_ack_batching)

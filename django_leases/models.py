@@ -8,6 +8,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
+from django_leases.constraints import UniqueWhenSet
 from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet
 from django_leases.querysets.payments import PaymentJobQuerySet
@@ -71,15 +72,15 @@ class AbstractLeasedJob(models.Model):
         default="",
         help_text=_("Jobs sharing a lock run one at a time, in enqueue order."),
     )
-    # Equal to `lock` while this job holds it (LOCK_HOLDING_STATUSES), NULL otherwise: its plain
-    # UNIQUE index lets one job per lock hold it, on every database (MariaDB/MySQL ignore
-    # partial-index conditions, so the lock cannot be a partial unique index on `lock` there).
-    lock_holder = models.CharField(
+    # Equal to `lock` while this job holds it (LOCK_HOLDING_STATUSES), NULL otherwise: unique
+    # (`lease_constraints()`: `UniqueWhenSet`), so one job per lock holds it, on every database
+    # (MariaDB/MySQL ignore partial-index conditions, so the lock cannot be a partial unique
+    # index on `lock` there). The system check django_leases.E039 sees that it is.
+    lock_holder = models.CharField(  # noqa: DJ001 - NULL: no lock held; unique where set
         _("holds lock"),
         max_length=255,
         null=True,
         blank=True,
-        unique=True,
         editable=False,
         help_text=_("The lock this job holds: next in line, running or under review."),
     )
@@ -171,6 +172,8 @@ def lease_constraints(prefix: str) -> list[models.BaseConstraint]:
             condition=Q(status__in=JobStatus.values), name=f"{prefix}_status_valid"
         ),
         models.CheckConstraint(condition=Q(max_attempts__gte=1), name=f"{prefix}_max_attempts_min"),
+        # One job per lock holds it: see `lock_holder`.
+        UniqueWhenSet(fields=["lock_holder"], name=f"{prefix}_lock_holder_uniq"),
         # With `lock_holder` unique, these two make "one job per lock pending, processing or
         # under review" a property of the table, whatever a worker does: a job of a lock in
         # those statuses holds it, and a job holds nothing else.
@@ -195,8 +198,9 @@ class PaymentJob(AbstractLeasedJob):
     """A payment job: capture, refund, webhook delivery, reconciliation."""
 
     payment_id = models.CharField(_("payment id"), max_length=64, blank=True, default="")
-    idempotency_key = models.CharField(
-        _("idempotency key"), max_length=255, null=True, blank=True, unique=True
+    # NULL: no key. Unique where set, by `UniqueWhenSet` in Meta (enqueue() needs it unique).
+    idempotency_key = models.CharField(  # noqa: DJ001
+        _("idempotency key"), max_length=255, null=True, blank=True
     )
 
     # A subclass's manager narrows the base's; django-stubs reads it as a ClassVar override.
@@ -214,7 +218,10 @@ class PaymentJob(AbstractLeasedJob):
             # prune_jobs and the admin's "finished in the last hour".
             models.Index(fields=["status", "completed_at"], name="dl_job_finished_idx"),
         ]
-        constraints = lease_constraints("dl_job")
+        constraints = [
+            *lease_constraints("dl_job"),
+            UniqueWhenSet(fields=["idempotency_key"], name="dl_job_idempotency_key_uniq"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.pk} ({self.status})"

@@ -12,6 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_leases.conf import DEFAULTS
+from django_leases.constraints import is_unique
 from django_leases.db import AUTO, TIMEOUT_RANGE
 from django_leases.handlers import lease_lengths, registered_kinds
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
@@ -372,6 +373,23 @@ def check_ledgers(**kwargs: Any) -> list[CheckMessage]:
                 )
             )
     return messages
+
+
+def check_lock_holders(**kwargs: Any) -> list[CheckMessage]:
+    """Report a job model whose `lock_holder` is not unique: "one job per lock at a time"
+    rests on that index."""
+    return [
+        Error(
+            f"{model._meta.label}.lock_holder is not unique: two jobs of one lock could run at "
+            "the same time.",
+            hint="Keep lease_constraints(prefix) in the model's Meta.constraints (it has "
+            "UniqueWhenSet(fields=['lock_holder'], ...)), then makemigrations and migrate.",
+            obj=model,
+            id="django_leases.E039",
+        )
+        for model in leased_job_models()
+        if not is_unique(model, "lock_holder")
+    ]
 
 
 def check_network_timeout(**kwargs: Any) -> list[CheckMessage]:

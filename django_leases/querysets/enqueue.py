@@ -13,6 +13,7 @@ from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.db import IntegrityError, connections, models, router, transaction
 
 from django_leases.conf import leases_settings, to_seconds
+from django_leases.constraints import is_unique
 from django_leases.exceptions import InvalidArgument, LeaseError
 from django_leases.handlers import max_attempts_of
 from django_leases.limits import (
@@ -456,10 +457,10 @@ def _own_fields(model: type[AbstractLeasedJob], fields: dict[str, Any]) -> dict[
 
 def _check_idempotency_field(model: type[models.Model]) -> None:
     try:
-        field = model._meta.get_field("idempotency_key")
+        unique = is_unique(model, "idempotency_key")
     except FieldDoesNotExist:
-        field = None
-    if not isinstance(field, models.Field) or not field.unique:
+        unique = False
+    if not unique:
         raise InvalidArgument(
             f"idempotency_key needs a unique idempotency_key field on {model._meta.label}"
         )
