@@ -3,6 +3,7 @@
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.db.models.functions import Now
 
 from django_leases.exceptions import LeaseLost
@@ -110,3 +111,40 @@ def test_record_fenced__stamps_the_row_of_a_holder_that_was_taken_over() -> None
 
 
 REVIEW_CAPTURE = {"STUCK_POLICY_BY_KIND": {"capture": "review"}}
+
+
+# Every column an attempt's end writes (`ledger.close()`, PostgreSQL's completion and takeover).
+CLOSE_WRITES = {"outcome", "ended_at", "ended_by", "checkpoint", "error_class", "error_message"}
+
+
+@pytest.mark.parametrize("model", [JobAttempt, PayoutAttempt], ids=lambda m: m.__name__)
+def test_ledger__no_index_holds_a_column_an_attempts_end_writes(model: type[JobAttempt]) -> None:
+    # So that closing an attempt enters no index (a HOT update on PostgreSQL): its open row is
+    # found by the (job_ref, token) index.
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, model._meta.db_table)
+    columns = {model._meta.get_field(name).column for name in CLOSE_WRITES}
+    indexed = {name: c["columns"] for name, c in found.items() if c["index"] or c["unique"]}
+    assert {name: cols for name, cols in indexed.items() if columns & set(cols)} == {}
+    assert ["job_ref", "token"] in indexed.values()
+
+
+def test_ledger__closing_an_attempt_is_a_hot_update_on_postgresql() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("HOT updates are PostgreSQL's")
+
+    def updates() -> tuple[int, int]:
+        # The counts of this transaction so far (updates, HOT updates), as pg_stat_xact keeps.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = %s",
+                [JobAttempt._meta.db_table],
+            )
+            return cursor.fetchone() or (0, 0)
+
+    PaymentJob.objects.enqueue("noop")
+    job = claim_one("w1")
+    before = updates()
+    assert PaymentJob.objects.complete_many("w1", [(job.pk, job.lease_token)])
+    after = updates()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
