@@ -5,6 +5,7 @@ import re
 
 import pytest
 from django.db import IntegrityError, connection, transaction
+from django.db.migrations.executor import MigrationExecutor
 from django.db.models import Q, UniqueConstraint
 
 from django_leases.checks import check_lock_holders
@@ -117,3 +118,35 @@ def test_check_lock_holders__reports_a_job_model_without_lease_constraints(
     (message,) = check_lock_holders()
     assert (message.id, message.obj) == ("django_leases.E039", BareJob)
     assert message.msg.startswith("testapp.BareJob.lock_holder is not unique")
+
+
+BEFORE = ("django_leases", "0010_cancelled_outcome")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migration_0011__a_populated_table_keeps_its_keys_and_locks_unique_both_ways() -> None:
+    """0011 on a table that holds keys, a lock holder and rows without either (the CI's other
+    suites migrate empty tables): the rows pass into the new indexes, which then refuse
+    duplicates as the old ones did; and back."""
+    executor = MigrationExecutor(connection)
+    latest = executor.loader.graph.leaf_nodes("django_leases")
+    try:
+        executor.migrate([BEFORE])
+        old = MigrationExecutor(connection).loader.project_state(BEFORE).apps
+        jobs = old.get_model("django_leases", "PaymentJob").objects
+        jobs.create(kind="noop", idempotency_key="k1")
+        jobs.create(kind="noop", lock="L", lock_holder="L", status=PENDING)
+        for _ in range(3):
+            jobs.create(kind="noop")
+        MigrationExecutor(connection).migrate(latest)
+        assert PaymentJob.objects.filter(idempotency_key="k1").count() == 1
+        for refused in ({"idempotency_key": "k1"}, {"lock": "L", "lock_holder": "L"}):
+            with pytest.raises(IntegrityError), transaction.atomic():
+                PaymentJob.objects.create(kind="noop", **refused)
+        PaymentJob.objects.create(kind="noop")  # NULL in both: any number
+        MigrationExecutor(connection).migrate([BEFORE])
+        with pytest.raises(IntegrityError), transaction.atomic():
+            jobs.create(kind="noop", idempotency_key="k1")
+    finally:
+        MigrationExecutor(connection).migrate(latest)
+    assert PaymentJob.objects.count() == 6
