@@ -18,7 +18,7 @@ class UniqueWhenSet(models.UniqueConstraint):
     field would also build, on PostgreSQL, a `varchar_pattern_ops` twin of the index for LIKE.
     """
 
-    def __init__(self, *, fields: list[str], name: str) -> None:
+    def __init__(self, *, fields: Sequence[str], name: str) -> None:
         present = Q(**{f"{field}__isnull": False for field in fields})
         super().__init__(fields=fields, name=name, condition=present)
 
