@@ -301,19 +301,9 @@ def leases_loop(batch: int, ttl: float, ledger: bool) -> dict[str, Any]:
     return {"done": done}
 
 
-def bare_loop(ttl: float) -> dict[str, Any]:
-    """Claim one job, complete it, until nothing is claimable: psycopg alone, no ledger.
-
-    The floor a lease queue on this table can reach: per job one conditional UPDATE that claims
-    (SKIP LOCKED, database clock, token and attempts incremented) and one that completes
-    (restating id, status, owner and token), in autocommit, on one persistent connection.
-    """
-    from django.db import connection
-
-    connection.ensure_connection()
-    raw = connection.connection
-    raw.autocommit = True
-    owner = common.owner_name("bare")
+def bare_statements() -> tuple[str, str]:
+    """The bare loop's claim and completion on the job table, named parameters `owner`, `ttl`
+    (the claim) and `pk`, `owner`, `token` (the completion)."""
     table = common.JOB_TABLE
     claim = f"""
         UPDATE {table} AS job
@@ -338,6 +328,23 @@ def bare_loop(ttl: float) -> dict[str, Any]:
         WHERE id = %(pk)s AND status = 'processing' AND lease_owner = %(owner)s
           AND lease_token = %(token)s
     """  # noqa: S608 - a constant table name
+    return claim, complete
+
+
+def bare_loop(ttl: float) -> dict[str, Any]:
+    """Claim one job, complete it, until nothing is claimable: psycopg alone, no ledger.
+
+    The floor a lease queue on this table can reach: per job one conditional UPDATE that claims
+    (SKIP LOCKED, database clock, token and attempts incremented) and one that completes
+    (restating id, status, owner and token), in autocommit, on one persistent connection.
+    """
+    from django.db import connection
+
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.autocommit = True
+    owner = common.owner_name("bare")
+    claim, complete = bare_statements()
     done = 0
     with raw.cursor() as cursor:
         while True:

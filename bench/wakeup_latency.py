@@ -18,16 +18,32 @@ time in autocommit, each at its own moment of the schedule (n / RATE), by --enqu
 taking turns; every job of the stream is a sample. The first second of the stream (the workers'
 ramp) is not counted. The claim is where the handler starts: the slot runs it as soon as the
 claim returns.
+
+`--systems` runs the same stream against peers too (PostgreSQL only), each on a database of its
+own, alternating over --rounds:
+- "bare": --bare-processes processes of a bare psycopg loop on the same job table, no ledger:
+  LISTEN on the channel the enqueue notifies, then claim one job and complete it until none is
+  left. The floor of this table and this machine; its claim stamps `heartbeat_at` with the
+  statement's time, which is what is timed. (Two such processes, one job at a time each, fall
+  behind a 1,000 jobs/s stream here; eight are more than two cores can run beside it.)
+- "pgqueuer": --workers processes of pgqueuer's own `run()` (continuous mode, its NOTIFY
+  trigger, --pgq-batch), the stream enqueued with its `SyncQueries.enqueue()` or its statement.
+  What is timed is `updated - created` of the job it hands to the entrypoint: both its
+  database's NOW(), at the enqueue and at the dequeue that picks the job.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench import _common as common
@@ -67,20 +83,25 @@ def enqueue_one_by_one(
     return {"ms": [(claimed[pk] - created[pk]).total_seconds() * 1000 for pk in counted]}
 
 
-def enqueuer(by: str) -> Callable[[], int]:
-    """Return a call that enqueues one `noop` job in autocommit and returns its id: through
+def enqueuer(by: str, system: str = "django-leases", kind: str = "noop") -> Callable[[], int]:
+    """Return a call that enqueues one `kind` job in autocommit and returns its id: through
     `enqueue()` ("django"), or ("statement") by sending the very statements `enqueue()` sent
     for a first job (its INSERT and NOTIFY; every value of them is the same for each job, the
-    database's clock included) through the bare driver connection, without Django's Python."""
+    database's clock included) through the bare driver connection, without Django's Python.
+    pgqueuer's jobs go through its own enqueue, likewise (`bench.pgq.stream_enqueuer`)."""
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
     from django_leases.models import PaymentJob
 
+    if system == "pgqueuer":
+        from bench.pgq import stream_enqueuer
+
+        return stream_enqueuer(by)  # type: ignore[no-any-return]
     if by == "django":
-        return lambda: PaymentJob.objects.enqueue("noop", {}).pk
+        return lambda: PaymentJob.objects.enqueue(kind, {}).pk
     with CaptureQueriesContext(connection) as sent:
-        PaymentJob.objects.enqueue("noop", {})  # a job of its own, not one of the stream
+        PaymentJob.objects.enqueue(kind, {})  # a job of its own, not one of the stream
     statements = [query["sql"] for query in sent.captured_queries]
     cursor = connection.connection.cursor()
 
@@ -102,18 +123,20 @@ def enqueue_stream(
     share: int = 0,
     shares: int = 1,
     by: str = "django",
+    system: str = "django-leases",
+    latency_dir: str = "",
+    kind: str = "noop",
 ) -> dict[str, Any]:
     """Enqueue this child's `share` of `shares` of a stream of `rate` jobs a second for
     `seconds`, one per autocommit INSERT at its moment of the schedule (job n at n / rate, this
-    child taking every n with n % shares == share), from the parent's GO, `by` `enqueuer()`;
-    wait until all are completed; return each counted job's claimed_at - created_at in ms, how
-    many fell behind the schedule, and the rate this child reached."""
-    from django_leases.models import JobAttempt, PaymentJob
-
+    child taking every n with n % shares == share), from the parent's GO, `by` `enqueuer()`, for
+    `system` (jobs of `kind` on the job table); wait until all are done; return each counted
+    job's wake-up latency in ms (`started_ms`), how many fell behind the schedule, and the rate
+    this child reached."""
     total = int(rate * seconds)
     pks = []
     late = 0
-    enqueue = enqueuer(by)  # connected before the stream starts
+    enqueue = enqueuer(by, system, kind)  # connected before the stream starts
     common.wait_for_go()
     start = time.monotonic()
     for n in range(share, total, shares):
@@ -125,22 +148,80 @@ def enqueue_stream(
         pks.append(enqueue())
     reached = len(pks) / (time.monotonic() - start)
     deadline = time.monotonic() + job_timeout
-    while PaymentJob.objects.filter(pk__in=pks).exclude(status="completed").exists():
+    while not drained(system, pks):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the stream was not drained within {job_timeout:.0f}s")
         time.sleep(0.05)
     counted = pks[int(rate / shares) :]  # the first second is the workers' ramp
-    created = dict(PaymentJob.objects.filter(pk__in=counted).values_list("pk", "created_at"))
-    claimed = dict(
-        JobAttempt.objects.filter(job_ref__in=counted, attempt=1).values_list(
-            "job_ref", "claimed_at"
+    return {"ms": started_ms(system, counted, latency_dir), "late": late, "rate": reached}
+
+
+def drained(system: str, pks: list[int]) -> bool:
+    """Whether every job of `pks` is done: completed, or for pgqueuer gone from its queue."""
+    from django.db import connection
+
+    from django_leases.models import PaymentJob
+
+    if system != "pgqueuer":
+        return not PaymentJob.objects.filter(pk__in=pks).exclude(status="completed").exists()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pgqueuer WHERE id = ANY(%s)", [pks])
+        return bool(cursor.fetchone()[0] == 0)
+
+
+def started_ms(system: str, pks: list[int], latency_dir: str) -> list[float]:
+    """The wake-up latency in ms of each job of `pks`, done, on the database clock: the claim
+    (the ledger's claimed_at; the bare loop's heartbeat_at; pgqueuer's pick, from the files
+    its entrypoint wrote in `latency_dir`) minus the enqueue."""
+    from django_leases.models import JobAttempt, PaymentJob
+
+    if system == "pgqueuer":
+        noted = {}
+        for path in Path(latency_dir).glob("*.txt"):
+            for line in path.read_text().splitlines():
+                pk, ms = line.split()
+                noted[int(pk)] = float(ms)
+        return [noted[pk] for pk in pks]
+    created = dict(PaymentJob.objects.filter(pk__in=pks).values_list("pk", "created_at"))
+    if system == "bare":
+        claimed = dict(PaymentJob.objects.filter(pk__in=pks).values_list("pk", "heartbeat_at"))
+    else:
+        claimed = dict(
+            JobAttempt.objects.filter(job_ref__in=pks, attempt=1).values_list(
+                "job_ref", "claimed_at"
+            )
         )
-    )
-    return {
-        "ms": [(claimed[pk] - created[pk]).total_seconds() * 1000 for pk in counted],
-        "late": late,
-        "rate": reached,
-    }
+    return [(claimed[pk] - created[pk]).total_seconds() * 1000 for pk in pks]
+
+
+def bare_listen_loop(ttl: float) -> None:
+    """LISTEN on the enqueue channel of the job table; claim one job and complete it until none
+    is left, then wait for a notification (or 0.25 s): psycopg alone, no ledger, until killed.
+    The claim and the completion are throughput.py's bare loop's."""
+    import psycopg
+    from django.db import connection
+
+    from bench.throughput import bare_statements
+    from django_leases.models import PaymentJob
+    from django_leases.querysets.notices import notify_channel
+
+    url = os.environ["DATABASE_URL"]
+    listening = psycopg.connect(url, autocommit=True)
+    listening.execute(f'LISTEN "{notify_channel(PaymentJob)}"')
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.autocommit = True
+    owner = common.owner_name("bare")
+    claim, complete = bare_statements()
+    with raw.cursor() as cursor:
+        while True:
+            cursor.execute(claim, {"owner": owner, "ttl": ttl})
+            row = cursor.fetchone()
+            if row is not None:
+                cursor.execute(complete, {"pk": row[0], "owner": owner, "token": row[1]})
+                continue
+            for _ in listening.notifies(timeout=0.25, stop_after=1):
+                pass
 
 
 # ---- orchestration ---------------------------------------------------------------------------
@@ -193,36 +274,79 @@ def measure(
     return results
 
 
-def measure_loaded(
-    args: argparse.Namespace, procs: common.Processes, db: common.BenchDB
-) -> list[tuple[str, bool, dict[str, Any]]]:
-    common.note(f"{db.vendor}: migrating {db.name} ...")
-    procs.call(db, "bench._common:migrate")
-    notify = db.vendor == "postgresql"
-    env = common.child_env(db, BENCH_USE_NOTIFY="1" if notify else "0")
+LOAD_SYSTEMS = ("django-leases", "bare", "pgqueuer")
+PEERS_ON = "postgresql"  # the peers of --systems listen for NOTIFY: PostgreSQL only
+
+
+def system_list(text: str) -> list[str]:
+    systems = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = set(systems) - set(LOAD_SYSTEMS)
+    if unknown or not systems:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(LOAD_SYSTEMS)}; got {text!r}")
+    return systems
+
+
+def load_workers(
+    args: argparse.Namespace, procs: common.Processes, db: common.BenchDB, system: str, env: dict
+) -> list[Any]:
+    """Start `system`'s worker processes on `db`: --workers, or --bare-processes for "bare"."""
     workers = []
-    conn = db.connect()
-    try:
-        for n in range(args.workers):
+    for n in range(args.bare_processes if system == "bare" else args.workers):
+        if system == "django-leases":
             argv = common.django_command(
                 "run_lease_worker",
-                "--kind=noop",
+                f"--kind={args.kind}",
                 f"--concurrency={args.concurrency}",
                 f"--poll-interval={args.poll_interval}",
                 f"--ttl={args.ttl}",
                 f"--worker-id=bench-load-{n}",
             )
-            workers.append(procs.spawn(argv, env, f"worker-{n}", pipes=False))
-        common.poll_until(
-            db,
-            conn,
+        elif system == "bare":
+            argv = common.child_command("bench.wakeup_latency:bare_listen_loop", ttl=args.ttl)
+        else:
+            argv = [sys.executable, "-m", "bench.pgq", str(args.pgq_batch), "continuous"]
+        workers.append(procs.spawn(argv, env, f"{system}-worker-{n}", pipes=False))
+    return workers
+
+
+def wait_for_workers(
+    args: argparse.Namespace, db: common.BenchDB, conn: Any, system: str, workers: list[Any]
+) -> None:
+    """Return once every worker is up: registered (django-leases), or connected (the peers;
+    jobs of the stream's first second, the ramp, are not counted)."""
+    processes = args.bare_processes if system == "bare" else args.workers
+    if system == "django-leases":
+        ready = (
             f"SELECT CASE WHEN count(*) >= {args.workers} THEN 1 END FROM "
-            f"{common.WORKER_TABLE} WHERE worker_id LIKE 'bench-load-%'",
-            timeout=args.timeout,
-            what="worker registration",
-            watch=workers,
+            f"{common.WORKER_TABLE} WHERE worker_id LIKE 'bench-load-%'"
         )
-        common.note(f"{db.vendor}: {args.load:g} jobs/s for {args.seconds:g}s ...")
+    else:
+        ready = (
+            f"SELECT CASE WHEN count(*) >= {processes} THEN 1 END FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    common.poll_until(db, conn, ready, timeout=args.timeout, what="the workers", watch=workers)
+
+
+def measure_loaded(
+    args: argparse.Namespace, procs: common.Processes, db: common.BenchDB, system: str
+) -> list[tuple[str, str, bool, dict[str, Any]]]:
+    common.note(f"{db.vendor}: migrating {db.name} ...")
+    procs.call(db, "bench._common:migrate")
+    notify = db.vendor == "postgresql"
+    latency_dir = tempfile.mkdtemp(prefix="bench_pgq_latency_")
+    env = common.child_env(
+        db, BENCH_USE_NOTIFY="1" if notify else "0", BENCH_PGQ_LATENCY_DIR=latency_dir
+    )
+    if system == "pgqueuer":
+        install = [sys.executable, "-m", "pgqueuer", f"--pg-dsn={db.url}", "install"]
+        procs.run(install, env, "pgqueuer-install")
+    conn = db.connect()
+    workers = []
+    try:
+        workers = load_workers(args, procs, db, system, env)
+        wait_for_workers(args, db, conn, system, workers)
+        common.note(f"{db.vendor} {system}: {args.load:g} jobs/s for {args.seconds:g}s ...")
         target = "bench.wakeup_latency:enqueue_stream"
         enqueuers = [
             procs.start_barrier(
@@ -234,6 +358,9 @@ def measure_loaded(
                 share=share,
                 shares=args.enqueuers,
                 by=args.enqueue_by,
+                system=system,
+                latency_dir=latency_dir,
+                kind=args.kind if system == "django-leases" else "noop",
             )
             for share in range(args.enqueuers)
         ]
@@ -247,19 +374,35 @@ def measure_loaded(
         conn.close()
         for worker in workers:
             procs.stop(worker)
-    return [(db.vendor, notify, result)]
+        shutil.rmtree(latency_dir, ignore_errors=True)
+    return [(system, db.vendor, notify, result)]
 
 
 def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
     skipped: dict[str, str] = {}
-    results = common.each_database(
-        args, "wakeup", lambda db: measure_loaded(args, procs, db), skipped
-    )
+    results = []
+    for n in range(args.rounds):
+        turn = n % len(args.systems)  # each round starts with the next system
+        for system in args.systems[turn:] + args.systems[:turn]:
+            on = args
+            if system != "django-leases":
+                for vendor in set(args.databases) - {PEERS_ON}:
+                    skipped[f"{system} on {vendor}"] = "it listens for PostgreSQL's NOTIFY"
+                on = argparse.Namespace(**{**vars(args), "databases": [PEERS_ON]})
+                if PEERS_ON not in args.databases:
+                    continue
+            results += common.each_database(
+                on,
+                "wakeup",
+                lambda db, system=system: measure_loaded(args, procs, db, system),
+                skipped,
+            )
     rows = []
-    for vendor, notify, result in results:
+    for system, vendor, notify, result in results:
         ms = result["ms"]
         rows.append(
             [
+                system,
                 NAMES[vendor],
                 "LISTEN/NOTIFY" if notify else "polling",
                 f"{result['rate']:.0f}",
@@ -271,9 +414,22 @@ def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
         )
     common.print_table(
         f"enqueue -> claim under a steady stream of {args.load:g} jobs/s ({args.enqueuers} "
-        f"enqueuers by {args.enqueue_by}), {args.workers} workers x --concurrency "
-        f"{args.concurrency}, ms on the database clock",
-        ["database", "wake-up", "jobs/s sent", "late", "jobs", "p50", "p95", "p99", "max"],
+        f"enqueuers by {args.enqueue_by}); django-leases: {args.workers} workers x --concurrency "
+        f"{args.concurrency}, kind {args.kind}; bare: {args.bare_processes} processes; "
+        f"pgqueuer: {args.workers} workers, --batch-size {args.pgq_batch}; ms on the database "
+        "clock, one row per run",
+        [
+            "system",
+            "database",
+            "wake-up",
+            "jobs/s sent",
+            "late",
+            "jobs",
+            "p50",
+            "p95",
+            "p99",
+            "max",
+        ],
         rows,
     )
     common.print_skipped(skipped)
@@ -384,6 +540,38 @@ def main(argv: list[str] | None = None) -> int:
         type=common.positive_int,
         default=4,
         help="slots of each --load worker (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--systems",
+        type=system_list,
+        default=["django-leases"],
+        help=f"with --load: the systems to measure, comma-separated, of {', '.join(LOAD_SYSTEMS)} "
+        "(the peers on PostgreSQL only) (default: django-leases)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=common.positive_int,
+        default=1,
+        help="with --load: runs of each system, alternating (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--kind",
+        choices=("noop", "noop_batch"),
+        default="noop",
+        help="with --load: the kind django-leases' workers run, a no-op with single acks "
+        "('noop') or with batched acks ('noop_batch', as pgqueuer acks) (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--bare-processes",
+        type=common.positive_int,
+        default=4,
+        help="processes of the bare loop in --systems (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--pgq-batch",
+        type=common.positive_int,
+        default=10,
+        help="pgqueuer's --batch-size in --systems (default: %(default)r, its own)",
     )
     common.add_common_arguments(parser, databases="postgresql,sqlite,mysql", timeout=60)
     args = parser.parse_args(argv)
