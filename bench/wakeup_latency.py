@@ -332,7 +332,7 @@ def measure_loaded(
     args: argparse.Namespace, procs: common.Processes, db: common.BenchDB, system: str
 ) -> list[tuple[str, str, bool, dict[str, Any]]]:
     common.note(f"{db.vendor}: migrating {db.name} ...")
-    procs.call(db, "bench._common:migrate")
+    procs.call(db, "bench._common:migrate", then=args.after_migrate)
     notify = db.vendor == "postgresql"
     latency_dir = tempfile.mkdtemp(prefix="bench_pgq_latency_")
     env = common.child_env(
@@ -553,6 +553,13 @@ def main(argv: list[str] | None = None) -> int:
         type=common.positive_int,
         default=1,
         help="with --load: runs of each system, alternating (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--after-migrate",
+        default=None,
+        metavar="FILE",
+        help="with --load: run the SQL of FILE on each throw-away database after its migrations "
+        "(a what-if, e.g. bench/job_table_without_checks.sql on PostgreSQL)",
     )
     parser.add_argument(
         "--kind",
