@@ -35,6 +35,7 @@ own, alternating over --rounds:
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import random
 import shutil
@@ -152,8 +153,13 @@ def enqueue_stream(
         if time.monotonic() > deadline:
             raise RuntimeError(f"the stream was not drained within {job_timeout:.0f}s")
         time.sleep(0.05)
-    counted = pks[int(rate / shares) :]  # the first second is the workers' ramp
-    return {"ms": started_ms(system, counted, latency_dir), "late": late, "rate": reached}
+    ramp = int(rate / shares)  # the first second is the workers' ramp
+    return {
+        "ms": started_ms(system, pks[ramp:], latency_dir),
+        "at": [n / rate for n in range(share, total, shares)][ramp:],
+        "late": late,
+        "rate": reached,
+    }
 
 
 def drained(system: str, pks: list[int]) -> bool:
@@ -367,6 +373,7 @@ def measure_loaded(
         parts = procs.release_barrier(enqueuers, target, timeout=args.seconds + 2 * args.timeout)
         result = {
             "ms": [ms for part in parts for ms in part["ms"]],
+            "at": [at for part in parts for at in part["at"]],
             "late": sum(part["late"] for part in parts),
             "rate": sum(part["rate"] for part in parts),
         }
@@ -397,6 +404,13 @@ def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
                 lambda db, system=system: measure_loaded(args, procs, db, system),
                 skipped,
             )
+    if args.csv:
+        with open(args.csv, "w", newline="") as out:
+            writer = csv.writer(out)
+            writer.writerow(["run", "system", "database", "scheduled_s", "ms"])
+            for run, (system, vendor, _, result) in enumerate(results, 1):
+                for at, ms in sorted(zip(result["at"], result["ms"], strict=True)):
+                    writer.writerow([run, system, vendor, f"{at:.4f}", f"{ms:.3f}"])
     rows = []
     for system, vendor, notify, result in results:
         ms = result["ms"]
@@ -553,6 +567,13 @@ def main(argv: list[str] | None = None) -> int:
         type=common.positive_int,
         default=1,
         help="with --load: runs of each system, alternating (default: %(default)r)",
+    )
+    parser.add_argument(
+        "--csv",
+        default=None,
+        metavar="FILE",
+        help="with --load: write every counted job to FILE: its run, system, database, moment "
+        "in the stream's schedule (s) and latency (ms), to see when the tail happens",
     )
     parser.add_argument(
         "--after-migrate",
