@@ -15,6 +15,7 @@ set by the database's NOW(): at the enqueue, and at the dequeue that picks it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -41,23 +42,20 @@ async def create_pgqueuer() -> AsyncIterator[Any]:
         pgq = PgQueuer.from_psycopg_connection(connection)
 
         latency_dir = os.environ.get("BENCH_PGQ_LATENCY_DIR")
-        log = (
-            open(Path(latency_dir) / f"{os.getpid()}.txt", "a", buffering=1)
-            if latency_dir
-            else None
-        )  # noqa: SIM115, E501
+        with contextlib.ExitStack() as files:
+            log = None
+            if latency_dir:
+                path = Path(latency_dir) / f"{os.getpid()}.txt"
+                log = files.enter_context(open(path, "a", buffering=1))
 
-        @pgq.entrypoint(ENTRYPOINT)
-        async def noop(job: Job) -> None:
-            """Do nothing, or note the job's wake-up latency."""
-            if log is not None:
-                log.write(f"{job.id} {(job.updated - job.created).total_seconds() * 1000:.3f}\n")
+            @pgq.entrypoint(ENTRYPOINT)
+            async def noop(job: Job) -> None:
+                """Do nothing, or note the job's wake-up latency."""
+                if log is not None:
+                    ms = (job.updated - job.created).total_seconds() * 1000
+                    log.write(f"{job.id} {ms:.3f}\n")
 
-        try:
             yield pgq
-        finally:
-            if log is not None:
-                log.close()
 
 
 def work(batch_size: int, mode: str = "drain") -> None:

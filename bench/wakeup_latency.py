@@ -187,6 +187,9 @@ def started_ms(system: str, pks: list[int], latency_dir: str) -> list[float]:
             for line in path.read_text().splitlines():
                 pk, ms = line.split()
                 noted[int(pk)] = float(ms)
+        missing = [pk for pk in pks if pk not in noted]
+        if missing:
+            raise RuntimeError(f"pgqueuer ran {len(missing)} job(s) unnoted, e.g. {missing[0]}")
         return [noted[pk] for pk in pks]
     created = dict(PaymentJob.objects.filter(pk__in=pks).values_list("pk", "created_at"))
     if system == "bare":
@@ -318,17 +321,22 @@ def load_workers(
 def wait_for_workers(
     args: argparse.Namespace, db: common.BenchDB, conn: Any, system: str, workers: list[Any]
 ) -> None:
-    """Return once every worker is up: registered (django-leases), or connected (the peers;
+    """Return once every worker is up: registered (django-leases), LISTENing (bare: its
+    listening connection sends nothing else), or connected (pgqueuer: one connection a worker;
     jobs of the stream's first second, the ramp, are not counted)."""
-    processes = args.bare_processes if system == "bare" else args.workers
     if system == "django-leases":
         ready = (
             f"SELECT CASE WHEN count(*) >= {args.workers} THEN 1 END FROM "
             f"{common.WORKER_TABLE} WHERE worker_id LIKE 'bench-load-%'"
         )
+    elif system == "bare":
+        ready = (
+            f"SELECT CASE WHEN count(*) >= {args.bare_processes} THEN 1 END FROM "
+            "pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%'"
+        )
     else:
         ready = (
-            f"SELECT CASE WHEN count(*) >= {processes} THEN 1 END FROM pg_stat_activity "
+            f"SELECT CASE WHEN count(*) >= {args.workers} THEN 1 END FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
     common.poll_until(db, conn, ready, timeout=args.timeout, what="the workers", watch=workers)
