@@ -77,12 +77,19 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def vendor_list(text: str) -> list[str]:
-    vendors = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = set(vendors) - set(VENDORS)
-    if unknown or not vendors:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(VENDORS)}; got {text!r}")
-    return vendors
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """Return an argparse type that parses "a,b" into names, each one of `choices`."""
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        if not names or set(names) - set(choices):
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
+        return names
+
+    return parse
+
+
+vendor_list = choice_list(VENDORS)
 
 
 def add_common_arguments(

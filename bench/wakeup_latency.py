@@ -98,7 +98,7 @@ def enqueuer(by: str, system: str = "django-leases", kind: str = "noop") -> Call
     if system == "pgqueuer":
         from bench.pgq import stream_enqueuer
 
-        return stream_enqueuer(by)  # type: ignore[no-any-return]
+        return stream_enqueuer(by)
     if by == "django":
         return lambda: PaymentJob.objects.enqueue(kind, {}).pk
     with CaptureQueriesContext(connection) as sent:
@@ -285,14 +285,6 @@ def measure(
 
 LOAD_SYSTEMS = ("django-leases", "bare", "pgqueuer")
 PEERS_ON = "postgresql"  # the peers of --systems listen for NOTIFY: PostgreSQL only
-
-
-def system_list(text: str) -> list[str]:
-    systems = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = set(systems) - set(LOAD_SYSTEMS)
-    if unknown or not systems:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(LOAD_SYSTEMS)}; got {text!r}")
-    return systems
 
 
 def load_workers(
@@ -565,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--systems",
-        type=system_list,
+        type=common.choice_list(LOAD_SYSTEMS),
         default=["django-leases"],
         help=f"with --load: the systems to measure, comma-separated, of {', '.join(LOAD_SYSTEMS)} "
         "(the peers on PostgreSQL only) (default: django-leases)",
