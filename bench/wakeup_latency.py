@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import random
 import shutil
 import statistics
@@ -134,13 +133,13 @@ def enqueue_stream(
     `system` (jobs of `kind` on the job table); wait until all are done; return each counted
     job's wake-up latency in ms (`started_ms`), how many fell behind the schedule, and the rate
     this child reached."""
-    total = int(rate * seconds)
+    moments = range(share, int(rate * seconds), shares)  # this child's jobs of the schedule
     pks = []
     late = 0
     enqueue = enqueuer(by, system, kind)  # connected before the stream starts
     common.wait_for_go()
     start = time.monotonic()
-    for n in range(share, total, shares):
+    for n in moments:
         delay = start + n / rate - time.monotonic()
         if delay > 0:
             time.sleep(delay)
@@ -156,7 +155,7 @@ def enqueue_stream(
     ramp = int(rate / shares)  # the first second is the workers' ramp
     return {
         "ms": started_ms(system, pks[ramp:], latency_dir),
-        "at": [n / rate for n in range(share, total, shares)][ramp:],
+        "at": [n / rate for n in moments[ramp:]],
         "late": late,
         "rate": reached,
     }
@@ -204,19 +203,20 @@ def started_ms(system: str, pks: list[int], latency_dir: str) -> list[float]:
 
 
 def bare_listen_loop(ttl: float) -> None:
-    """LISTEN on the enqueue channel of the job table; claim one job and complete it until none
-    is left, then wait for a notification (or 0.25 s): psycopg alone, no ledger, until killed.
-    The claim and the completion are throughput.py's bare loop's."""
-    import psycopg
+    """Claim one job and complete it until none is left, then wait for a notification of the
+    job table's enqueue channel (or 0.25 s): psycopg alone, no ledger, until killed. The claim
+    and the completion are throughput.py's bare loop's; the wait is our worker's own
+    `Listener`, so the floor differs from the worker in what it does once woken."""
     from django.db import connection
 
     from bench.throughput import bare_statements
+    from django_leases.listener import Listener
     from django_leases.models import PaymentJob
-    from django_leases.querysets.notices import notify_channel
 
-    url = os.environ["DATABASE_URL"]
-    listening = psycopg.connect(url, autocommit=True)
-    listening.execute(f'LISTEN "{notify_channel(PaymentJob)}"')
+    listener = Listener.for_model(PaymentJob, "default")
+    if listener is None:
+        raise RuntimeError("the bare loop listens for PostgreSQL's NOTIFY")
+    listener.wait(0)  # LISTEN now, so that the parent sees this process up
     connection.ensure_connection()
     raw = connection.connection
     raw.autocommit = True
@@ -229,8 +229,7 @@ def bare_listen_loop(ttl: float) -> None:
             if row is not None:
                 cursor.execute(complete, {"pk": row[0], "owner": owner, "token": row[1]})
                 continue
-            for _ in listening.notifies(timeout=0.25, stop_after=1):
-                pass
+            listener.wait(0.25)
 
 
 # ---- orchestration ---------------------------------------------------------------------------
