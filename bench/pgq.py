@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -84,7 +84,7 @@ async def _enqueue(jobs: int) -> None:
             await queries.enqueue([ENTRYPOINT] * count, [None] * count, [0] * count)
 
 
-def stream_enqueuer(by: str) -> Any:
+def stream_enqueuer(by: str) -> Callable[[], int]:
     """Return a call that enqueues one no-op job in autocommit on a connection of its own and
     returns its id: through pgqueuer's `SyncQueries.enqueue()` ("django": the library's own
     call), or ("statement") by sending the statement that call sends, with the same

@@ -301,9 +301,21 @@ def leases_loop(batch: int, ttl: float, ledger: bool) -> dict[str, Any]:
     return {"done": done}
 
 
-def bare_statements() -> tuple[str, str]:
-    """The bare loop's claim and completion on the job table, named parameters `owner`, `ttl`
-    (the claim) and `pk`, `owner`, `token` (the completion)."""
+def bare_step(ttl: float) -> Callable[[], int | None]:
+    """Return a call that claims one job and completes it, on the Django connection made
+    persistent and autocommit: None if nothing was claimable, else the rows its completion
+    wrote (1, or 0 had it lost the job). psycopg alone, no ledger.
+
+    The claim is one conditional UPDATE (SKIP LOCKED, database clock, token and attempts
+    incremented), the completion another (restating id, status, owner and token).
+    """
+    from django.db import connection
+
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.autocommit = True
+    cursor = raw.cursor()
+    owner = common.owner_name("bare")
     table = common.JOB_TABLE
     claim = f"""
         UPDATE {table} AS job
@@ -328,32 +340,25 @@ def bare_statements() -> tuple[str, str]:
         WHERE id = %(pk)s AND status = 'processing' AND lease_owner = %(owner)s
           AND lease_token = %(token)s
     """  # noqa: S608 - a constant table name
-    return claim, complete
+
+    def step() -> int | None:
+        cursor.execute(claim, {"owner": owner, "ttl": ttl})
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        cursor.execute(complete, {"pk": row[0], "owner": owner, "token": row[1]})
+        return int(cursor.rowcount)
+
+    return step
 
 
 def bare_loop(ttl: float) -> dict[str, Any]:
-    """Claim one job, complete it, until nothing is claimable: psycopg alone, no ledger.
-
-    The floor a lease queue on this table can reach: per job one conditional UPDATE that claims
-    (SKIP LOCKED, database clock, token and attempts incremented) and one that completes
-    (restating id, status, owner and token), in autocommit, on one persistent connection.
-    """
-    from django.db import connection
-
-    connection.ensure_connection()
-    raw = connection.connection
-    raw.autocommit = True
-    owner = common.owner_name("bare")
-    claim, complete = bare_statements()
+    """Claim one job, complete it, until nothing is claimable (`bare_step`): the floor a lease
+    queue on this table can reach, in autocommit, on one persistent connection."""
+    step = bare_step(ttl)
     done = 0
-    with raw.cursor() as cursor:
-        while True:
-            cursor.execute(claim, {"owner": owner, "ttl": ttl})
-            row = cursor.fetchone()
-            if row is None:
-                break
-            cursor.execute(complete, {"pk": row[0], "owner": owner, "token": row[1]})
-            done += cursor.rowcount
+    while (completed := step()) is not None:
+        done += completed
     return {"done": done}
 
 

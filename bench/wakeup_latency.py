@@ -203,13 +203,11 @@ def started_ms(system: str, pks: list[int], latency_dir: str) -> list[float]:
 
 
 def bare_listen_loop(ttl: float) -> None:
-    """Claim one job and complete it until none is left, then wait for a notification of the
-    job table's enqueue channel (or 0.25 s): psycopg alone, no ledger, until killed. The claim
-    and the completion are throughput.py's bare loop's; the wait is our worker's own
-    `Listener`, so the floor differs from the worker in what it does once woken."""
-    from django.db import connection
-
-    from bench.throughput import bare_statements
+    """Claim one job and complete it until none is left (throughput.py's `bare_step`), then
+    wait for a notification of the job table's enqueue channel (or 0.25 s), until killed. The
+    wait is our worker's own `Listener`, so the floor differs from the worker in what it does
+    once woken."""
+    from bench.throughput import bare_step
     from django_leases.listener import Listener
     from django_leases.models import PaymentJob
 
@@ -217,18 +215,9 @@ def bare_listen_loop(ttl: float) -> None:
     if listener is None:
         raise RuntimeError("the bare loop listens for PostgreSQL's NOTIFY")
     listener.wait(0)  # LISTEN now, so that the parent sees this process up
-    connection.ensure_connection()
-    raw = connection.connection
-    raw.autocommit = True
-    owner = common.owner_name("bare")
-    claim, complete = bare_statements()
-    with raw.cursor() as cursor:
-        while True:
-            cursor.execute(claim, {"owner": owner, "ttl": ttl})
-            row = cursor.fetchone()
-            if row is not None:
-                cursor.execute(complete, {"pk": row[0], "owner": owner, "token": row[1]})
-                continue
+    step = bare_step(ttl)
+    while True:
+        if step() is None:
             listener.wait(0.25)
 
 
