@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import csv
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -322,19 +321,16 @@ def wait_for_workers(
     common.poll_until(db, conn, ready, timeout=args.timeout, what="the workers", watch=workers)
 
 
-def measure_loaded(
-    args: argparse.Namespace, procs: common.Processes, db: common.BenchDB, system: str
-) -> list[tuple[str, str, bool, dict[str, Any]]]:
-    common.note(f"{db.vendor}: migrating {db.name} ...")
-    procs.call(db, "bench._common:migrate", then=args.after_migrate)
-    notify = db.vendor == "postgresql"
-    latency_dir = tempfile.mkdtemp(prefix="bench_pgq_latency_")
-    env = common.child_env(
-        db, BENCH_USE_NOTIFY="1" if notify else "0", BENCH_PGQ_LATENCY_DIR=latency_dir
-    )
-    if system == "pgqueuer":
-        install = [sys.executable, "-m", "pgqueuer", f"--pg-dsn={db.url}", "install"]
-        procs.run(install, env, "pgqueuer-install")
+def stream_through(
+    args: argparse.Namespace,
+    procs: common.Processes,
+    db: common.BenchDB,
+    system: str,
+    env: dict[str, str],
+    latency_dir: str,
+) -> dict[str, Any]:
+    """Start `system`'s workers, run the stream through them, stop them; return the stream's
+    latencies (ms), their moments in the schedule (at), the enqueues late and the rate sent."""
     conn = db.connect()
     workers = []
     try:
@@ -359,17 +355,32 @@ def measure_loaded(
             for share in range(args.enqueuers)
         ]
         parts = procs.release_barrier(enqueuers, target, timeout=args.seconds + 2 * args.timeout)
-        result = {
-            "ms": [ms for part in parts for ms in part["ms"]],
-            "at": [at for part in parts for at in part["at"]],
-            "late": sum(part["late"] for part in parts),
-            "rate": sum(part["rate"] for part in parts),
-        }
     finally:
         conn.close()
         for worker in workers:
             procs.stop(worker)
-        shutil.rmtree(latency_dir, ignore_errors=True)
+    return {
+        "ms": [ms for part in parts for ms in part["ms"]],
+        "at": [at for part in parts for at in part["at"]],
+        "late": sum(part["late"] for part in parts),
+        "rate": sum(part["rate"] for part in parts),
+    }
+
+
+def measure_loaded(
+    args: argparse.Namespace, procs: common.Processes, db: common.BenchDB, system: str
+) -> list[tuple[str, str, bool, dict[str, Any]]]:
+    common.note(f"{db.vendor}: migrating {db.name} ...")
+    procs.call(db, "bench._common:migrate", then=args.after_migrate)
+    notify = db.vendor == "postgresql"
+    with tempfile.TemporaryDirectory(prefix="bench_pgq_latency_") as latency_dir:
+        env = common.child_env(
+            db, BENCH_USE_NOTIFY="1" if notify else "0", BENCH_PGQ_LATENCY_DIR=latency_dir
+        )
+        if system == "pgqueuer":
+            install = [sys.executable, "-m", "pgqueuer", f"--pg-dsn={db.url}", "install"]
+            procs.run(install, env, "pgqueuer-install")
+        result = stream_through(args, procs, db, system, env, latency_dir)
     return [(system, db.vendor, notify, result)]
 
 
