@@ -101,6 +101,26 @@ class Dialect:
         """The enqueue's read of the job holding `lock`, holding that row until commit."""
         return sqlite.share_lock_holder(table, lock=lock)
 
+    def gate_bounds(self, connection: DB, *, wait: float, idle: float) -> Statement | None:
+        """The statement, first in a kind's gated claim transaction, that bounds its wait for
+        a lock by `wait` seconds and its session's idle time in it by `idle` seconds; None
+        where the server has neither (SQLite: its busy timeout bounds the wait)."""
+        return None
+
+    def gate_bounds_restored(self, connection: DB) -> Statement | None:
+        """The statement, after the gated transaction, that undoes `gate_bounds()`; None if
+        they ended with the transaction."""
+        return None
+
+    def gate_busy(self, exc: BaseException) -> bool:
+        """Whether `exc` says a kind's gate was waited for past its bound."""
+        return sqlite.LOCKED.search(str(exc)) is not None
+
+    def gate_holders(self, table: str, *, job_model: str, kind: str) -> Statement | None:
+        """The read of the sessions holding a kind's gate (SQLite: the writer holding the
+        database's write lock, which it does not name); None where there is none."""
+        return None
+
     def notify(self, channel: str, message: str) -> Statement:
         raise NotSupportedError(f"{self.name} has no NOTIFY")
 
@@ -215,6 +235,15 @@ class PostgreSQL(Dialect):
 
     def notify(self, channel: str, message: str) -> Statement:
         return postgresql.notify(channel, message)
+
+    def gate_bounds(self, connection: DB, *, wait: float, idle: float) -> Statement | None:
+        return postgresql.gate_bounds(wait=wait, idle=idle)  # SET LOCAL: ends with it
+
+    def gate_busy(self, exc: BaseException) -> bool:
+        return sql.sqlstate(exc) in postgresql.LOCK_NOT_AVAILABLE
+
+    def gate_holders(self, table: str, *, job_model: str, kind: str) -> Statement | None:
+        return postgresql.gate_holders(table, job_model=job_model, kind=kind)
 
     def deadlocked(self, exc: BaseException) -> bool:
         return sql.sqlstate(exc) in postgresql.DEADLOCK_SQLSTATES
@@ -336,6 +365,18 @@ class MySQL(Dialect):
     def share_lock_holder(self, table: str, lock: str) -> Statement:
         return mysql.share_lock_holder(table, lock=lock)
 
+    def gate_bounds(self, connection: DB, *, wait: float, idle: float) -> Statement | None:
+        return mysql.gate_bounds(wait=wait, idle=idle, mariadb=_mariadb(connection))
+
+    def gate_bounds_restored(self, connection: DB) -> Statement | None:
+        return mysql.gate_bounds_restored(mariadb=_mariadb(connection))
+
+    def gate_busy(self, exc: BaseException) -> bool:
+        return bool(exc.args) and exc.args[0] == mysql.LOCK_WAIT_TIMEOUT
+
+    def gate_holders(self, table: str, *, job_model: str, kind: str) -> Statement | None:
+        return mysql.GATE_HOLDERS, None
+
     def deadlocked(self, exc: BaseException) -> bool:
         return bool(exc.args) and exc.args[0] in mysql.DEADLOCK_ERRORS
 
@@ -397,6 +438,10 @@ def deadlocked(exc: BaseException, vendor: str) -> bool:
     """Whether the `vendor` database rolled the transaction back to break a deadlock or lock
     wait (`Dialect.deadlocked`)."""
     return named(vendor).deadlocked(exc)
+
+
+def _mariadb(connection: BaseDatabaseWrapper) -> bool:
+    return bool(getattr(connection, "mysql_is_mariadb", False))
 
 
 def _match(patterns: Iterable[tuple[re.Pattern[str], str]], text: str) -> str | None:

@@ -1,5 +1,7 @@
 """Errors raised by django-leases. Every one derives from `LeaseError`."""
 
+from django.db import OperationalError
+
 
 class LeaseError(Exception):
     """Base class of every django-leases error."""
@@ -53,3 +55,12 @@ class TaskFailed(LeaseError):
 class DatabaseMisconfigured(LeaseError):
     """The database refuses the project's settings (login, database name, options, session
     clock) or lacks the tables: waiting cannot help. The message names what to fix."""
+
+
+class GateBusy(LeaseError, OperationalError):
+    """A claim waited for a throttled kind's gate longer than its bound: another session holds
+    it. The claim takes the other kinds; this kind waits for a later claim."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"the gate of job kind {kind!r} was held past the claim's wait")
+        self.kind = kind

@@ -32,6 +32,7 @@ from django_leases.handlers import get_handler, lease_length
 from django_leases.lease import Lease, Presence
 from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.base import LeaseKey
+from django_leases.querysets.claims import PartFailed, failures_of
 from django_leases.redaction import error_text
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 from django_leases.worker_stats import WorkerStats
@@ -108,9 +109,12 @@ class Outcomes:
 
     def note_claimed(self, jobs: list[Any]) -> None:
         """Count and log the jobs a claim took: counted once per kind, logged one by one only
-        at DEBUG (on the acknowledgement writer, the batched worker's critical path)."""
+        at DEBUG (on the acknowledgement writer, the batched worker's critical path); and the
+        parts of the claim that failed (`claims.Claimed`), each an outage of that part."""
         for kind, count in Counter(job.kind for job in jobs).items():
             self.stats.add("claimed", count, kind=kind)
+        for failure in failures_of(jobs):
+            self.part_failed(failure, len(jobs))
         debug = logger.isEnabledFor(logging.DEBUG)
         for job in jobs:
             self.stats.claimed_after_wait(job)
@@ -123,6 +127,28 @@ class Outcomes:
                     job.lease_token,
                     self.worker_id,
                 )
+
+    def part_failed(self, failure: PartFailed, claimed: int) -> None:
+        """Count and log a part of a claim that failed beside the others (the jobs they
+        committed, `claimed`, are run)."""
+        self.stats.add("outages")
+        if failure.holders is not None:
+            logger.warning(
+                "claim skipped job kind %s for now: %s, by %s; the other kinds were claimed "
+                "(%s job(s))",
+                failure.kind,
+                error_text(failure.error),
+                failure.holders,
+                claimed,
+            )
+            return
+        what = "the unthrottled kinds" if failure.kind is None else f"job kind {failure.kind}"
+        logger.warning(
+            "claim of %s failed: %s; the %s job(s) the rest of the claim committed are run",
+            what,
+            error_text(failure.error),
+            claimed,
+        )
 
     # ---- an attempt's end ---------------------------------------------------------------------
 

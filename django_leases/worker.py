@@ -51,6 +51,7 @@ from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, chec
 from django_leases.listener import Listener
 from django_leases.outages import check_tables, outage_or_raise
 from django_leases.outcomes import Outages, Outcomes
+from django_leases.querysets.claims import failures_of
 from django_leases.schedules import Ticker
 from django_leases.slots import Slot, SlotPool
 from django_leases.tables import leased_jobs, queue_models
@@ -327,7 +328,8 @@ class LeaseWorker:
             return None
         self._pool.hand_out(self._outcomes.leases(jobs, started))
         self._outcomes.note_claimed(jobs)
-        return len(jobs)
+        # A kind skipped (its gate held) may still have jobs: --burst waits on.
+        return None if not jobs and failures_of(jobs) else len(jobs)
 
     def stop(self) -> None:
         """Stop claiming; running jobs get the grace period. Call it from any thread; from a

@@ -2,12 +2,13 @@
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection, connections
 from django.db.models.functions import Now
 from django.test.utils import CaptureQueriesContext
 
@@ -15,13 +16,14 @@ from django_leases import job_handler
 from django_leases.exceptions import HandlerError
 from django_leases.handlers import get_handler, unregister
 from django_leases.models import JobAttempt, KindGate, KindStart, PaymentJob, Worker
-from django_leases.querysets.throttles import STALE_STARTS
-from django_leases.status import COMPLETED, PROCESSING
+from django_leases.querysets.claims import failures_of
+from django_leases.querysets.throttles import GATE_IDLE, STALE_STARTS, claim_throttled
+from django_leases.status import COMPLETED, FAILED, PENDING, PROCESSING
 from django_leases.throttles import Throttle
 from tests import throttled
-from tests.conftest import Processes, subprocess_env, wait_for
+from tests.conftest import Processes, finish, read_until, subprocess_env, wait_for
 from tests.leasing import expire, statements
-from tests.throttled import CAPPED, CAPPED_LIMIT, RATED, RATED_RATE
+from tests.throttled import CAPPED, CAPPED_LIMIT, RATED, RATED_RATE, held_gate
 
 KIND = "test_throttles_kind"
 
@@ -317,3 +319,125 @@ def test_workers__never_start_more_than_the_rate_within_any_window(processes: Pr
     assert busiest == count
     # Ten starts at three per second need three windows after the first.
     assert starts[-1] - starts[0] >= 3 * span
+
+
+# ---- a gate held by a stalled session ---------------------------------------------------------
+
+needs_row_locks = pytest.mark.skipif(
+    connection.vendor == "sqlite", reason="SQLite's one writer holds every gate at once"
+)
+
+
+def lock_wait(seconds: int) -> str:
+    """Bound this connection's lock waits by `seconds` (as a worker's statement timeout does);
+    return the statement that lifts the bound."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"SET statement_timeout = {seconds * 1000}")
+            return "SET statement_timeout = 0"
+        cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {seconds}")
+        return "SET SESSION innodb_lock_wait_timeout = DEFAULT"
+
+
+@needs_row_locks
+@pytest.mark.django_db(transaction=True)
+def test_claim__hands_out_what_it_committed_when_a_later_gate_is_held(kinds: None) -> None:
+    capped, rated, plain = enqueue(CAPPED, 2), enqueue(RATED, 2), enqueue("noop", 2)
+    # Before the fix the claim waited for the held gate until this bound, then raised with the
+    # capped jobs committed.
+    lift = lock_wait(3)
+    try:
+        with held_gate(RATED) as holder:
+            claimed = PaymentJob.objects.claim("w1", ttl=60, limit=10)
+        with connection.cursor() as cursor:
+            if connection.vendor == "mysql":  # the session's own lock wait, given back
+                cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+                assert cursor.fetchone()[0] == 3
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(lift)
+    # The capped kind's part committed before the rated kind's gate was found held; the
+    # unthrottled kinds were claimed after it.
+    assert sorted(job.pk for job in claimed) == sorted(job.pk for job in [*capped, *plain])
+    held = PaymentJob.objects.filter(status=PROCESSING, lease_owner="w1")
+    assert sorted(held.values_list("pk", flat=True)) == sorted(job.pk for job in claimed)
+    rows = PaymentJob.objects.filter(pk__in=[job.pk for job in rated])
+    assert set(rows.values_list("status", "attempts")) == {(PENDING, 0)}
+    (failure,) = failures_of(claimed)
+    assert failure.kind == RATED
+    assert failure.holders is not None and holder in failure.holders
+
+
+@needs_row_locks
+@pytest.mark.django_db(transaction=True)
+def test_claim_throttled__a_session_frozen_holding_its_gate_is_closed_by_the_server(
+    kinds: None,
+) -> None:
+    enqueue(CAPPED, 1)
+    KindGate.objects.create(job_model="django_leases.paymentjob", kind=CAPPED)
+    frozen, done = threading.Event(), threading.Event()
+    errors: list[DatabaseError] = []
+
+    def freeze(room: int) -> list[PaymentJob]:
+        frozen.set()  # the gate is locked: its client stops answering
+        done.wait(timeout=GATE_IDLE + 20)
+        return []
+
+    def claim() -> None:
+        try:
+            throttle = get_handler(CAPPED).throttle
+            assert throttle is not None
+            claim_throttled(PaymentJob.objects.all(), CAPPED, throttle, 1, freeze)
+        except DatabaseError as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    claimer = threading.Thread(target=claim)
+    claimer.start()
+    try:
+        assert frozen.wait(timeout=10)
+        # Waits up to twice the idle bound for the frozen session's gate: before the fix the
+        # gate stayed held as long as its client was frozen, and this wait failed.
+        lift = lock_wait(round(GATE_IDLE * 2))
+        try:
+            assert KindGate.objects.filter(kind=CAPPED).update(last_claim_at=Now()) == 1
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute(lift)
+        assert not done.is_set() and claimer.is_alive()  # its client is still frozen
+    finally:
+        done.set()
+        claimer.join(timeout=30)
+    assert len(errors) == 1, errors  # the server closed the frozen session: nothing committed
+    assert PaymentJob.objects.filter(kind=CAPPED, status=PENDING, attempts=0).count() == 1
+
+
+# The issue's case: the worker claims a limited kind, then finds the next kind's gate held by a
+# stalled session. Before the fix the claim raised after the limited kind's jobs committed, so
+# they were never run: they ran out of attempts unrun, and the plain kind's jobs never ran.
+@needs_row_locks
+@pytest.mark.django_db(transaction=True)
+def test_worker__runs_every_job_it_claimed_and_the_other_kinds_while_a_gate_is_held(
+    processes: Processes,
+) -> None:
+    capped = [
+        PaymentJob.objects.enqueue(CAPPED, {"seconds": 0.05}, max_attempts=3) for _ in range(3)
+    ]
+    rated = enqueue(RATED, 3)
+    plain = enqueue("noop", 5)
+    with held_gate(RATED) as holder:
+        worker = throttled_worker(
+            processes, "w1", "--kind", CAPPED, RATED, "noop", "--ttl", "4", "--heartbeat", "1"
+        )
+        wait_for(lambda: finished(CAPPED, len(capped)) and finished("noop", len(plain)))
+        logged = read_until(worker, f"claim skipped job kind {RATED}", holder)
+        os.killpg(worker.pid, signal.SIGTERM)
+        logged += finish(worker)
+    assert "database unavailable" not in logged
+    assert not PaymentJob.objects.filter(status=FAILED).exists()
+    # Every capped job ran once, on its first attempt.
+    attempts = JobAttempt.objects.filter(job_ref__in=[job.pk for job in capped])
+    assert sorted(attempts.values_list("attempt", "outcome")) == [(1, "completed")] * 3
+    rows = PaymentJob.objects.filter(pk__in=[job.pk for job in rated])
+    assert set(rows.values_list("status", "attempts")) == {(PENDING, 0)}

@@ -9,6 +9,8 @@ take its gate.
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import django
@@ -42,6 +44,37 @@ def unregister() -> None:
 
     unregister(CAPPED)
     unregister(RATED)
+
+
+HOLDER = "silent-gate-holder"
+
+
+@contextmanager
+def held_gate(kind: str) -> Iterator[str]:
+    """Hold the gate of `kind` from a connection of its own that then sits idle in its
+    transaction, as a frozen or partitioned client would; yield what names that session in a
+    claim's log (PostgreSQL: its application_name; MariaDB: its thread id). Not on SQLite: a
+    writer there holds the whole database."""
+    from django.db import connections
+
+    from django_leases.models import KindGate
+
+    KindGate.objects.get_or_create(job_model="django_leases.paymentjob", kind=kind)
+    holder = connections.create_connection("default")
+    try:
+        holder.set_autocommit(False)
+        with holder.cursor() as cursor:
+            if holder.vendor == "postgresql":
+                cursor.execute("SET application_name = %s", [HOLDER])
+                name = f"application_name={HOLDER!r}"
+            else:
+                cursor.execute("SELECT CONNECTION_ID()")
+                name = f"thread_id={cursor.fetchone()[0]}"
+            table = holder.ops.quote_name(KindGate._meta.db_table)
+            cursor.execute(f"UPDATE {table} SET last_claim_at = NULL WHERE kind = %s", [kind])  # noqa: S608
+        yield name
+    finally:
+        holder.close()  # its transaction ends with the session
 
 
 def main() -> None:

@@ -17,20 +17,20 @@ to models) and `in_claim_order()`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import ClaimPath, Dialect, dialect_of
-from django_leases.exceptions import InvalidArgument
+from django_leases.exceptions import GateBusy, InvalidArgument
 from django_leases.handlers import Lengths, lease_lengths_of, throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind
 from django_leases.passes import in_passes
@@ -47,7 +47,7 @@ from django_leases.querysets.base import (
 )
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
 from django_leases.querysets.reads import takeover_guard_of
-from django_leases.querysets.throttles import claim_throttled
+from django_leases.querysets.throttles import claim_throttled, kind_gates
 from django_leases.sql import merge
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import PROCESSING, StuckPolicy
@@ -97,7 +97,8 @@ def claim(
     (or its kind's `ttl=`, `@job_handler`) from the database clock, in the statement that
     decides ownership, and an open row in the
     attempt ledger in the same transaction. Kinds with a `limit=` or `rate=` are claimed
-    first, each in a transaction of its own within its throttle (`throttles.claim_throttled()`).
+    first, each in a transaction of its own within its throttle (`throttles.claim_throttled()`),
+    then the others; every job committed is returned even if a later part fails (`Claimed`).
     A claim takes from the whole queue: on a filtered queryset it raises `InvalidArgument`
     (choose with `kinds=`, or one job with `claim_job(pk)`).
     """
@@ -108,15 +109,72 @@ def claim(
     path = claim_route(qs.model, qs.db).path
     if not throttled:
         return claim_by_path(qs, owner, seconds, limit, kinds, path)
-    jobs: list[J] = []
+    claimed: Claimed[J] = Claimed()
     for kind, throttle in throttled.items():
-        if len(jobs) < limit:
-            take = partial(claim_by_path, qs, owner, seconds, kinds=[kind], path=path, atomic=False)
-            jobs += claim_throttled(qs, kind, throttle, limit - len(jobs), take)
+        take = partial(claim_by_path, qs, owner, seconds, kinds=[kind], path=path, atomic=False)
+        claimed.part(qs, kind, limit, partial(claim_throttled, qs, kind, throttle, take=take))
     rest: Wanted = AllBut(throttled) if kinds is None else [k for k in kinds if k not in throttled]
-    if len(jobs) < limit and rest != []:
-        jobs += claim_by_path(qs, owner, seconds, limit - len(jobs), rest, path)
-    return jobs
+    if rest != []:
+        take_rest = partial(claim_by_path, qs, owner, seconds, kinds=rest, path=path)
+        claimed.part(qs, None, limit, take_rest)
+    return claimed.handed_out()
+
+
+class PartFailed(NamedTuple):
+    """A part of a claim that failed while another part answered (`Claimed`)."""
+
+    kind: str | None
+    """The throttled kind it claimed; None: the unthrottled kinds."""
+    error: DatabaseError
+    holders: str | None
+    """For a gate held too long (`GateBusy`): who holds it, as the database tells."""
+
+
+class Claimed(list[J]):
+    """The jobs a claim of throttled kinds committed, part by part (each throttled kind in a
+    transaction of its own, then the other kinds), and the parts that failed.
+
+    A claim hands out every job it committed, whatever fails after: a part that raises is
+    kept in `failures` for the caller to report, and the next part is still claimed. A kind
+    whose gate is held too long (`GateBusy`) is skipped this way even if nothing else answered.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: list[PartFailed] = []
+        self.answered = 0
+
+    def part(
+        self, qs: LeaseQuerySet[J], kind: str | None, limit: int, take: Callable[[int], list[J]]
+    ) -> None:
+        """Claim the room left of `limit` with `take(room)`, the part of `kind`."""
+        room = limit - len(self)
+        if room <= 0:
+            return
+        try:
+            jobs = take(room)
+        except DatabaseError as exc:
+            holders = None
+            if isinstance(exc, GateBusy) and kind is not None:
+                holders = kind_gates(qs.db).holders(qs.model, kind)
+            self.failures.append(PartFailed(kind, exc, holders))
+            return
+        self.answered += 1
+        self += jobs
+
+    def handed_out(self) -> Claimed[J]:
+        """Return the jobs; raise the first error other than a busy gate if no part answered
+        (nothing was committed: the claim failed as a whole)."""
+        if not self.answered:
+            errors = [f.error for f in self.failures if not isinstance(f.error, GateBusy)]
+            if errors:
+                raise errors[0]
+        return self
+
+
+def failures_of(jobs: list[Any]) -> list[PartFailed]:
+    """The failed parts of a claim that returned `jobs` (`Claimed`)."""
+    return jobs.failures if isinstance(jobs, Claimed) else []
 
 
 def throttles_of(kinds: list[str] | None) -> dict[str, Throttle]:

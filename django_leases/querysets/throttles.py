@@ -9,18 +9,27 @@ left, and records its starts: the check and the claim are one decision. Each lat
 of the transaction sees what earlier holders of the lock committed (READ COMMITTED takes a new
 snapshot per statement; SQLite has one writer), and a lock holder's claim times follow the
 previous holder's commit, so the starts of one window are never spread over two decisions.
+
+A gate is held only as long as the server lets a claim wait and idle: the gated transaction
+waits at most GATE_WAIT for a lock, then fails with `GateBusy` (its kind is skipped, the others
+are claimed), and a session of ours that freezes inside it (a paused or partitioned client) is
+closed by the server once it idled GATE_IDLE (PostgreSQL, MariaDB), which lets the gate go.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from django.apps import apps
-from django.db import models, transaction
+from django.db import DatabaseError, OperationalError, connections, models, transaction
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import Now
 
+from django_leases.dialects import dialect_of
+from django_leases.exceptions import GateBusy
 from django_leases.querysets.base import ago, retry_deadlocks
 from django_leases.querysets.ledger import J
 from django_leases.status import PROCESSING
@@ -33,21 +42,82 @@ if TYPE_CHECKING:
 STALE_STARTS = 32
 """Start rows past their window that a claim lets wait before it deletes them all."""
 
+GATE_WAIT = 1.0
+"""Seconds a claim waits for a kind's gate (held by another claim for milliseconds, or by a
+stalled session) before it skips the kind for this turn."""
+GATE_IDLE = 5.0
+"""Seconds a session may sit idle inside its gated claim transaction before the server closes
+it, releasing the gate: a claim's statements follow each other within milliseconds."""
+
 
 class KindGateQuerySet(models.QuerySet[Any]):
     """One row per job table and throttled kind: what its claims lock, and their starts."""
 
     def lock(self, job_model: type[models.Model], kind: str) -> None:
         """Lock the gate row of `kind` on `job_model`'s table until commit (creating it the
-        first time)."""
+        first time), waiting at most GATE_WAIT, and bound the transaction's idle time by
+        GATE_IDLE (`bounded()` undoes what outlives the transaction).
+
+        Raises:
+            GateBusy: the gate was held past GATE_WAIT.
+        """
+        connection = connections[self.db]
+        dialect = dialect_of(connection)
+        bounds = dialect.gate_bounds(connection, wait=GATE_WAIT, idle=GATE_IDLE)
         row = self.of(job_model, kind)
-        # An UPDATE, not SELECT FOR UPDATE: SQLite has no row locks, and only a write takes
-        # its write lock at once (a read first would fail to upgrade under a concurrent writer).
-        if not row.update(last_claim_at=Now()):
-            # ON CONFLICT DO NOTHING / INSERT IGNORE: a racing first claim creates it too.
-            label = job_model._meta.label_lower
-            self.bulk_create([self.model(job_model=label, kind=kind)], ignore_conflicts=True)
-            row.update(last_claim_at=Now())
+        try:
+            if bounds is not None:
+                with connection.cursor() as cursor:
+                    cursor.execute(*bounds)
+            # An UPDATE, not SELECT FOR UPDATE: SQLite has no row locks, and only a write takes
+            # its write lock at once (a read first would fail to upgrade under a concurrent
+            # writer).
+            if not row.update(last_claim_at=Now()):
+                # ON CONFLICT DO NOTHING / INSERT IGNORE: a racing first claim creates it too.
+                label = job_model._meta.label_lower
+                self.bulk_create([self.model(job_model=label, kind=kind)], ignore_conflicts=True)
+                row.update(last_claim_at=Now())
+        except OperationalError as exc:
+            if dialect.gate_busy(exc):
+                raise GateBusy(kind) from exc
+            raise
+
+    @contextmanager
+    def bounded(self) -> Iterator[None]:
+        """Around a gated transaction: give the session back what `lock()`'s bounds changed
+        beyond the transaction (MariaDB/MySQL's session values)."""
+        try:
+            yield
+        finally:
+            connection = connections[self.db]
+            restore = dialect_of(connection).gate_bounds_restored(connection)
+            # A session the error ended has nothing to restore.
+            if restore is not None and connection.connection is not None:
+                with suppress(DatabaseError), connection.cursor() as cursor:
+                    cursor.execute(*restore)
+
+    def holders(self, job_model: type[models.Model], kind: str) -> str:
+        """Say which sessions hold the gate of `kind` on `job_model`'s table, as the database
+        tells it, for the log of a claim that waited for it too long."""
+        connection = connections[self.db]
+        table = connection.ops.quote_name(self.model._meta.db_table)
+        label = job_model._meta.label_lower
+        statement = dialect_of(connection).gate_holders(table, job_model=label, kind=kind)
+        if statement is None:
+            return "another connection, holding the database's write lock"
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(*statement)
+                names = [column[0] for column in cursor.description]
+                rows = cursor.fetchall()
+        except DatabaseError as exc:
+            return f"its holder could not be read ({' '.join(str(exc).split())})"
+        if not rows:
+            return "its holder has let go since"
+        return "; ".join(
+            " ".join(f"{name}={shown_value(value)}" for name, value in zip(names, row, strict=True))
+            for row in rows
+        )
 
     def of(self, job_model: type[models.Model], kind: str) -> KindGateQuerySet:
         """The gate row of `kind` on `job_model`'s table."""
@@ -84,7 +154,7 @@ def claim_throttled(
 ) -> list[J]:
     """Claim at most `limit` jobs of `kind` with `take(room)`, within its throttle."""
     gates = kind_gates(qs.db)
-    with transaction.atomic(using=qs.db):
+    with gates.bounded(), transaction.atomic(using=qs.db):
         gates.lock(qs.model, kind)
         room, stale, gate = limit, 0, 0
         if throttle.limit is not None:
@@ -108,3 +178,10 @@ def kind_gates(using: str) -> KindGateQuerySet:
     # From the app registry: models.py is built on this package, never imported by it.
     gates: Any = apps.get_model("django_leases", "KindGate")
     return cast(KindGateQuerySet, gates._default_manager.db_manager(using).all())
+
+
+def shown_value(value: Any) -> str:
+    """A value of a gate holder's row, as a log line shows it: one line, text quoted."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return repr(value) if isinstance(value, str | bytes) else str(value)

@@ -12,6 +12,7 @@ how many ids), so it is built once per shape and cached: compiling the ORM's sta
 call was most of a MariaDB worker's CPU.
 """
 
+import math
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
@@ -285,6 +286,55 @@ INSERT = InsertDialect(
 index refuses, and RETURNING (MariaDB 10.5+, not MySQL) returns only the rows inserted (tested
 on MariaDB 10.11). IGNORE would also turn a bad value into a warning: the enqueue has checked
 every value before."""
+
+
+LOCK_WAIT_TIMEOUT = 1205
+"""innodb_lock_wait_timeout passed: a gate's lock was waited for too long."""
+
+
+def gate_bounds(*, wait: float, idle: float, mariadb: bool) -> tuple[str, Params]:
+    """Return the statement that bounds, on this session until `gate_bounds_restored()`, how long
+    it waits for a row lock (`wait` seconds) and (MariaDB: MySQL has no such bound) how long it
+    may sit idle in a transaction (`idle` seconds) before the server closes it and so releases a
+    gate; the session's own values are kept in user variables for the restore."""
+    params = {"wait": max(1, math.ceil(wait)), "idle": max(1, math.ceil(idle))}
+    if not mariadb:
+        sql = (
+            "SET @leases_lock_wait = @@SESSION.innodb_lock_wait_timeout,"
+            " SESSION innodb_lock_wait_timeout = %(wait)s"
+        )
+        return sql, {"wait": params["wait"]}
+    sql = (
+        "SET @leases_lock_wait = @@SESSION.innodb_lock_wait_timeout,"
+        " @leases_idle = @@SESSION.idle_transaction_timeout,"
+        " SESSION innodb_lock_wait_timeout = %(wait)s,"
+        " SESSION idle_transaction_timeout = %(idle)s"
+    )
+    return sql, params
+
+
+def gate_bounds_restored(*, mariadb: bool) -> tuple[str, Params]:
+    """Return the statement that gives the session back the values `gate_bounds()` kept."""
+    if not mariadb:
+        return "SET SESSION innodb_lock_wait_timeout = @leases_lock_wait", {}
+    sql = (
+        "SET SESSION innodb_lock_wait_timeout = @leases_lock_wait,"
+        " SESSION idle_transaction_timeout = @leases_idle"
+    )
+    return sql, {}
+
+
+GATE_HOLDERS = (
+    "SELECT t.trx_mysql_thread_id AS thread_id, p.USER AS user, p.HOST AS host,"
+    " p.COMMAND AS command, t.trx_state, t.trx_started, t.trx_rows_locked"
+    " FROM information_schema.INNODB_TRX AS t"
+    " LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id"
+    " WHERE t.trx_mysql_thread_id <> CONNECTION_ID() AND t.trx_rows_locked > 0"
+    " ORDER BY t.trx_started LIMIT 5"
+)
+"""The transactions holding row locks, oldest first: InnoDB names the holder of one row only to
+a transaction waiting for it (INNODB_LOCK_WAITS), and the claim's wait has ended when it asks.
+Needs the PROCESS privilege."""
 
 
 SESSION_CLOCK = (

@@ -384,6 +384,40 @@ def statement_timeout(milliseconds: int) -> str:
     return f"SET LOCAL statement_timeout = {int(milliseconds)}; "
 
 
+def gate_bounds(*, wait: float, idle: float) -> tuple[str, Params]:
+    """Return the statement that bounds, for the rest of a kind's gated claim transaction, how
+    long it waits for a lock (`wait` seconds) and how long its session may sit idle in it
+    (`idle` seconds) before the server ends the session and so releases the gate."""
+    sql = (
+        "SELECT set_config('lock_timeout', %(wait)s, true),"
+        " set_config('idle_in_transaction_session_timeout', %(idle)s, true)"
+    )
+    return sql, {"wait": str(round(wait * 1000)), "idle": str(round(idle * 1000))}
+
+
+LOCK_NOT_AVAILABLE = ("55P03", "57014")
+"""lock_not_available (`lock_timeout`), query_canceled (`statement_timeout`): a gate's lock
+was waited for too long."""
+
+
+def gate_holders(table: str, *, job_model: str, kind: str) -> tuple[str, Params]:
+    """Return the read of the sessions holding the gate row of `kind` on `job_model`'s table.
+
+    Asked once the wait has ended, when `pg_blocking_pids()` of the waiter is empty: a locked
+    row's `xmax` is the locking transaction's id, whose lock on itself names its session."""
+    sql = (
+        "SELECT a.pid, a.application_name, host(a.client_addr) AS client_addr, a.state,"  # noqa: S608
+        " a.xact_start, a.state_change"
+        f" FROM {table} AS g"
+        " JOIN pg_locks AS l ON l.locktype = 'transactionid' AND l.granted"
+        " AND l.transactionid = g.xmax"
+        " JOIN pg_stat_activity AS a ON a.pid = l.pid"
+        " WHERE g.job_model = %(job_model)s AND g.kind = %(kind)s AND a.pid <> pg_backend_pid()"
+        " ORDER BY a.xact_start"
+    )
+    return sql, {"job_model": job_model, "kind": kind}
+
+
 OUTSIDE_TRANSACTIONS = re.compile(
     r"\s*(VACUUM|CLUSTER|REINDEX|CHECKPOINT|BEGIN|START|COMMIT|END|ROLLBACK|ABORT"
     r"|(CREATE|DROP|ALTER)\s+(DATABASE|TABLESPACE|SYSTEM|SUBSCRIPTION)"

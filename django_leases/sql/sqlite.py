@@ -158,6 +158,9 @@ def _picked(table: str, where: str, order: str, kinds: tuple[str, Params]) -> st
     return f"SELECT key_id FROM ({arms}) ORDER BY {by_key} LIMIT %(limit)s"  # noqa: S608
 
 
+LOCKED = re.compile(r"database (table )?is locked")
+"""SQLite's error once its busy timeout passed while another connection held the write lock."""
+
 # What a missing table or database file says (`dialects.SQLite.misconfiguration`).
 MISCONFIGURED_MESSAGES = (
     (re.compile(r"no such (table|column)"), MIGRATE),
