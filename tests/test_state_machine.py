@@ -54,6 +54,12 @@ jobs of the kind processing at once, across every worker" holds:
     operator requeues it (`cancel()` reaches running jobs; a review-policy job past its
     checkpoint goes to review instead).
 
+15. Nothing committed is lost: every attempt in the ledger (so every attempt that ends failed or
+    rescued) is one the API call that made it handed out, even when a gate of a later part of
+    its claim was held by a silent session (a second connection idle in its transaction). A
+    fourth kind, throttled and never enqueued, gives a claim of every kind such a later part;
+    while a gate is held, its kind is skipped and every other kind is still claimed.
+
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
 pass as the database clock moves) through passes of the schedulers, ticks passing (or the clock
@@ -92,7 +98,7 @@ from itertools import combinations, takewhile
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connection, connections
 from django.db.models import BooleanField, Case, F, QuerySet, When
 from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
@@ -116,6 +122,7 @@ from django_leases.exceptions import Cancelled, LeaseLost
 from django_leases.handlers import unregister
 from django_leases.lease import Lease, Presence
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, ScheduleState, Worker
+from django_leases.querysets.claims import failures_of
 from django_leases.schedules import Schedule, configured, database_now, enqueue_due
 from django_leases.status import (
     CANCELLED,
@@ -129,6 +136,7 @@ from django_leases.status import (
 from django_leases.watcher import StuckWatcher
 
 from .leasing import database_micros
+from .throttled import held_gate
 from .ticking import DatabaseClock, prune_finished, run, tick_of, ticks_pass
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -164,6 +172,12 @@ LEASE_SETTINGS = {
 }
 # A kind with `limit=LIMIT`, registered for the machine's run only (its handler never runs).
 LIMITED_KIND, LIMIT = "capped_payout", 2
+# A throttled kind with no jobs, claimed after LIMITED_KIND: its held gate fails a claim's later
+# part (15). Each held gate costs a claim GATE_WAIT, so a part (shard) holds a few only.
+SILENT_KIND = "capped_refund"
+GATES_HELD_PER_PART = 8
+GATES_HELD: Counter[str] = Counter()
+"""Gates held so far, per part (`run_shard()`'s machine class)."""
 KINDS = st.sampled_from([RETRY_KIND, REVIEW_KIND, LIMITED_KIND])
 CLAIM_KINDS = st.sampled_from(
     [None, [RETRY_KIND], [REVIEW_KIND], [LIMITED_KIND], [LIMITED_KIND, RETRY_KIND]]
@@ -579,6 +593,42 @@ class LeaseMachine(RuleBasedStateMachine):
         claimed = PaymentJob.objects.claim(owner, ttl=TTL, limit=limit, kinds=kinds)
         assert len(claimed) == count
         assert {job.pk for job in claimed} <= wanted
+        self._acquired(claimed, owner, before, started)
+        return multiple(*claimed)
+
+    @precondition(
+        lambda self: (
+            connection.vendor != "sqlite"  # one writer: a held write lock stops every kind
+            and GATES_HELD[type(self).__name__] < GATES_HELD_PER_PART
+        )
+    )
+    @rule(
+        target=leases,
+        owner=st.sampled_from(OWNERS),
+        limit=st.integers(1, 3),
+        kinds=st.sampled_from([None, [LIMITED_KIND, RETRY_KIND]]),
+        gate=st.sampled_from([LIMITED_KIND, SILENT_KIND]),
+    )
+    def claim_while_a_silent_session_holds_a_gate(
+        self, owner: str, limit: int, kinds: list[str] | None, gate: str
+    ) -> Any:
+        """15. The held gate's kind is skipped, every other kind is claimed; with SILENT_KIND's
+        held, the claim fails after the limited kind's part committed, and hands that out."""
+        GATES_HELD[type(self).__name__] += 1
+        before = job_rows()
+        open_kinds = {pk: row for pk, row in before.items() if row["kind"] != gate}
+        count, wanted = claims_expected(open_kinds, kinds, limit)
+        started = self.clocks[owner]()
+        with held_gate(gate) as holder:
+            claimed = PaymentJob.objects.claim(owner, ttl=TTL, limit=limit, kinds=kinds)
+        assert len(claimed) == count
+        assert {job.pk for job in claimed} <= wanted
+        # Throttled kinds are claimed in name order (LIMITED_KIND first), each while the claim
+        # has room left; the held one is reported skipped, naming the silent session.
+        limited = sum(job.kind == LIMITED_KIND for job in claimed)
+        reached = (kinds is None or gate in kinds) and (gate == LIMITED_KIND or limited < limit)
+        skipped = [(f.kind, holder in (f.holders or "")) for f in failures_of(claimed)]
+        assert skipped == ([(gate, True)] if reached else []), skipped
         self._acquired(claimed, owner, before, started)
         return multiple(*claimed)
 
@@ -1109,6 +1159,9 @@ class LeaseMachine(RuleBasedStateMachine):
             # 3. One ledger row per acquisition, numbered 1..n.
             assert [row["attempt"] for row in rows] == list(range(1, job["attempts"] + 1))
             assert job["attempts"] == self.acquisitions[pk]
+            # 15. Every attempt was handed out by the call that made it.
+            unseen = [row["token"] for row in rows if row["token"] not in self.issued.get(pk, ())]
+            assert not unseen, f"job {pk} has attempts of tokens {unseen} no call handed out"
             # 2. Tokens rise with attempts, a job's token never goes back.
             tokens = [row["token"] for row in rows]
             assert tokens == sorted(set(tokens)), f"job {pk} reused or reordered tokens {tokens}"
@@ -1380,8 +1433,10 @@ def quiet_watcher() -> Iterator[None]:
 def limited_kind() -> Iterator[None]:
     """Register the limited kind's handler (and so its limit) for one run of the machine."""
     job_handler(LIMITED_KIND, limit=LIMIT)(never_runs)
+    job_handler(SILENT_KIND, limit=LIMIT)(never_runs)
     yield
     unregister(LIMITED_KIND)
+    unregister(SILENT_KIND)
 
 
 def never_runs(job: Any, lease: Any) -> None:
