@@ -20,7 +20,7 @@ from django.db.models.sql.compiler import SQLCompiler
 
 from django_leases.dialects import dialect_of
 from django_leases.handlers import Lengths
-from django_leases.limits import JOB_ID, OWNER_LENGTH, check_int, check_text
+from django_leases.limits import JOB_ID, OWNER_LENGTH, check_int, check_word
 
 DEADLOCK_RETRIES = 5
 
@@ -226,8 +226,9 @@ def retry_deadlocks(method: F_) -> F_:
 
 
 def check_owner(owner: str) -> None:
-    """Refuse an owner (a worker id) that does not fit the lease_owner column."""
-    check_text(owner, "owner", OWNER_LENGTH)
+    """Refuse an owner (a worker id) that does not fit the lease_owner column, or that holds
+    whitespace or control characters (it is logged as `owner=<id>`)."""
+    check_word(owner, "owner", OWNER_LENGTH)
 
 
 def lease_keys(leases: Iterable[LeaseKey] | Mapping[int, int]) -> list[LeaseKey]:
