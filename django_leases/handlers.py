@@ -266,7 +266,7 @@ def lease_length(kind: str, default: float) -> float:
     return _lease_lengths.get(kind, default)
 
 
-def shortest_lease(kinds: Iterable[str], default: float) -> float:
+def min_lease(kinds: Iterable[str], default: float) -> float:
     """Return the length in seconds of the shortest lease of `kinds` (each its `ttl=`, else
     `default`): a worker serving them bounds its waits on the database by it (NETWORK_TIMEOUT
     "auto"), so that a blocked renewal fails in time to be retried before that lease ends."""

@@ -133,6 +133,12 @@ def check_kind(value: Any, name: str = "kind") -> str:
     return check_word(value, name, KIND_LENGTH)
 
 
+def check_owner(value: Any, name: str = "owner") -> str:
+    """Return `value` if it is a worker id (a lease owner): a word (`check_word()`) that fits the
+    lease_owner column."""
+    return check_word(value, name, OWNER_LENGTH)
+
+
 def check_word(value: Any, name: str, max_length: int) -> str:
     """Return `value` if it is a string of 1 to `max_length` characters without whitespace or
     control characters; raise `InvalidArgument` naming `name` otherwise.
