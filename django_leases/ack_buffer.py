@@ -16,7 +16,7 @@ from django.db import DatabaseError, connections
 
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden
-from django_leases.handlers import ACK_BATCH, get_handler
+from django_leases.handlers import ACK_BATCH, get_handler, min_lease
 from django_leases.lease import Lease
 from django_leases.limits import ACK_BATCH_SIZE
 from django_leases.outcomes import TRANSIENT, Outcomes
@@ -184,7 +184,7 @@ class AckWriter:
 
     def _ack_loop(self) -> None:
         """Write buffered completions batch by batch until the buffer is closed and empty."""
-        harden(connections[self.using], self.outcomes.ttl)
+        harden(connections[self.using], min_lease(self.kinds, self.outcomes.ttl))
         try:
             while (batch := self.buffer.take()) is not None:
                 short = False

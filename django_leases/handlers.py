@@ -3,7 +3,7 @@
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -264,6 +264,13 @@ def lease_lengths_of(
 def lease_length(kind: str, default: float) -> float:
     """Return the length of a lease of `kind` in seconds: its `ttl=`, else `default`."""
     return _lease_lengths.get(kind, default)
+
+
+def min_lease(kinds: Iterable[str], default: float) -> float:
+    """Return the length in seconds of the shortest lease of `kinds` (each its `ttl=`, else
+    `default`): a worker serving them bounds its waits on the database by it (NETWORK_TIMEOUT
+    "auto"), so that a blocked renewal fails in time to be retried before that lease ends."""
+    return min((lease_length(kind, default) for kind in kinds), default=default)
 
 
 def near_window(kind: str, seconds: float) -> float:

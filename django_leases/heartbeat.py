@@ -16,6 +16,7 @@ from django.db import DatabaseError, close_old_connections, connections
 
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import WorkerIdTaken
+from django_leases.handlers import min_lease
 from django_leases.lease import Lease, Presence
 from django_leases.outages import outage_or_raise
 from django_leases.outcomes import TRANSIENT, Outages
@@ -146,7 +147,7 @@ class Heartbeat:
         self._thread.start()
 
     def _heartbeat_loop(self) -> None:
-        harden(connections[self.using], self.ttl)
+        harden(connections[self.using], min_lease(self.row.kinds, self.ttl))
         clock = threading.Thread(
             target=self._lease_clock, args=(threading.current_thread(),), daemon=True
         )

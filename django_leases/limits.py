@@ -128,13 +128,25 @@ def check_text(value: Any, name: str, max_length: int, *, blank: bool = False) -
 
 
 def check_kind(value: Any, name: str = "kind") -> str:
-    """Return `value` if it is a job kind: a string of 1 to `KIND_LENGTH` characters without
-    whitespace or control characters; raise `InvalidArgument` naming `name` otherwise.
+    """Return `value` if it is a job kind: a word (`check_word()`) of at most `KIND_LENGTH`
+    characters."""
+    return check_word(value, name, KIND_LENGTH)
 
-    Kinds are logged as `kind=<kind>`: a space or a line break in one would split a log line,
-    or forge a key=value of its own.
+
+def check_owner(value: Any, name: str = "owner") -> str:
+    """Return `value` if it is a worker id (a lease owner): a word (`check_word()`) that fits the
+    lease_owner column."""
+    return check_word(value, name, OWNER_LENGTH)
+
+
+def check_word(value: Any, name: str, max_length: int) -> str:
+    """Return `value` if it is a string of 1 to `max_length` characters without whitespace or
+    control characters; raise `InvalidArgument` naming `name` otherwise.
+
+    Kinds and worker ids are logged as `kind=<kind>`, `owner=<id>`: a space or a line break in
+    one would split a log line, or forge a key=value of its own.
     """
-    check_text(value, name, KIND_LENGTH)
+    check_text(value, name, max_length)
     for position, char in enumerate(value):
         if char.isspace() or unicodedata.category(char) in ("Cc", "Cf"):
             raise InvalidArgument(

@@ -341,7 +341,14 @@ class Outcomes:
             self.fenced_out(lease, "lost before a slot started it", recorded=True)
 
     def abandon(self, lease: Lease, why: str) -> None:
-        """Stop renewing `lease`: it expires and the watcher applies the kind's policy."""
+        """Stop renewing `lease`: it expires and the watcher applies the kind's policy.
+
+        A lease already lost (or cancelled) has nothing left to expire: it is counted and
+        logged as such, since its handler never ends the attempt that would have counted it."""
+        if lease.lost:
+            reason = f"{why}, its lease lost before: {lease.lost_reason}"
+            self.fenced_out(lease, reason, recorded=True)  # nothing written, nobody refused
+            return
         lease.mark_lost(f"abandoned: {why}")
         self.stats.add("abandoned", kind=lease.job.kind)
         logger.warning(

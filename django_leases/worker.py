@@ -44,10 +44,10 @@ from django_leases.completers import choose
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import DatabaseMisconfigured
-from django_leases.handlers import ACK_BATCH, get_handler, lease_length, registered_kinds
+from django_leases.handlers import ACK_BATCH, get_handler, lease_length, min_lease, registered_kinds
 from django_leases.heartbeat import Heartbeat, RegistryRow
 from django_leases.lease import Lease, Presence
-from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, check_kind
+from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, check_kind, check_owner
 from django_leases.listener import Listener
 from django_leases.outages import check_tables, outage_or_raise
 from django_leases.outcomes import Outages, Outcomes
@@ -97,7 +97,7 @@ class LeaseWorker:
     ) -> None:
         jobs = leased_jobs(model, using)
         self.model: type[Any] = jobs.model
-        self.worker_id = worker_id or default_worker_id()
+        self.worker_id = check_owner(worker_id, "worker_id") if worker_id else default_worker_id()
         self.ttl = to_seconds(ttl if ttl is not None else leases_settings.TTL, "ttl", MIN_TTL)
         self.heartbeat_interval = to_seconds(
             heartbeat if heartbeat is not None else leases_settings.HEARTBEAT,
@@ -139,6 +139,8 @@ class LeaseWorker:
                     f"heartbeat ({self.heartbeat_interval:g}s) must be shorter than the ttl of "
                     f"job kind {kind!r} ({length:g}s)"
                 )
+        self.min_lease = min_lease(self.kinds, self.ttl)
+        """The shortest lease of the kinds served; the network timeout ("auto") follows it."""
         self.burst = burst
         self.max_jobs = max_jobs
         self.poll_interval = to_seconds(
@@ -254,7 +256,7 @@ class LeaseWorker:
         database refuses the connection settings, lacks the tables or has a session clock
         that is not UTC.
         """
-        harden(connections[self.using], self.ttl)
+        harden(connections[self.using], self.min_lease)
         self._wait_until_ready()
         logger.info(
             "worker starting worker_id=%s kinds=%s concurrency=%s ttl=%s heartbeat=%s",
@@ -279,7 +281,7 @@ class LeaseWorker:
                 self.presence.gone_after,
                 self.presence.gone_after,
             )
-        listener = Listener.for_model(self.model, self.using, self.ttl)
+        listener = Listener.for_model(self.model, self.using, self.min_lease)
         try:
             self._ack_writer.start()
             self._row.take(self._outages, self._stopping)
@@ -457,7 +459,7 @@ class LeaseWorker:
                     return
                 if lease is None:
                     continue  # another slot took the job it was woken for
-                harden(connections[self.using], self.ttl)  # per job: a dropped wrapper is new
+                harden(connections[self.using], self.min_lease)  # per job: a dropped wrapper is new
                 following = self._attempts.execute(lease)
                 mine, free = self._pool.finish(slot, lease, following)
                 if free and not self._owed():

@@ -1,9 +1,11 @@
 """`manage.py demo` end to end: real workers, a crash, a zombie, and the fake PSP's books."""
 
 import json
+import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -14,7 +16,7 @@ from django_leases.models import JobAttempt, PaymentJob, Worker
 from example_project.payments import psp
 from example_project.payments.models import Payment
 
-from .conftest import Processes, finish, processes_marked, read_until, subprocess_env
+from .conftest import ROOT, Processes, finish, processes_marked, read_until, subprocess_env
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -68,6 +70,10 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
     assert summary_count(out, "double charges") == 0
     assert summary_count(out, "refunds before capture") == 0
     assert "SIGKILL demo-w1" in out
+    # Its admin hint names the interpreter that ran it (a bare `python` lacks Django).
+    assert f"{os.path.relpath(sys.executable, ROOT)} manage.py createsuperuser" in " ".join(
+        out.split()
+    )
     # The database agrees with the summary.
     jobs = PaymentJob.objects.filter(kind__in=KINDS)
     assert jobs.count() == 40

@@ -3,6 +3,7 @@
 The kind `sleep_long_lease` of tests/testapp/jobs.py has `ttl=90, max_attempts=2`; `sleep` and
 `noop` have neither, so their leases are of the claim's (the worker's) TTL."""
 
+import json
 import os
 import signal
 from datetime import timedelta
@@ -20,7 +21,7 @@ from django_leases.handlers import lease_length, near_window, unregister
 from django_leases.models import PaymentJob
 from django_leases.worker import LeaseWorker
 
-from .conftest import Processes, finish, wait_for
+from .conftest import Processes, finish, subprocess_env, wait_for
 
 LONG = "sleep_long_lease"
 Status = PaymentJob.Status
@@ -157,6 +158,36 @@ def test_worker__refuses_a_heartbeat_not_shorter_than_a_served_kind_ttl():
         LeaseWorker(kinds=[LONG, "sleep"], ttl=120, heartbeat=90)
     # Without that kind, the same heartbeat is fine.
     assert LeaseWorker(kinds=["sleep"], ttl=120, heartbeat=90).heartbeat_interval == 90
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_run_lease_worker__judges_a_kind_ttl_by_its_own_heartbeat_and_kinds(
+    processes: Processes,
+) -> None:
+    """E038 (HEARTBEAT 90 s, not shorter than the 90 s ttl of `sleep_long_lease`) refused
+    every worker, also one started with the hint's own remedy (a shorter --heartbeat) or one
+    that does not serve the kind."""
+    env = subprocess_env(
+        LEASES_TEST_SETTINGS=json.dumps({"TTL": 120, "HEARTBEAT": 90, "WORKER_GONE_AFTER": 300})
+    )
+    done = PaymentJob.objects.enqueue("noop")
+    outcomes = {}
+    for options in (["--heartbeat", "30"], ["--kind", "noop", "sleep"], []):
+        proc = processes.manage("run_lease_worker", "--burst", *options, env=env)
+        out = finish(proc)
+        outcomes[" ".join(options)] = (proc.returncode, out.strip().splitlines()[-1])
+    assert outcomes == {
+        "--heartbeat 30": (0, outcomes["--heartbeat 30"][1]),
+        "--kind noop sleep": (0, outcomes["--kind noop sleep"][1]),
+        "": (
+            1,
+            "CommandError: heartbeat (90s) must be shorter than the ttl of job kind "
+            "'sleep_long_lease' (90s)",
+        ),
+    }
+    assert "stopped: claimed=1 completed=1" in outcomes["--heartbeat 30"][1]
+    assert PaymentJob.objects.get(pk=done.pk).status == Status.COMPLETED
 
 
 @pytest.mark.concurrency

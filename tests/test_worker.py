@@ -7,12 +7,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from django.db import OperationalError, connection, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
+from django_leases import job_handler
+from django_leases.db import CLIENT_SLACK, Deadline, auto_timeout
+from django_leases.exceptions import InvalidArgument
+from django_leases.handlers import unregister
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge, LockRun
@@ -24,6 +30,14 @@ pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
 Status = PaymentJob.Status
 FAST = ("--poll-interval", "0.1")
+
+
+@pytest.fixture
+def kind() -> Iterator[str]:
+    """A job kind a test registers a handler for, unregistered after it."""
+    name = "test_worker_kind"
+    yield name
+    unregister(name)
 
 
 def worker(processes: Processes, name: str, *args: str, **kwargs: object) -> subprocess.Popen[str]:
@@ -353,6 +367,60 @@ def test_worker__sigterm_past_grace_period_abandons_to_lease_expiry(processes: P
     assert f"abandoned job_id={job.pk}" in out
     # Not released under a handler that may still run: the lease runs out instead.
     assert held_by(job, "impatient")
+
+
+def test_worker__shutdown_counts_a_lease_lost_under_a_running_handler_as_lost(
+    processes: Processes,
+) -> None:
+    """Its summary said lost=0 abandoned=1 and "its lease expires in at most 30s" for a lease
+    another worker had taken over while the handler ran."""
+    job = PaymentJob.objects.enqueue("sleep", {"seconds": 60})
+    proc = worker(
+        processes, "overtaken", "--grace-period", "0.5", "--ttl", "30", "--heartbeat", "0.5"
+    )
+    started = read_until(proc, f"started job_id={job.pk} ")
+    PaymentJob.objects.filter(pk=job.pk).update(lease_until=Now() - timedelta(seconds=1))
+    assert [taken.pk for taken in PaymentJob.objects.claim("rescuer", ttl=30)] == [job.pk]
+    lost = read_until(proc, f"lease lost job_id={job.pk} token={token_of(job)}")
+    proc.send_signal(signal.SIGTERM)
+    out = started + lost + finish(proc, timeout=30)
+
+    assert proc.returncode == 0, out
+    assert f"abandoned job_id={job.pk}" not in out and "expires in at most" not in out, out
+    assert (
+        f"fenced out job_id={job.pk} token={token_of(job)} owner=overtaken: still running "
+        "after the 0.5s grace period, its lease lost before: heartbeat refused"
+    ) in out
+    assert " lost=1 released=0 abandoned=0 " in out, out
+    assert held_by(job, "rescuer", attempt=2)
+
+
+def test_worker__bounds_its_database_waits_by_the_shortest_kind_ttl_it_serves(kind) -> None:
+    """NETWORK_TIMEOUT "auto" is a third of the lease: it was the worker's --ttl (60 s: 20 s)
+    even where every job it ran had a 9 s lease of its kind's, which a blocked renewal of 20 s
+    would outlast."""
+    seen: list[float] = []
+
+    def handler(job, lease):
+        seen.extend(w.seconds for w in connection.execute_wrappers if isinstance(w, Deadline))
+
+    job_handler(kind, ttl=9)(handler)
+    job = PaymentJob.objects.enqueue(kind)
+    LeaseWorker(kinds=[kind], burst=True, ttl=60, heartbeat=1, poll_interval=0.05).run()
+    assert fresh(job).status == Status.COMPLETED
+    assert seen == ([] if ON_SQLITE else [auto_timeout(9) + CLIENT_SLACK])  # SQLite: no network
+
+
+@pytest.mark.parametrize("bad", ["w1\nworker stopped", "w 1", "w1\x1b[2J", ""])
+def test_worker__refuses_a_worker_id_that_would_forge_a_log_line(bad: str) -> None:
+    if not bad:
+        assert LeaseWorker(worker_id=bad, ttl=30, heartbeat=5).worker_id  # the default id
+        return
+    with pytest.raises(InvalidArgument, match="worker_id must not contain whitespace or control"):
+        LeaseWorker(worker_id=bad, ttl=30, heartbeat=5)
+    with pytest.raises(InvalidArgument, match="owner must not contain whitespace or control"):
+        PaymentJob.objects.claim(bad, ttl=30)
+    assert not JobAttempt.objects.exists()
 
 
 def test_worker__second_signal_exits_at_once(processes: Processes) -> None:

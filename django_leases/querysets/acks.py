@@ -14,10 +14,10 @@ from django.db import connections, transaction
 from django.db.models.functions import Now
 
 from django_leases.dialects import ClaimPath, dialect_of
+from django_leases.limits import check_owner
 from django_leases.querysets.base import (
     LeaseKey,
     bound_cursor,
-    check_owner,
     key_groups,
     keys_filter,
     lease_keys,

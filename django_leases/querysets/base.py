@@ -20,7 +20,7 @@ from django.db.models.sql.compiler import SQLCompiler
 
 from django_leases.dialects import dialect_of
 from django_leases.handlers import Lengths
-from django_leases.limits import JOB_ID, OWNER_LENGTH, check_int, check_text
+from django_leases.limits import JOB_ID, check_int
 
 DEADLOCK_RETRIES = 5
 
@@ -223,11 +223,6 @@ def retry_deadlocks(method: F_) -> F_:
             attempt += 1
 
     return wrapper  # type: ignore[return-value]
-
-
-def check_owner(owner: str) -> None:
-    """Refuse an owner (a worker id) that does not fit the lease_owner column."""
-    check_text(owner, "owner", OWNER_LENGTH)
 
 
 def lease_keys(leases: Iterable[LeaseKey] | Mapping[int, int]) -> list[LeaseKey]:

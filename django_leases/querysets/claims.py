@@ -32,12 +32,11 @@ from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import ClaimPath, Dialect, dialect_of
 from django_leases.exceptions import GateBusy, InvalidArgument
 from django_leases.handlers import Lengths, lease_lengths_of, throttles
-from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind
+from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind, check_owner
 from django_leases.passes import in_passes
 from django_leases.querysets.acks import complete_locked
 from django_leases.querysets.base import (
     LeaseKey,
-    check_owner,
     lease_keys,
     lease_until,
     next_token,

@@ -660,11 +660,15 @@ def render(report: Report, console: Console, database_url: str | None) -> None:
     console.print("What happened:", style="bold")
     for event in report.events:
         console.print(f"  - {event}", highlight=False)
-    env = f"DATABASE_URL={database_url} " if database_url else ""
+    # This interpreter (the README's .venv/bin/python): a bare `python` lacks the demo's packages.
+    python = os.path.relpath(sys.executable)
+    manage = f"{sys.executable if python.startswith('..') else python} manage.py"
+    if database_url:
+        manage = f"DATABASE_URL={database_url} {manage}"
     console.print(
         f"Took {report.seconds:.0f}s. Worker and watcher logs: {report.logs}\n"
-        f"See every job and its attempt ledger in the admin: {env}python manage.py "
-        f"createsuperuser, {env}python manage.py runserver, then {ADMIN}",
+        f"See every job and its attempt ledger in the admin: {manage} createsuperuser, "
+        f"{manage} runserver, then {ADMIN}",
         highlight=False,
     )
     if not report.problems:

@@ -4,6 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_leases.checks import heartbeat_judged_by_worker
 from django_leases.conf import leases_settings
 from django_leases.exceptions import DatabaseMisconfigured, WorkerIdTaken
 from django_leases.limits import (
@@ -133,6 +134,11 @@ class Command(OneLineErrorsMixin, BaseCommand):
             f"(default: DJANGO_LEASES['ACK_FLUSH_INTERVAL'], {leases_settings.ACK_FLUSH_INTERVAL})",
         )
         add_metrics_arguments(parser, "this process's counters and histograms per job kind")
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        # The worker compares its own --heartbeat with the kinds it serves (a one-line error).
+        with heartbeat_judged_by_worker():
+            super().check(*args, **kwargs)
 
     def handle(
         self,

@@ -57,7 +57,10 @@ class Command(OneLineErrorsMixin, BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--jobs", type=count(1, 5000), default=300, help="payments, one job each (%(default)r)"
+            "--jobs",
+            type=count(1, 5000),
+            default=300,
+            help="jobs; a capture and its refund may share a payment (%(default)r)",
         )
         parser.add_argument(
             "--workers",
