@@ -109,6 +109,8 @@ DATABASES["local"] = database_from_url(f"sqlite:///{_sqlite.with_name('local_' +
 DATABASES["local"]["TEST"] = {"NAME": str(_sqlite.with_name("test_local_" + _sqlite.name))}
 if env("LEASES_TEST_LOCAL_DB_NAME", default=""):
     DATABASES["local"]["NAME"] = env("LEASES_TEST_LOCAL_DB_NAME")
+# Worker subprocesses of the router tests get their routers through the environment.
+DATABASE_ROUTERS = env.list("LEASES_TEST_ROUTERS", default=[])
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
