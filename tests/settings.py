@@ -88,6 +88,10 @@ if DATABASES["default"]["ENGINE"].endswith("mysql"):
         DATABASES["default"]["OPTIONS"]["init_command"] = (
             f"SET time_zone = '{env('LEASES_TEST_SESSION_TZ')}'"
         )
+    # The outage tests start processes whose sessions are read-only, or whose init_command the
+    # server refuses.
+    if env("LEASES_TEST_INIT_COMMAND", default=""):
+        DATABASES["default"]["OPTIONS"]["init_command"] = env("LEASES_TEST_INIT_COMMAND")
     # MariaDB/MySQL build the lease indexes without their WHERE condition (status leads each
     # index, so claims still read one range); Django 6 warns about that on every command.
     SILENCED_SYSTEM_CHECKS = ["models.W037"]
