@@ -19,7 +19,8 @@ from django_leases.db import harden
 from django_leases.handlers import ACK_BATCH, get_handler, min_lease
 from django_leases.lease import Lease
 from django_leases.limits import ACK_BATCH_SIZE
-from django_leases.outcomes import TRANSIENT, Outcomes
+from django_leases.outages import is_outage
+from django_leases.outcomes import Outcomes
 from django_leases.querysets import LeaseQuerySet
 from django_leases.slots import SlotPool
 
@@ -253,8 +254,10 @@ class AckWriter:
             try:
                 won = self.jobs.complete_many(self.outcomes.worker_id, list(pending))
                 break
-            except TRANSIENT as exc:
-                if connections[self.using].is_usable():
+            except DatabaseError as exc:
+                if not is_outage(exc, self.using):
+                    raise
+                if not self.outcomes.outages.away(exc):
                     # The database answered and refused the statement: write each on its own.
                     for lease in pending.values():
                         self.outcomes.complete(lease)

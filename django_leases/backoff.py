@@ -8,6 +8,14 @@ from django_leases.conf import leases_settings
 MAX_DOUBLINGS = 1023
 
 
+def reconnect_delay(failures: int, base: float, cap: float) -> float:
+    """Return the seconds to wait after the `failures`-th failure in a row to reach a database:
+    `base` doubled at each failure up to `cap`, drawn from the upper half of that, so that the
+    processes that lost the database together do not come back together."""
+    ceiling = min(cap, base * 2.0 ** min(max(failures - 1, 0), MAX_DOUBLINGS))
+    return ceiling * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not cryptography
+
+
 def retry_delay(attempt: int) -> float:
     """Return the seconds to wait before retrying a job whose `attempt`-th run failed.
 

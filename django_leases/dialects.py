@@ -128,6 +128,10 @@ class Dialect:
         """Whether the database rolled the transaction back to break a deadlock or lock wait."""
         return False
 
+    def read_only(self, exc: BaseException) -> bool:
+        """Whether the server refused a write because it takes none now (a standby)."""
+        return False
+
     def estimated_count(
         self, connection: BaseDatabaseWrapper, table: str, status: str | None
     ) -> int | None:
@@ -148,9 +152,12 @@ class Dialect:
         and the project's `OPTIONS` `user`; None where it has none or the project set one."""
         return None
 
-    def misconfiguration(self, exc: BaseException, text: str) -> str | None:
-        """What `exc` (its message `text`) says is misconfigured: "NAME", "USER", "PASSWORD",
-        "OPTIONS" or `sql.MIGRATE`; None for anything else (an outage)."""
+    def misconfiguration(
+        self, exc: BaseException, text: str, *, connecting: bool = False
+    ) -> str | None:
+        """What `exc` (its message `text`; raised while `connecting`, or by a statement) says is
+        misconfigured: "NAME", "USER", "PASSWORD", "OPTIONS" or `sql.MIGRATE`; None for
+        anything else (an outage)."""
         return None
 
 
@@ -248,6 +255,9 @@ class PostgreSQL(Dialect):
     def deadlocked(self, exc: BaseException) -> bool:
         return sql.sqlstate(exc) in postgresql.DEADLOCK_SQLSTATES
 
+    def read_only(self, exc: BaseException) -> bool:
+        return sql.sqlstate(exc) in postgresql.READ_ONLY_SQLSTATES
+
     def estimated_count(
         self, connection: BaseDatabaseWrapper, table: str, status: str | None
     ) -> int | None:
@@ -290,7 +300,9 @@ class PostgreSQL(Dialect):
             return None
         return round(timeout * 1000)
 
-    def misconfiguration(self, exc: BaseException, text: str) -> str | None:
+    def misconfiguration(
+        self, exc: BaseException, text: str, *, connecting: bool = False
+    ) -> str | None:
         state = sql.sqlstate(exc)
         if state is not None:
             return postgresql.MISCONFIGURED_SQLSTATES.get(state)
@@ -327,7 +339,9 @@ class SQLite(Dialect):
             done.update(won)
         return done
 
-    def misconfiguration(self, exc: BaseException, text: str) -> str | None:
+    def misconfiguration(
+        self, exc: BaseException, text: str, *, connecting: bool = False
+    ) -> str | None:
         return _match(sqlite.MISCONFIGURED_MESSAGES, text)
 
 
@@ -380,6 +394,9 @@ class MySQL(Dialect):
     def deadlocked(self, exc: BaseException) -> bool:
         return bool(exc.args) and exc.args[0] in mysql.DEADLOCK_ERRORS
 
+    def read_only(self, exc: BaseException) -> bool:
+        return bool(exc.args) and exc.args[0] in mysql.READ_ONLY_ERRORS
+
     def estimated_count(
         self, connection: BaseDatabaseWrapper, table: str, status: str | None
     ) -> int | None:
@@ -399,9 +416,15 @@ class MySQL(Dialect):
         seconds = max(1, math.ceil(timeout))
         return {"connect_timeout": seconds, "read_timeout": seconds, "write_timeout": seconds}
 
-    def misconfiguration(self, exc: BaseException, text: str) -> str | None:
+    def misconfiguration(
+        self, exc: BaseException, text: str, *, connecting: bool = False
+    ) -> str | None:
         code = exc.args[0] if exc.args else None
-        return mysql.MISCONFIGURED_ERRORS.get(code) if isinstance(code, int) else None
+        if not isinstance(code, int):
+            return None
+        if connecting and code in mysql.MISCONFIGURED_WHILE_CONNECTING:
+            return "OPTIONS"
+        return mysql.MISCONFIGURED_ERRORS.get(code)
 
 
 DIALECTS: dict[str, Dialect] = {d.name: d for d in (PostgreSQL(), SQLite(), MySQL())}

@@ -18,8 +18,8 @@ from django_leases.db import harden, keep_usable
 from django_leases.exceptions import WorkerIdTaken
 from django_leases.handlers import min_lease
 from django_leases.lease import Lease, Presence
-from django_leases.outages import outage_or_raise
-from django_leases.outcomes import TRANSIENT, Outages
+from django_leases.outages import is_outage, outage_or_raise
+from django_leases.outcomes import Outages
 from django_leases.querysets import LeaseQuerySet
 from django_leases.redaction import error_text
 from django_leases.status import AttemptOutcome
@@ -80,6 +80,7 @@ class RegistryRow:
                     return
                 outages.pause("registration", exc)
                 continue
+            outages.over()
             if not registered:
                 raise WorkerIdTaken(
                     f"worker id {self.worker_id!r} is in use by a live worker process; "
@@ -175,8 +176,11 @@ class Heartbeat:
             why = f"worker id {self.row.worker_id!r} was taken by another live worker process"
             logger.error("%s; stopping", why)
             self.taken(why)
-        except TRANSIENT:
-            close_old_connections()
+        except DatabaseError as exc:
+            if not is_outage(exc, self.using):
+                raise
+            # Also a connection that answers: one to a server that takes no writes stays so.
+            connections[self.using].close()
 
     def _lease_clock(self, heartbeat: threading.Thread) -> None:
         """Report each held lease lost at its deadline, with no database access: the heartbeat
@@ -221,7 +225,9 @@ class Heartbeat:
             renewed = self.jobs.heartbeat(
                 self.row.worker_id, [lease.key for lease in leases], ttl=self.ttl
             )
-        except TRANSIENT as exc:
+        except DatabaseError as exc:
+            if not is_outage(exc, self.using):
+                raise
             logger.warning("heartbeat failed: %s", error_text(exc))
             close_old_connections()
             connections[self.using].close()
@@ -250,7 +256,9 @@ class Heartbeat:
         say now (those leases are lost all the same)."""
         try:
             return self.jobs.cancelled_leases([lease.key for lease in refused])
-        except TRANSIENT as exc:
+        except DatabaseError as exc:
+            if not is_outage(exc, self.using):
+                raise
             logger.warning("could not read the refused leases: %s", error_text(exc))
             return {}
 

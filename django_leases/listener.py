@@ -12,7 +12,9 @@ from typing import Any
 
 from django.db import connections
 
+from django_leases.backoff import reconnect_delay
 from django_leases.db import CLIENT_SLACK, network_timeout, watchdog
+from django_leases.outages import one_line
 from django_leases.querysets.notices import notifies, notify_channel
 from django_leases.redaction import error_text
 from django_leases.sql import postgresql as statements
@@ -21,6 +23,13 @@ logger = logging.getLogger("django_leases.worker")
 
 # Connection parameters Django adds for its own cursors; a plain listening connection needs none.
 DJANGO_ONLY_PARAMS = {"context", "cursor_factory", "prepare_threshold", "server_side_binding"}
+# Reconnects of a failed listening connection: the first after RETRY_FIRST seconds, each later
+# one after twice as long, up to RETRY_MAX (jittered). The worker polls meanwhile, so a slow
+# return costs wake-up latency only, and a long outage costs few connection attempts.
+RETRY_FIRST = 0.5
+RETRY_MAX = 30.0
+STILL_DOWN_EVERY = 300.0
+"""Seconds between two "still failing" lines of one outage of the listening connection."""
 
 
 class Listener:
@@ -37,6 +46,10 @@ class Listener:
         self._channel = channel
         self._deadline = deadline
         self._conn: Any = None
+        self._failures = 0
+        self._failing_since = 0.0
+        self._retry_at = 0.0
+        self._next_report = 0.0
 
     @classmethod
     def for_model(cls, model: type[Any], using: str, ttl: float | None = None) -> Listener | None:
@@ -58,19 +71,52 @@ class Listener:
         """Wait up to `timeout` seconds for an enqueue notification; return whether one came."""
         import psycopg
 
+        if self._conn is None and time.monotonic() < self._retry_at:
+            time.sleep(min(timeout, self._retry_at - time.monotonic()))
+            return False
         try:
             if self._conn is None:
                 self._conn = psycopg.connect(autocommit=True, **self._params)
                 self._listen(self._conn)
+                self._back()
             for _ in self._conn.notifies(timeout=timeout, stop_after=1):
                 return True
         except psycopg.Error as exc:
-            logger.warning(
-                "LISTEN connection failed (%s); polling until it is back", error_text(exc)
-            )
             self.close()
-            time.sleep(timeout)
+            self._failed(exc)
+            time.sleep(min(timeout, max(0.0, self._retry_at - time.monotonic())))
         return False
+
+    def _failed(self, exc: Exception) -> None:
+        """Log a failure of the listening connection (the first of an outage, then "still
+        failing" every `STILL_DOWN_EVERY` seconds) and set the time of the next try."""
+        now = time.monotonic()
+        self._failures += 1
+        if self._failures == 1:
+            self._failing_since = self._next_report = now
+            self._next_report += STILL_DOWN_EVERY
+            logger.warning(
+                "LISTEN connection failed (%s); polling until it is back",
+                one_line(error_text(exc)),
+            )
+        elif now >= self._next_report:
+            self._next_report = now + STILL_DOWN_EVERY
+            logger.warning(
+                "LISTEN connection still failing after %.0fs (%s); polling meanwhile",
+                now - self._failing_since,
+                one_line(error_text(exc)),
+            )
+        delay = reconnect_delay(self._failures, RETRY_FIRST, RETRY_MAX)
+        logger.debug("LISTEN connection failed; next try in %.2fs", delay)
+        self._retry_at = now + delay
+
+    def _back(self) -> None:
+        """Note that the listening connection is up; log the end of an outage of it."""
+        if self._failures:
+            logger.warning(
+                "LISTEN connection back after %.1fs", time.monotonic() - self._failing_since
+            )
+        self._failures = 0
 
     def _listen(self, conn: Any) -> None:
         """LISTEN on `conn`, its socket shut down by the watchdog past the deadline."""

@@ -1,14 +1,15 @@
 """Tell a database outage, which is waited out, from a configuration error, which is reported.
 
 A worker, the watcher and `prune_jobs` wait out a database that is down, restarting, cut off or
-read-only after a failover: it comes back by itself. A login the server refuses, a database or
-a connection option it does not know, or tables that were never migrated do not: retrying them
-forever only hides the cause. `misconfiguration()` is the one place that tells them apart, by
-the driver's error codes (MariaDB/MySQL's numbers, PostgreSQL's SQLSTATE) and, where a driver
-has none, by the server's message: libpq reports no SQLSTATE for an error during the connection
-handshake (a failed login, an unknown database or startup parameter), so those are read from
-PostgreSQL's and PgBouncer's English messages. Anything not recognised counts as an outage, as
-before: a server whose `lc_messages` is not English gets its connection errors waited out.
+read-only after a failover (`is_outage()`): it comes back by itself. A login the server refuses,
+a database or a connection option it does not know, or tables that were never migrated do not:
+retrying them forever only hides the cause. `misconfiguration()` is the one place that tells
+them apart, by the driver's error codes (MariaDB/MySQL's numbers, PostgreSQL's SQLSTATE) and,
+where a driver has none, by the server's message: libpq reports no SQLSTATE for an error during
+the connection handshake (a failed login, an unknown database or startup parameter), so those
+are read from PostgreSQL's and PgBouncer's English messages. Anything not recognised counts as
+an outage, as before: a server whose `lc_messages` is not English gets its connection errors
+waited out.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ OUTAGES = (OperationalError, InterfaceError)
 """The errors of a database that is down or cut off; waited out unless `misconfiguration()`
 recognises them."""
 
+
+def one_line(text: str) -> str:
+    """Return `text` (a driver's message, often several lines) on one line."""
+    return " ".join(text.split())
+
+
+def is_outage(exc: BaseException, alias: str) -> bool:
+    """Whether `exc`, raised by database `alias`, says it is away for now: down or cut off
+    (`OUTAGES`), or taking no writes (a standby after a failover: `Dialect.read_only()`, which
+    Django raises as an `InternalError` on PostgreSQL)."""
+    return isinstance(exc, OUTAGES) or dialect_of(connections[alias]).read_only(exc)
+
+
 MYSQL_TEXT = re.compile(r"""^\((\d+), ["'](.*)["']\)$""")
 FIX = {
     "NAME": "['NAME'] (does that database exist on the server?)",
@@ -41,7 +55,11 @@ def misconfiguration(exc: BaseException, alias: str) -> str | None:
     """Return one line naming what to fix if `exc`, raised by database `alias`, is a
     configuration error (the settings, or tables not migrated); None for anything else."""
     text = " ".join(str(exc).split())
-    what = dialect_of(connections[alias]).misconfiguration(exc, text)
+    connection = connections[alias]
+    # A statement that fails while connecting is the project's (MariaDB/MySQL's init_command).
+    what = dialect_of(connection).misconfiguration(
+        exc, text, connecting=connection.connection is None
+    )
     if what is None:
         return None
     detail = " ".join(error_text(exc).split())
@@ -65,7 +83,7 @@ def outage_or_raise(exc: DatabaseError, alias: str) -> None:
     message = misconfiguration(exc, alias)
     if message is not None:
         raise DatabaseMisconfigured(message) from None
-    if not isinstance(exc, OUTAGES):
+    if not is_outage(exc, alias):
         raise exc
 
 

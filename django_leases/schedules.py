@@ -38,12 +38,13 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from cronsim import CronSim, CronSimError
-from django.db import InterfaceError, OperationalError
+from django.db import DatabaseError
 from django.db.models.functions import Now
 from django.db.models.sql import Query
 
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.limits import shown
+from django_leases.outages import is_outage
 from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.schedules import CRON_LENGTH, Series
 from django_leases.tables import leased_jobs, schedule_states
@@ -267,7 +268,9 @@ class Ticker:
             return []
         try:
             jobs, wait = _enqueue_due(self.model, self.using)
-        except (OperationalError, InterfaceError) as exc:
+        except DatabaseError as exc:
+            if not is_outage(exc, leased_jobs(self.model, self.using).db):
+                raise
             # The claim that follows meets the same outage and backs off; look again soon.
             logger.warning("could not enqueue periodic jobs: %s", type(exc).__name__)
             self.next_check = time.monotonic() + 1.0

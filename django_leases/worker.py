@@ -328,6 +328,7 @@ class LeaseWorker:
             outage_or_raise(exc, self.using)  # the loop stops for a configuration error
             self._outages.pause("claim", exc)
             return None
+        self._outages.over()
         self._pool.hand_out(self._outcomes.leases(jobs, started))
         self._outcomes.note_claimed(jobs)
         # A kind skipped (its gate held) may still have jobs: --burst waits on.
@@ -354,6 +355,7 @@ class LeaseWorker:
                 continue
             if problems:
                 raise DatabaseMisconfigured(problems[0])
+            self._outages.over()
             return
 
     def _taken(self, why: str) -> None:

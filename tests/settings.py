@@ -88,6 +88,10 @@ if DATABASES["default"]["ENGINE"].endswith("mysql"):
         DATABASES["default"]["OPTIONS"]["init_command"] = (
             f"SET time_zone = '{env('LEASES_TEST_SESSION_TZ')}'"
         )
+    # The outage tests start processes whose sessions are read-only, or whose init_command the
+    # server refuses.
+    if env("LEASES_TEST_INIT_COMMAND", default=""):
+        DATABASES["default"]["OPTIONS"]["init_command"] = env("LEASES_TEST_INIT_COMMAND")
     # MariaDB/MySQL build the lease indexes without their WHERE condition (status leads each
     # index, so claims still read one range); Django 6 warns about that on every command.
     SILENCED_SYSTEM_CHECKS = ["models.W037"]
@@ -109,6 +113,8 @@ DATABASES["local"] = database_from_url(f"sqlite:///{_sqlite.with_name('local_' +
 DATABASES["local"]["TEST"] = {"NAME": str(_sqlite.with_name("test_local_" + _sqlite.name))}
 if env("LEASES_TEST_LOCAL_DB_NAME", default=""):
     DATABASES["local"]["NAME"] = env("LEASES_TEST_LOCAL_DB_NAME")
+# Worker subprocesses of the router tests get their routers through the environment.
+DATABASE_ROUTERS = env.list("LEASES_TEST_ROUTERS", default=[])
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"

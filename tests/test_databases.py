@@ -21,9 +21,11 @@ from django_leases.admin.payments import PaymentJobAdmin
 from django_leases.admin.workers import WorkerAdmin
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import InvalidArgument
-from django_leases.models import JobAttempt, PaymentJob, ScheduleState, Worker
+from django_leases.models import JobAttempt, JobEvent, PaymentJob, ScheduleState, Worker
+from django_leases.watcher import StuckWatcher
 
 from .conftest import Processes, finish, read_until, subprocess_env
+from .routers import ReplicaRouter
 from .test_admin import form_data
 from .test_metrics import parse, scrape
 
@@ -339,3 +341,115 @@ def test_two_backends__each_connection_leases_by_its_own_dialect_and_a_worker_se
     assert list(Worker.objects.using("local").values_list("worker_id", flat=True)) == ["local"]
     ran = JobAttempt.objects.using("local").filter(outcome="completed", owner="local").count()
     assert ran == len(there) - 2
+
+
+def stale(*jobs: PaymentJob) -> None:
+    PaymentJob.objects.using("default").filter(pk__in=[j.pk for j in jobs]).update(
+        lease_until=Now() - timedelta(seconds=5)
+    )
+
+
+def on_default(job: PaymentJob) -> str:
+    return PaymentJob.objects.using("default").values_list("status", flat=True).get(pk=job.pk)
+
+
+def nothing_on_the_replica() -> None:
+    assert PaymentJob.objects.using("other").count() == 0
+    assert JobAttempt.objects.using("other").count() == 0
+    assert JobEvent.objects.using("other").count() == 0
+    assert Worker.objects.using("other").count() == 0
+
+
+@override_settings(DATABASE_ROUTERS=[ReplicaRouter()])
+def test_routers__every_lease_transition_writes_where_the_routers_send_writes() -> None:
+    """Under a read/write-split router every transition of `Model.objects`, its reads that
+    decide the write included, runs on `db_for_write`; the replica ("other") stays empty."""
+    jobs = PaymentJob.objects
+    enqueued = [jobs.enqueue("noop") for _ in range(7)] + [jobs.enqueue("risky")]
+    claimed = jobs.claim("w1", ttl=60, limit=8)
+    assert len(claimed) == 8 and {job._state.db for job in claimed} == {"default"}
+    done, failed, released, cancelled, forced, expired, marked, risky = claimed
+    keys = {(job.pk, job.lease_token) for job in claimed}
+    assert jobs.heartbeat("w1", keys, ttl=60) == keys
+    jobs.checkpoint(risky.pk, "w1", risky.lease_token, "psp_called")
+    jobs.complete(done.pk, "w1", done.lease_token)
+    assert jobs.fail(failed.pk, "w1", failed.lease_token, "declined") == Status.PENDING
+    jobs.release(released.pk, "w1", released.lease_token)
+    assert jobs.filter(pk=cancelled.pk).cancel(by="op") == 1
+    assert jobs.filter(pk=forced.pk).requeue(force=True, by="op") == 1
+    stale(expired, marked, risky)
+    risky.refresh_from_db(using="default")  # the checkpoint the rescue restates
+    assert jobs.filter(pk=expired.pk).release_stuck(by="op") == 1
+    assert jobs.filter(pk=marked.pk).mark_failed(reason="by hand", by="op") == 1
+    assert jobs.rescue(risky, "review", by="watcher")
+    assert jobs.filter(pk=risky.pk).resolve_review("failed", by="op") == 1
+    assert jobs.filter(pk=risky.pk).requeue(by="op") == 1
+    assert [on_default(job) for job in enqueued] == [
+        Status.COMPLETED,
+        Status.PENDING,
+        Status.PENDING,
+        Status.CANCELLED,
+        Status.PENDING,
+        Status.PENDING,
+        Status.FAILED,
+        Status.PENDING,
+    ]
+    assert JobAttempt.objects.using("default").count() == 8
+    nothing_on_the_replica()
+
+
+@override_settings(DATABASE_ROUTERS=[ReplicaRouter()])
+def test_routers__the_watcher_rescues_on_the_write_database() -> None:
+    job = PaymentJob.objects.enqueue("noop")
+    [claimed] = PaymentJob.objects.claim("gone-worker", ttl=60)
+    stale(claimed)
+    [action] = StuckWatcher().run_once()
+    assert action.pk == job.pk and on_default(job) == Status.PENDING
+    nothing_on_the_replica()
+
+
+@pytest.mark.urls("tests.test_databases")
+@pytest.mark.parametrize(
+    ("action", "status"),
+    [
+        ("cancel", Status.CANCELLED),
+        ("force_cancel", Status.CANCELLED),
+        ("requeue", Status.PENDING),
+        ("force_requeue", Status.PENDING),
+        ("release_stuck", Status.PENDING),
+        ("mark_failed", Status.FAILED),
+    ],
+)
+def test_routers__admin_actions_write_where_the_routers_send_writes(
+    admin_client: Client, action: str, status: str
+) -> None:
+    job = PaymentJob.objects.enqueue("noop")
+    if action != "cancel":
+        PaymentJob.objects.claim("w1", ttl=60)
+    if action in ("requeue", "release_stuck", "mark_failed"):
+        stale(job)
+    url = admin_url("admin", "paymentjob_changelist")
+    with override_settings(DATABASE_ROUTERS=[ReplicaRouter()]):
+        asked = admin_client.post(url, {"action": action, "_selected_action": [job.pk]})
+        done = admin_client.post(
+            url, {"action": action, "_selected_action": [job.pk], "post": "yes"}
+        )
+    assert asked.status_code in (200, 302) and done.status_code == 302
+    assert on_default(job) == status
+    nothing_on_the_replica()
+
+
+def test_routers__a_worker_under_a_read_write_split_router_works_on_the_write_database(
+    processes: Processes,
+) -> None:
+    jobs = [PaymentJob.objects.enqueue("noop") for _ in range(3)] + [
+        PaymentJob.objects.enqueue("risky")
+    ]
+    env = subprocess_env(LEASES_TEST_ROUTERS="tests.routers.ReplicaRouter")
+    proc = processes.manage("run_lease_worker", "--burst", env=env)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert {on_default(job) for job in jobs} == {Status.COMPLETED}
+    risky = JobAttempt.objects.using("default").get(job_ref=jobs[-1].pk)
+    assert risky.checkpoint == "psp_called"
+    nothing_on_the_replica()

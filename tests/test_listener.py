@@ -1,12 +1,19 @@
 """`Listener`: enqueue notifications on PostgreSQL; nothing (polling) elsewhere."""
 
+import logging
+import re
+import time
+
 import pytest
 from django.db import connection
 
 from django_leases.listener import DJANGO_ONLY_PARAMS, Listener
 from django_leases.models import PaymentJob
 
+from .ports import free_port
 from .proxy import Proxy
+
+NEXT_TRY = re.compile(r"next try in ([0-9.]+)s")
 
 needs_postgresql = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="LISTEN/NOTIFY is PostgreSQL's"
@@ -61,3 +68,28 @@ def test_listener__a_listen_the_network_swallows_is_cut_off_at_its_deadline() ->
             assert proxy.dropped > 0  # the LISTEN went into the black hole
         finally:
             conn.close()
+
+
+@needs_postgresql
+def test_listener__a_listening_connection_that_fails_backs_off_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that is away (here a port nothing listens on): the worker polls meanwhile, and
+    the listener tries again after longer and longer waits (it reconnected at every wait, each
+    time with a warning: 77 in a 30 s restart), saying so once."""
+    params = {
+        key: value
+        for key, value in connection.get_connection_params().items()
+        if key not in DJANGO_ONLY_PARAMS
+    }
+    listener = Listener({**params, "port": free_port()}, "leases_test_channel", deadline=1.0)
+    with caplog.at_level(logging.DEBUG, "django_leases.worker"):
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            assert listener.wait(0.05) is False
+    listener.close()
+    messages = [r.getMessage() for r in caplog.records]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    tries = [float(m[1]) for m in map(NEXT_TRY.search, messages) if m]
+    assert len(warnings) == 1 and "polling until it is back" in warnings[0], messages
+    assert 2 <= len(tries) <= 5 and tries == sorted(tries), messages

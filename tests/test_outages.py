@@ -6,12 +6,16 @@ option the server refuses (one line naming the setting, exit 1), and a server th
 """
 
 import os
+import re
 import secrets
 from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.db import DatabaseError, connection, connections
+from django.db.models.functions import Now
 
 from django_leases.models import PaymentJob
 from django_leases.outages import misconfiguration
@@ -24,6 +28,7 @@ from .conftest import (
     free_port,
     read_until,
     subprocess_env,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
@@ -141,18 +146,6 @@ def test_commands__a_wrong_password_is_one_line_naming_user_and_password(
 
 
 @NEEDS_SERVER
-def test_worker__waits_out_a_database_that_is_down(processes: Processes) -> None:
-    down = subprocess_env(DATABASE_URL=database_url(port=free_port()))
-    proc = processes.manage("run_lease_worker", "--burst", "--poll-interval", "0.2", env=down)
-    # Backed off and tried again, not given up on: an outage ends by itself.
-    read_until(proc, "database unavailable during the start")
-    read_until(proc, "database unavailable during the start")
-    assert proc.poll() is None
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0
-
-
-@NEEDS_SERVER
 def test_prune_jobs__a_database_that_is_down_is_one_line_and_exit_1(processes: Processes) -> None:
     out = run(
         processes, ["prune_jobs"], subprocess_env(DATABASE_URL=database_url(port=free_port()))
@@ -177,3 +170,123 @@ def test_misconfiguration__an_outage_is_none_and_a_refused_login_names_the_setti
     assert misconfiguration(error(PORT=free_port()), "default") is None
     refused = misconfiguration(error(NAME=f"nowhere_{secrets.token_hex(4)}"), "default")
     assert refused is not None and "fix DATABASES['default']['NAME']" in refused
+
+
+ON_POSTGRESQL = (os.environ.get("DATABASE_URL") or "").startswith("postgres")
+RETRY = re.compile(r"database unavailable during the start: .*; retrying in ([0-9.]+)s$")
+
+
+@NEEDS_SERVER
+def test_worker__backs_off_from_a_database_that_is_down_and_says_so_once(
+    processes: Processes,
+) -> None:
+    down = subprocess_env(DATABASE_URL=database_url(port=free_port()))
+    proc = processes.manage(
+        "run_lease_worker", "--burst", "--poll-interval", "0.2", "-v", "2", env=down
+    )
+    out = read_until(proc, "database unavailable during the start: ")
+    delays = []
+    while len(delays) < 4:
+        line = read_until(proc, "; retrying in ").splitlines()[-1]
+        out += line
+        match = RETRY.search(line)
+        assert match is not None, line
+        delays.append(float(match[1]))
+    # Backed off and tried again, not given up on: an outage ends by itself. Each try waits
+    # longer (the ceiling doubles, the draw is from its upper half), and the outage is said
+    # once, on one line, whatever the driver's message holds.
+    assert delays == sorted(delays) and delays[-1] >= 4 * delays[0], delays
+    assert proc.poll() is None
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    out += finish(proc)
+    warnings = [line for line in out.splitlines() if "database unavailable during" in line]
+    assert len([w for w in warnings if "retrying in" not in w]) == 1, out
+    # libpq's message is of two lines.
+    assert "\tIs the server running" not in out, out
+
+
+@contextmanager
+def read_only_sessions() -> Iterator[dict[str, str]]:
+    """Make every new session of the test database read-only, as a hot standby's are; yield
+    the environment of a process that opens such sessions. PostgreSQL: the database's
+    `default_transaction_read_only` (reset at the end; sessions open before keep writing).
+    MariaDB/MySQL: the process's sessions only, through its init_command (the server-wide
+    `read_only` would stop every other database of the server)."""
+    if not ON_POSTGRESQL:
+        yield subprocess_env(LEASES_TEST_INIT_COMMAND="SET SESSION TRANSACTION READ ONLY")
+        return
+    name = connection.ops.quote_name(str(connection.settings_dict["NAME"]))
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+    try:
+        yield subprocess_env()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER DATABASE {name} RESET default_transaction_read_only")
+
+
+@NEEDS_SERVER
+def test_worker__waits_out_a_read_only_database_and_carries_on(processes: Processes) -> None:
+    job = PaymentJob.objects.enqueue("noop")
+    with read_only_sessions() as env:
+        proc = processes.manage("run_lease_worker", "--poll-interval", "0.1", "-v", "2", env=env)
+        out = read_until(proc, "database unavailable during registration: ")
+        out += read_until(proc, "; retrying in ")
+        assert "read-only" in out or "READ ONLY" in out, out
+        assert proc.poll() is None
+        job.refresh_from_db()
+        assert (job.status, job.attempts) == ("pending", 0)
+        if not ON_POSTGRESQL:
+            # Its sessions stay read-only: what this shows is that it waits, without a crash.
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0, finish(proc)
+            return
+    # Writes are allowed again: the worker's next session takes them and it carries on.
+    out += read_until(proc, "database available again after ", timeout=60)
+    wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, status="completed").exists())
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    out += finish(proc)
+    assert "Traceback" not in out, out
+    warnings = [line for line in out.splitlines() if "database unavailable during" in line]
+    assert len([w for w in warnings if "retrying in" not in w]) == 1, out
+
+
+@NEEDS_SERVER
+@pytest.mark.parametrize("command", ONE_SHOT, ids=lambda args: args[0])
+def test_commands__a_read_only_database_is_one_line_and_exit_1(
+    processes: Processes, command: list[str]
+) -> None:
+    """The commands that run once report a read-only database as the outage it is (exit 1,
+    documented in their --help): cron runs them again."""
+    stuck = PaymentJob.objects.enqueue("noop")
+    [claimed] = PaymentJob.objects.claim("gone-worker", ttl=60)
+    PaymentJob.objects.filter(pk=claimed.pk).update(lease_until=Now() - timedelta(seconds=5))
+    old = PaymentJob.objects.enqueue("noop")
+    PaymentJob.objects.filter(pk=old.pk).update(
+        status="completed", completed_at=Now() - timedelta(days=400)
+    )
+    with read_only_sessions() as env:
+        out = run(processes, command, env)
+    assert out.startswith("CommandError: database unavailable: "), out
+    assert len(out.strip().splitlines()) == 1 and "Traceback" not in out, out
+    assert PaymentJob.objects.get(pk=stuck.pk).status == "processing"
+    assert PaymentJob.objects.filter(pk=old.pk).exists()
+
+
+@NEEDS_SERVER
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda args: args[0])
+def test_commands__a_connection_option_the_driver_refuses_is_one_line_and_exit_1(
+    processes: Processes, command: list[str]
+) -> None:
+    """PostgreSQL: an sslmode libpq does not know; MariaDB/MySQL: an init_command that is not
+    SQL. Configuration errors, not outages."""
+    if ON_POSTGRESQL:
+        env = subprocess_env(DATABASE_URL=database_url() + "?sslmode=nonsense")
+        texts = ["['OPTIONS']", "invalid sslmode value"]
+    else:
+        env = subprocess_env(LEASES_TEST_INIT_COMMAND="SET leases nonsense")
+        texts = ["['OPTIONS']", "1064"]
+    out = run(processes, command, env)
+    assert_one_line(out, "refused the connection settings", *texts)

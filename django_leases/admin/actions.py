@@ -120,9 +120,11 @@ def operator_action(
     def action(
         model_admin: admin.ModelAdmin, request: HttpRequest, queryset: QuerySet[Any]
     ) -> TemplateResponse | None:
+        # On the database the action writes, not on a replica (a read/write-split router's
+        # `db_for_read`): the jobs confirmed and counted are those the write changes.
+        jobs = cast(LeaseQuerySet[Any], queryset.order_by()).writing_to()
         if confirm is not None and request.POST.get("post") != "yes":
-            return confirmation(model_admin, request, queryset, description, confirm)
-        jobs = cast(LeaseQuerySet[Any], queryset.order_by())
+            return confirmation(model_admin, request, jobs, description, confirm)
         before = stats.selection(jobs)
         changed = write(jobs, operator(request))
         model_admin.message_user(request, *report(before, changed, done, skipped))

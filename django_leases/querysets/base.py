@@ -10,7 +10,7 @@ from functools import cache, wraps
 from typing import Any, TypeVar
 
 from django.core.exceptions import FieldDoesNotExist
-from django.db import OperationalError, connections, models
+from django.db import OperationalError, connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Case, F, Func, Q, Value, When
@@ -19,8 +19,9 @@ from django.db.models.sql import Query
 from django.db.models.sql.compiler import SQLCompiler
 
 from django_leases.dialects import dialect_of
+from django_leases.exceptions import InvalidArgument
 from django_leases.handlers import Lengths
-from django_leases.limits import JOB_ID, check_int
+from django_leases.limits import JOB_ID, check_int, shown
 
 DEADLOCK_RETRIES = 5
 
@@ -35,6 +36,7 @@ database's bounds, whatever the worker's concurrency."""
 
 F_ = TypeVar("F_", bound=Callable[..., Any])
 M = TypeVar("M", bound=models.Model)
+QS = TypeVar("QS", bound=models.QuerySet[Any])
 
 
 def bound_cursor(using: str) -> CursorWrapper:
@@ -195,6 +197,35 @@ def next_token() -> Any:
     return Greatest(
         F("lease_token") + 1, FencingClock(), output_field=models.PositiveBigIntegerField()
     )
+
+
+def writing_to(qs: QS, using: str | None = None) -> QS:
+    """This queryset on the database `using`; None: its own, else the routers' choice
+    for writes of the model. Raises `InvalidArgument` for an alias not in DATABASES."""
+    chosen: Any = qs  # its alias, `_db`, is Django's; django-stubs does not declare it
+    alias = using if using is not None else chosen._db or router.db_for_write(qs.model)
+    if not isinstance(alias, str) or alias not in connections.settings:
+        raise InvalidArgument(
+            f"using must name a database of DATABASES ({', '.join(connections.settings)}), "
+            f"got {shown(alias)}"
+        )
+    return qs if chosen._db == alias else qs.using(alias)
+
+
+def writes(method: F_) -> F_:
+    """Run the lease transition `method` on its queryset bound to the database the routers send
+    the model's writes to, unless the queryset names its own (`writing_to()`).
+
+    A queryset from `Model.objects` reads from the routers' `db_for_read`: a replica, under a
+    read/write-split router. Bound, the transition's locking reads, its UPDATEs, the reads that
+    decide them, its ledger rows and its transaction all go to the one database it writes.
+    """
+
+    @wraps(method)
+    def wrapper(self: models.QuerySet[Any], *args: Any, **kwargs: Any) -> Any:
+        return method(writing_to(self), *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def retry_deadlocks(method: F_) -> F_:

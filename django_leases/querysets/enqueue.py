@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import FieldDoesNotExist, ValidationError
-from django.db import IntegrityError, connections, models, router, transaction
+from django.db import IntegrityError, models, transaction
 
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.constraints import is_unique
@@ -44,8 +44,6 @@ from django_leases.status import PENDING, WAITING
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
     from django_leases.querysets.leases import LeaseQuerySet
-
-QS = TypeVar("QS", bound="LeaseQuerySet[Any]")
 
 
 def enqueue(
@@ -134,19 +132,6 @@ async def aenqueue_many(
 ) -> list[J]:
     """`enqueue_many()`, awaitable: the same arguments, rules and errors."""
     return await sync_to_async(qs.enqueue_many)(kind, payloads, **options)
-
-
-def writing_to(qs: QS, using: str | None = None) -> QS:
-    """This queryset on the database `using`; None: its own, else the routers' choice
-    for writes of the model. Raises `InvalidArgument` for an alias not in DATABASES."""
-    chosen: Any = qs  # its alias, `_db`, is Django's; django-stubs does not declare it
-    alias = using if using is not None else chosen._db or router.db_for_write(qs.model)
-    if not isinstance(alias, str) or alias not in connections.settings:
-        raise InvalidArgument(
-            f"using must name a database of DATABASES ({', '.join(connections.settings)}), "
-            f"got {shown(alias)}"
-        )
-    return qs if chosen._db == alias else qs.using(alias)
 
 
 # InnoDB may pick an enqueue as a deadlock victim among the enqueues and completions of its

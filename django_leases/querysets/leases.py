@@ -26,7 +26,7 @@ from django_leases.limits import (
     CHECKPOINT_LENGTH,
     check_text,
 )
-from django_leases.querysets import acks, claims, ledger, operators
+from django_leases.querysets import acks, base, claims, ledger, operators
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -39,6 +39,7 @@ from django_leases.querysets.base import (
     lease_until,
     quoted_table,
     retry_deadlocks,
+    writes,
 )
 from django_leases.querysets.ledger import (
     MAX_ERROR_LENGTH,
@@ -72,28 +73,29 @@ class LeaseQuerySet(LeaseReads[J]):
     completions (`acks`), throttled claims (`throttles`), the watcher's rescue and the operator
     actions (`operators`), enqueueing (`enqueue`), pruning (`prune`); they share the ledger
     writes (`ledger`) and the lock queue (`locks`). The database's own statements are chosen
-    by its dialect (`dialects.py`).
+    by its dialect (`dialects.py`). Every transition runs on the database the routers send
+    the model's writes to, unless the queryset names one (`writes()`): never on a replica.
     """
 
     # ---- acquisition (claims.py) --------------------------------------------------------------
 
-    claim = claims.claim
-    claim_job = claims.claim_job
-    complete_and_claim = claims.complete_and_claim
+    claim = writes(claims.claim)
+    claim_job = writes(claims.claim_job)
+    complete_and_claim = writes(claims.complete_and_claim)
 
     # ---- batched completions (acks.py) --------------------------------------------------------
 
-    complete_many = acks.complete_many
+    complete_many = writes(acks.complete_many)
 
     # ---- the watcher's rescue and the operator actions (operators.py) -------------------------
 
-    rescue = operators.rescue
-    requeue = operators.requeue
-    release_stuck = operators.release_stuck
-    mark_failed = operators.mark_failed
-    cancel = operators.cancel
-    cancelled_leases = operators.cancelled_leases
-    resolve_review = operators.resolve_review
+    rescue = writes(operators.rescue)
+    requeue = writes(operators.requeue)
+    release_stuck = writes(operators.release_stuck)
+    mark_failed = writes(operators.mark_failed)
+    cancel = writes(operators.cancel)
+    cancelled_leases = writes(operators.cancelled_leases)
+    resolve_review = writes(operators.resolve_review)
 
     # ---- enqueueing (enqueue.py) ----------------------------------------------------------------
 
@@ -101,7 +103,7 @@ class LeaseQuerySet(LeaseReads[J]):
     enqueue_many = enqueueing.enqueue_many
     aenqueue = enqueueing.aenqueue
     aenqueue_many = enqueueing.aenqueue_many
-    writing_to = enqueueing.writing_to
+    writing_to = base.writing_to
 
     def _enqueue_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Return `enqueue()`'s keyword arguments as this table's enqueue takes them; a subclass
@@ -111,13 +113,14 @@ class LeaseQuerySet(LeaseReads[J]):
     # ---- retention (prune.py) and the ledger (ledger.py) ----------------------------------------
 
     prunable = pruning.prunable
-    prune = pruning.prune
+    prune = writes(pruning.prune)
     attempt_rows = ledger.attempt_rows
-    finished_by = ledger.finished_by
-    record_fenced = ledger.record_fenced
+    finished_by = writes(ledger.finished_by)
+    record_fenced = writes(ledger.record_fenced)
 
     # ---- holder writes ----------------------------------------------------------------------
 
+    @writes
     @retry_deadlocks
     def heartbeat(
         self,
@@ -160,6 +163,7 @@ class LeaseQuerySet(LeaseReads[J]):
                 )
         return renewed
 
+    @writes
     def checkpoint(self, pk: int, owner: str, token: int, step: str) -> None:
         """Record that the holder reached `step`; the watcher's review policy reads it.
 
@@ -169,6 +173,7 @@ class LeaseQuerySet(LeaseReads[J]):
         check_text(step, "checkpoint step", CHECKPOINT_LENGTH)
         self._holder_write(pk, owner, token, None, None, live=True, checkpoint=step)
 
+    @writes
     def complete(self, pk: int, owner: str, token: int, *, result: Any = None) -> None:
         """Mark the job completed, storing `result` (JSON) if given.
 
@@ -200,6 +205,7 @@ class LeaseQuerySet(LeaseReads[J]):
                 cursor, quoted_table(self.model, self.db), ledger, owner, (pk, token)
             )
 
+    @writes
     @retry_deadlocks
     def fail(
         self,
@@ -249,6 +255,7 @@ class LeaseQuerySet(LeaseReads[J]):
                 pass_lock(self, pk)
         return new_status
 
+    @writes
     @retry_deadlocks
     def time_out(
         self, pk: int, owner: str, token: int, *, retry_in: float | None, reason: str
@@ -287,6 +294,7 @@ class LeaseQuerySet(LeaseReads[J]):
             raise self._lost(pk, token, f"{owner} no longer holds token {token}")
         return new_status
 
+    @writes
     def release(self, pk: int, owner: str, token: int) -> None:
         """Give a job back unstarted (graceful shutdown): pending, due now.
 
@@ -304,6 +312,7 @@ class LeaseQuerySet(LeaseReads[J]):
             max_attempts=F("max_attempts") + 1,
         )
 
+    @writes
     def lock_held(self, pk: int, owner: str, token: int) -> None:
         """Re-check the lease and lock the job row until the current transaction ends.
 

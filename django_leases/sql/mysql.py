@@ -27,6 +27,10 @@ Params = dict[str, Any]
 DEADLOCK_ERRORS = (1205, 1213)
 """1205: lock wait timeout; 1213: deadlock found. InnoDB rolls the transaction back for both."""
 
+READ_ONLY_ERRORS = (1290, 1792, 1836)
+"""1290: the server runs with --read-only; 1792: a read-only transaction; 1836: read-only mode.
+The server takes no writes now, which a failover or an operator ends."""
+
 FENCING_CLOCK = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))"
 """The database clock in microseconds since the epoch, whatever the session's time zone: the
 floor of every new fencing token."""
@@ -380,6 +384,8 @@ def status_estimate(equal: int, other_than: int, table_rows: int) -> int:
 # table/column, 1193/1231/1232/1298 an unknown variable or time zone, or a wrong value (an
 # init_command), 1115/1273 an unknown character set or collation, 1251/2059 an authentication
 # plugin the client lacks.
+# 1064: a syntax error. While connecting, the one statement run is the project's init_command.
+MISCONFIGURED_WHILE_CONNECTING = (1064,)
 MISCONFIGURED_ERRORS = {
     1045: "PASSWORD",
     1698: "PASSWORD",

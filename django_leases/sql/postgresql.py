@@ -18,6 +18,10 @@ Params = dict[str, Any]
 DEADLOCK_SQLSTATES = ("40001", "40P01")
 """serialization_failure, deadlock_detected: the transaction was rolled back."""
 
+READ_ONLY_SQLSTATES = ("25006",)
+"""read_only_sql_transaction: the server takes no writes now (a hot standby, or
+`default_transaction_read_only`), which a failover or an operator ends."""
+
 FENCING_CLOCK = "(EXTRACT(EPOCH FROM STATEMENT_TIMESTAMP()) * 1000000)::bigint"
 """The database clock in microseconds since the epoch: the floor of every new fencing token."""
 
@@ -487,4 +491,5 @@ MISCONFIGURED_MESSAGES = (
     (re.compile(r"unrecognized configuration parameter"), "OPTIONS"),
     (re.compile(r"invalid value for parameter"), "OPTIONS"),
     (re.compile(r"invalid connection option"), "OPTIONS"),  # libpq
+    (re.compile(r"invalid \w+ value: "), "OPTIONS"),  # libpq: sslmode, target_session_attrs...
 )

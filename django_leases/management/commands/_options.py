@@ -24,7 +24,7 @@ from django_leases.limits import (
     duration_range,
     in_duration_range,
 )
-from django_leases.outages import OUTAGES, misconfiguration
+from django_leases.outages import is_outage, misconfiguration, one_line
 from django_leases.redaction import error_text
 from django_leases.tables import job_model
 
@@ -134,11 +134,6 @@ def add_database_argument(parser: CommandParser) -> None:
     )
 
 
-def one_line(text: str) -> str:
-    """Return `text` (a driver's message, often several lines) on one line."""
-    return " ".join(text.split())
-
-
 @contextmanager
 def one_line_database_errors(alias: str) -> Iterator[None]:
     """Report a database error of the block as one line (exit 1): what to fix for a
@@ -149,7 +144,7 @@ def one_line_database_errors(alias: str) -> Iterator[None]:
         raise CommandError(str(exc)) from None
     except DatabaseError as exc:
         message = misconfiguration(exc, alias)
-        if message is None and not isinstance(exc, OUTAGES):
+        if message is None and not is_outage(exc, alias):
             raise
         raise CommandError(
             message or f"database unavailable: {one_line(error_text(exc))}"

@@ -36,8 +36,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "jobs are never touched. Registry rows of workers stopped or unseen for longer than "
         "WORKER_RETENTION are deleted too. Safe while workers run; meant for cron. -v 2 logs "
         "each batch. "
-        "Exit status 1: bad options; a database that is down, refuses the connection settings "
-        "(login, database name, options), is not migrated, or whose session clock is not UTC "
+        "Exit status 1: bad options; a database that is down or read-only, refuses the "
+        "connection settings (login, database name, options), is not migrated, or whose "
+        "session clock is not UTC "
         "(one line saying which)."
     )
 
