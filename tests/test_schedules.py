@@ -181,7 +181,7 @@ def test_enqueue_due__a_key_taken_in_advance_skips_no_tick(
         tick = current_tick(schedule)
         begin()
         squatter = PaymentJob.objects.enqueue("other", {"x": 1}, idempotency_key=schedule.key(tick))
-        with override_settings(SECRET_KEY="another project's secret"):
+        with override_settings(SECRET_KEY="another project's secret"):  # noqa: S106 - a test key
             assert schedule.key(tick) != squatter.idempotency_key
         [job] = enqueue_due()
         assert enqueue_due() == []
