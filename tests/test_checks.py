@@ -478,7 +478,9 @@ def test_check_schedules__unknown_tz(tz: object) -> None:
     assert "['tz'] must be the name of a time zone" in messages[0].msg
 
 
-@pytest.mark.parametrize("tz", ["localtime", "Factory", "posixrules", "posix/Europe/Berlin"])
+@pytest.mark.parametrize(
+    "tz", ["localtime", "Factory", "posixrules", "posix/Europe/Berlin", "right/UTC"]
+)
 def test_check_schedules__tz_of_the_host_not_the_iana_database(tz: str) -> None:
     """Names a host's zone directory holds beside the IANA zones: fire times in them would
     depend on each host ("localtime" is its own zone), so two hosts could enqueue two jobs."""

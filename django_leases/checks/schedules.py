@@ -1,9 +1,8 @@
 """System checks of `DJANGO_LEASES["SCHEDULES"]`, entry by entry."""
 
 import os
-from functools import cache
 from typing import Any
-from zoneinfo import TZPATH, available_timezones
+from zoneinfo import TZPATH, ZoneInfo, ZoneInfoNotFoundError
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
@@ -189,16 +188,21 @@ def _check_cron(where: str, cron: Any) -> list[CheckMessage]:
 # (a link to /etc/localtime), the rules POSIX TZ strings borrow, and "Factory" (no zone, "-00").
 # Fire times in them would differ from host to host.
 HOST_ZONES = frozenset({"localtime", "posixrules", "Factory"})
+# The zone directory's copies of every zone in POSIX and in leap-second ("right") time.
+HOST_DIRECTORIES = frozenset({"posix", "right"})
 
 
-@cache
-def iana_zones() -> frozenset[str]:
-    """Return the IANA time zone names this host knows (zones and their links, such as 'UTC'),
-    without the host's own files: those of `HOST_ZONES`, and links that leave the zone
-    directory."""
-    return frozenset(
-        name for name in available_timezones() if name not in HOST_ZONES and not _leaves(name)
-    )
+def is_iana_zone(name: str) -> bool:
+    """Tell whether `name` is a time zone of the IANA database (a zone or one of its links,
+    such as 'UTC'), not one of the host's own files: those of `HOST_ZONES`, the copies under
+    `HOST_DIRECTORIES`, or a link that leaves the zone directory."""
+    if name in HOST_ZONES or name.split("/", 1)[0] in HOST_DIRECTORIES:
+        return False
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        return False
+    return not _leaves(name)
 
 
 def _leaves(name: str) -> bool:
@@ -213,7 +217,7 @@ def _leaves(name: str) -> bool:
 
 
 def _check_tz(where: str, tz: Any) -> list[CheckMessage]:
-    if isinstance(tz, str) and 0 < len(tz) <= TZ_LENGTH and tz in iana_zones():
+    if isinstance(tz, str) and 0 < len(tz) <= TZ_LENGTH and is_iana_zone(tz):
         return []
     return [
         Error(
