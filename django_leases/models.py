@@ -404,8 +404,10 @@ class ScheduleState(models.Model):
 
     Moved by one conditional UPDATE in the transaction that enqueues the tick's job (see
     `ScheduleStateQuerySet.advance()`), so each tick gets exactly one job whatever `prune_jobs`
-    deleted since. One row per job table, schedule name and series: a new `every`, `cron` or
-    `tz` is a new series. A cron schedule's row has `every` 0 and its ticks are fire times.
+    deleted since. One row per job table and schedule name, holding the series its ticks belong
+    to (`every`, or `cron` and `tz`): a schedule whose definition differs from its row's (new,
+    edited or rolled back) starts a new series at its next tick, the row moved to the current
+    tick without a job. A cron schedule's row has `every` 0 and its ticks are fire times.
     """
 
     job_model = models.CharField(
@@ -426,6 +428,15 @@ class ScheduleState(models.Model):
             "schedule's tick is its fire time in Unix seconds."
         ),
     )
+    start_tick = models.BigIntegerField(
+        _("series started at tick"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "The tick current when the series started (the schedule was added or its every, "
+            "cron or tz edited): covered without a job."
+        ),
+    )
     enqueued_at = models.DateTimeField(_("last enqueued at"), db_default=Now())
 
     objects = ScheduleStateQuerySet.as_manager()
@@ -433,12 +444,10 @@ class ScheduleState(models.Model):
     class Meta:
         verbose_name = _("schedule state")
         verbose_name_plural = _("schedule states")
-        ordering = ["job_model", "name", "every", "cron", "tz"]
+        ordering = ["job_model", "name"]
         constraints = [
-            # One row per series: of racing first runs, one INSERT wins.
-            models.UniqueConstraint(
-                fields=["job_model", "name", "every", "cron", "tz"], name="dl_schedule_series_uniq"
-            )
+            # One row per schedule: of racing first runs, one INSERT wins; an edit moves the row.
+            models.UniqueConstraint(fields=["job_model", "name"], name="dl_schedule_name_uniq")
         ]
 
     def __str__(self) -> str:

@@ -1,19 +1,23 @@
 """Periodic jobs: `DJANGO_LEASES["SCHEDULES"]`, exactly one job per tick by the database clock.
 
 Tick `n` of a schedule run `every` seconds is the span from `n * every` to `(n + 1) * every`
-seconds of the database clock's Unix time. Each schedule (per job table and period) has a row
-of its own, `ScheduleState`, holding the last tick it enqueued. A process enqueues tick `n` only
-if its conditional UPDATE moved that row from the tick it read to `n`, in the transaction that
-enqueues the job: of racing workers, watchers and hosts exactly one does, and pruning the jobs
-takes nothing from the row, so a tick never runs twice. The job also carries the idempotency key
-`schedule:<name>:<every>:<n>`, to find it by. Workers enqueue due ticks from their loop (a
-`Ticker`: one database clock read per tick boundary), the watcher on each pass (`enqueue_due()`).
+seconds of the database clock's Unix time. Each schedule (per job table) has a row of its own,
+`ScheduleState`, holding its series (its `every`, or `cron` and `tz`) and the last tick it
+enqueued. A process enqueues tick `n` only if its conditional UPDATE moved that row from the
+tick it read to `n`, in the transaction that enqueues the job: of racing workers, watchers and
+hosts exactly one does, and pruning the jobs takes nothing from the row, so a tick never runs
+twice. The job also carries an idempotency key, `schedule:<name>:<n>:<mac>`, to find it by: the
+MAC (an HMAC of the name, series and tick under SECRET_KEY) keeps other code from taking a
+future tick's key in advance. Workers enqueue due ticks from their loop (a `Ticker`: one
+database clock read per tick boundary), the watcher on each pass (`enqueue_due()`).
 
 A tick after the row's that is not the current one was missed (no process looked during its
 whole span). With `catch_up` (the default) the latest missed tick is enqueued once, late,
-whatever the number missed; without, missed ticks are skipped. The current tick is always
-enqueued, late or not. A schedule without a row (new, or with a new `every`) starts at the
-current tick; a clock that went back enqueues nothing until it passes the row's tick again.
+whatever the number missed; without, missed ticks are skipped. The current tick is enqueued,
+late or not. A schedule without a row, or whose row holds another series (its `every`, `cron`
+or `tz` was edited, or rolled back), starts a new series at its next tick: the row moves to the
+current tick without a job, so an edit never enqueues a tick before it. A clock that went back
+enqueues nothing until it passes the row's tick again.
 
 A schedule given `cron` (and `tz`, default UTC) instead of `every` has fire times instead of
 ticks, numbered by their Unix seconds: the same row, compare-and-set and catch-up, the latest
@@ -25,10 +29,10 @@ of the gap, where the gap's other skipped times and the gap's end itself fire wi
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import random
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,12 +45,13 @@ from cronsim import CronSim, CronSimError
 from django.db import DatabaseError
 from django.db.models.functions import Now
 from django.db.models.sql import Query
+from django.utils.crypto import salted_hmac
 
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.limits import shown
 from django_leases.outages import is_outage
 from django_leases.querysets import LeaseQuerySet
-from django_leases.querysets.schedules import CRON_LENGTH, Series
+from django_leases.querysets.schedules import CRON_LENGTH, Recorded, Series
 from django_leases.tables import leased_jobs, schedule_states
 
 logger = logging.getLogger("django_leases.schedules")
@@ -55,8 +60,11 @@ SCHEDULE_KEYS = ("kind", "every", "cron", "tz", "payload", "catch_up")
 # Minute, hour, day of month, month, day of week: cronsim's optional sixth field (seconds) is
 # for `every`.
 CRON_FIELDS = 5
-# Room for "schedule:<name>:<every>:<tick>" within the 255 characters of an idempotency key.
+# Room for "schedule:<name>:<tick>:<mac>" within the 255 characters of an idempotency key.
 SCHEDULE_NAME_LENGTH = 100
+KEY_SALT = "django_leases.schedules.key"
+# Hex digits of the key's MAC: 128 bits, not to be guessed.
+MAC_LENGTH = 32
 # Shortest period: each tick is a row and a wake-up of every worker.
 MIN_EVERY = 1.0
 # Spreads the workers that wake up at one tick boundary, so that the first one's INSERT is
@@ -99,22 +107,16 @@ class Schedule:
         return cls(**common, every=to_seconds(entry["every"], f"SCHEDULES[{name!r}]['every']"))
 
     @property
-    def prefix(self) -> str:
-        """The start of every idempotency key of this schedule (and this period or expression)."""
-        if self.cron:
-            digest = hashlib.sha256(f"{self.cron}|{self.tz}".encode()).hexdigest()[:8]
-            return f"schedule:{self.name}:cron-{digest}:"
-        every = f"{self.every:.0f}" if self.every.is_integer() else repr(self.every)
-        return f"schedule:{self.name}:{every}:"
-
-    @property
     def series(self) -> Series:
-        """What its state row is keyed by (with the job table): a new period, expression or
-        time zone is a new series."""
+        """What its state row records: a new period, expression or time zone is a new series."""
         return (self.name, self.every, self.cron, self.tz)
 
     def key(self, tick: int) -> str:
-        return f"{self.prefix}{tick}"
+        """Return the idempotency key of the tick's job: stable across the processes and hosts
+        of one project (one SECRET_KEY), not derivable without it."""
+        message = f"{self.name}|{self.every!r}|{self.cron}|{self.tz}|{tick}"
+        mac = salted_hmac(KEY_SALT, message, algorithm="sha256").hexdigest()[:MAC_LENGTH]
+        return f"schedule:{self.name}:{tick}:{mac}"
 
     def tick(self, epoch: float) -> int | None:
         """Return the tick current at `epoch` (Unix seconds): the one containing it, or the
@@ -227,13 +229,14 @@ def upcoming(jobs: LeaseQuerySet[Any]) -> list[Upcoming]:
     if not schedules:
         return []
     epoch = database_now(jobs.db).timestamp()
-    last = schedule_states(jobs.db).last_ticks(jobs.model, [s.series for s in schedules])
-    keys = {s.name: s.key(last[s.series]) for s in schedules if s.series in last}
+    recorded = schedule_states(jobs.db).recorded(jobs.model, [s.name for s in schedules])
+    last = {s.name: _last_enqueued(s, recorded.get(s.name)) for s in schedules}
+    keys = {s.name: s.key(tick) for s in schedules if (tick := last[s.name]) is not None}
     found = {job.idempotency_key: job for job in jobs.filter(idempotency_key__in=keys.values())}
     shown = []
     for schedule in schedules:
         boundary = schedule.boundary(epoch)
-        tick = last.get(schedule.series)
+        tick = last[schedule.name]
         shown.append(
             Upcoming(
                 schedule=schedule,
@@ -243,6 +246,15 @@ def upcoming(jobs: LeaseQuerySet[Any]) -> list[Upcoming]:
             )
         )
     return shown
+
+
+def _last_enqueued(schedule: Schedule, recorded: Recorded | None) -> int | None:
+    """Return the last tick `schedule`'s series enqueued a job for, by its row (None: none)."""
+    if recorded is None or recorded.series != schedule.series:
+        return None  # new or edited: its series has not begun
+    if recorded.last_tick == recorded.start_tick:
+        return None  # the tick the series started at, covered without a job
+    return recorded.last_tick
 
 
 def enqueue_due(using: str | None = None, *, model: type[Any] | None = None) -> list[Any]:
@@ -290,38 +302,59 @@ def _enqueue_due(model: type[Any] | None, using: str | None) -> tuple[list[Any],
     states = schedule_states(jobs.db)
     epoch = database_now(jobs.db).timestamp()
     # Most passes find every schedule at its current tick already: one indexed look-up.
-    last = states.last_ticks(jobs.model, [s.series for s in schedules])
+    recorded = states.recorded(jobs.model, [s.name for s in schedules])
     enqueued = []
     for schedule in schedules:
         tick = schedule.tick(epoch)
         if tick is not None:
-            enqueued += _enqueue_schedule(schedule, tick, last.get(schedule.series), jobs)
+            enqueued += _enqueue_schedule(schedule, tick, recorded.get(schedule.name), jobs)
     wait = min(s.boundary(epoch) for s in schedules) - epoch
     return enqueued, wait
 
 
 def _enqueue_schedule(
-    schedule: Schedule, tick: int, seen: int | None, jobs: LeaseQuerySet[Any]
+    schedule: Schedule, tick: int, seen: Recorded | None, jobs: LeaseQuerySet[Any]
 ) -> list[Any]:
     """Enqueue `schedule`'s due ticks, current `tick`, if this process moves its state row from
-    `seen` (its last enqueued tick, None for none); return the jobs."""
+    `seen` (what it read, None for no row); return the jobs."""
     states = schedule_states(jobs.db)
     for _ in range(RACES):
-        if seen is not None and seen >= tick:
+        if seen is None or seen.series != schedule.series:
+            # New, edited or rolled back: the series starts at its next tick. The current one
+            # is covered without a job, or a deploy would run a tick before the edit that the
+            # previous definition had not (a second settlement today, last Friday's again).
+            enqueue = partial(_start_series, schedule, seen, tick)
+        elif seen.last_tick >= tick:
             # Enqueued already, or the clock went back: a tick is never enqueued twice.
             return []
-        due = [tick]
-        if schedule.catch_up and seen is not None:
-            missed = schedule.previous(tick)
-            if missed is not None and missed > seen:
+        else:
+            due = [tick]
+            missed = schedule.previous(tick) if schedule.catch_up else None
+            if missed is not None and missed > seen.last_tick:
                 due = [missed, tick]
-        enqueue = partial(_enqueue_ticks, schedule, due, tick, jobs)
+            enqueue = partial(_enqueue_ticks, schedule, due, tick, jobs)
         done = states.advance(jobs.model, schedule.series, seen=seen, to=tick, enqueue=enqueue)
         if done is not None:
             return done
         # Another process moved the row first, most often to this same tick.
-        seen = states.last_ticks(jobs.model, [schedule.series]).get(schedule.series)
+        seen = states.recorded(jobs.model, [schedule.name]).get(schedule.name)
     return []
+
+
+def _start_series(schedule: Schedule, seen: Recorded | None, tick: int) -> list[Any]:
+    """Log the start of `schedule`'s series after `tick`; enqueue nothing."""
+    logger.info(
+        "schedule=%s starts at its next tick: tick=%s covered without a job (%s)",
+        schedule.name,
+        tick,
+        "new" if seen is None else f"edited, was {_described(seen.series)}",
+    )
+    return []
+
+
+def _described(series: Series) -> str:
+    _, every, cron, tz = series
+    return f"cron {cron!r} in {tz}" if cron else f"every {every:g} s"
 
 
 def _enqueue_ticks(
@@ -329,11 +362,22 @@ def _enqueue_ticks(
 ) -> list[Any]:
     enqueued = []
     for tick in due:
+        key = schedule.key(tick)
+        # This process moved the row past the tick: a job already under its key was enqueued
+        # by other code, which a tick must not be skipped for. It gets a key of its own, which
+        # no one could know in advance.
+        taken = jobs.filter(idempotency_key=key).values_list("pk", flat=True).first()
+        if taken is not None:
+            logger.error(
+                "schedule=%s tick=%s: its key is taken by job_id=%s, which the schedule did not "
+                "enqueue; the tick's job gets a random key",
+                schedule.name,
+                tick,
+                taken,
+            )
+            key = f"schedule:{schedule.name}:{tick}:{secrets.token_hex(MAC_LENGTH // 2)}"
         job = jobs.enqueue(
-            schedule.kind,
-            schedule.payload,
-            idempotency_key=schedule.key(tick),
-            run_at=schedule.start(tick),
+            schedule.kind, schedule.payload, idempotency_key=key, run_at=schedule.start(tick)
         )
         logger.info(
             "enqueued schedule=%s tick=%s job_id=%s kind=%s late=%s",

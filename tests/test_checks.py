@@ -479,6 +479,27 @@ def test_check_schedules__unknown_tz(tz: object) -> None:
 
 
 @pytest.mark.parametrize(
+    "tz", ["localtime", "Factory", "posixrules", "posix/Europe/Berlin", "right/UTC"]
+)
+def test_check_schedules__tz_of_the_host_not_the_iana_database(tz: str) -> None:
+    """Names a host's zone directory holds beside the IANA zones: fire times in them would
+    depend on each host ("localtime" is its own zone), so two hosts could enqueue two jobs."""
+    entry = {"kind": "noop", "cron": "30 2 * * *", "tz": tz}
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": entry}}):
+        [message] = check_schedules()
+    assert message.id == "django_leases.E035"
+    assert "\n" not in message.msg and f"got {tz!r}" in message.msg
+    assert "'localtime'" in message.hint and "'Europe/Berlin'" in message.hint
+
+
+@pytest.mark.parametrize("tz", ["Europe/Berlin", "UTC", "America/New_York", "Etc/UTC"])
+def test_check_schedules__iana_tz_is_fine(tz: str) -> None:
+    entry = {"kind": "noop", "cron": "30 2 * * *", "tz": tz}
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": entry}}):
+        assert check_schedules() == []
+
+
+@pytest.mark.parametrize(
     ("entry", "says"),
     [
         ({"kind": "noop"}, "has neither"),

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from django.contrib import admin
 from django.db import connections
+from django.db.models import F
 from django.db.models.functions import Now
 from django.test import Client, override_settings
 from django.urls import path, reverse
@@ -22,12 +23,14 @@ from django_leases.admin.workers import WorkerAdmin
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import InvalidArgument
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, ScheduleState, Worker
+from django_leases.schedules import enqueue_due
 from django_leases.watcher import StuckWatcher
 
 from .conftest import Processes, finish, read_until, subprocess_env
 from .routers import ReplicaRouter
 from .test_admin import form_data
 from .test_metrics import parse, scrape
+from .ticking import tick_of
 
 
 class OtherJobAdmin(PaymentJobAdmin):
@@ -290,9 +293,14 @@ def test_schedules__each_database_gets_one_job_per_tick(processes: Processes) ->
     """SCHEDULES run on every database a watcher or worker serves, each with its own record of
     the last tick: two watchers on each database enqueue one job per database, not one in all."""
     every = 10**7  # a tick boundary every 116 days; the span read below holds one when it falls
-    settings = json.dumps({"SCHEDULES": {"sweep": {"kind": "noop", "every": every}}})
-    env = subprocess_env(LEASES_TEST_SETTINGS=settings)
+    schedules = {"SCHEDULES": {"sweep": {"kind": "noop", "every": every}}}
+    env = subprocess_env(LEASES_TEST_SETTINGS=json.dumps(schedules))
     first = math.floor(time.time() / every)
+    # Started a tick ago on each database (a new schedule starts at its next tick).
+    with override_settings(DJANGO_LEASES=schedules):
+        for database in ("default", "other"):
+            assert enqueue_due(database) == []
+            ScheduleState.objects.using(database).update(last_tick=F("last_tick") - 1)
     for database in ("default", "other", "default", "other"):
         proc = processes.manage("watch_stuck_jobs", "--once", "--database", database, env=env)
         out = finish(proc)
@@ -300,7 +308,7 @@ def test_schedules__each_database_gets_one_job_per_tick(processes: Processes) ->
     last = math.floor(time.time() / every)
     for database in ("default", "other"):
         keys = PaymentJob.objects.using(database).values_list("idempotency_key", flat=True)
-        ticks = sorted(int(key.removeprefix(f"schedule:sweep:{every}:")) for key in keys)
+        ticks = sorted(tick_of(key) for key in keys)
         # One job per tick the watchers saw: one in all, unless a tick began between two runs.
         assert ticks and ticks == list(range(ticks[0], last + 1)), (database, keys)
         assert first <= ticks[0], (database, keys)

@@ -14,14 +14,25 @@ from typing import Any
 
 import pytest
 from django.db import connection, connections
+from django.db.migrations.executor import MigrationExecutor
 from django.test import override_settings
+from django.utils import timezone
 
 from django_leases.models import JobAttempt, PaymentJob, ScheduleState, Worker
 from django_leases.schedules import Schedule, Ticker, configured, database_now, enqueue_due
 from django_leases.watcher import StuckWatcher
 
 from .conftest import ON_SQLITE, Processes, subprocess_env, wait_for
-from .ticking import DatabaseClock, database_clock, moved, prune_finished, run, ticks_pass
+from .ticking import (
+    DatabaseClock,
+    begin,
+    database_clock,
+    moved,
+    prune_finished,
+    run,
+    tick_of,
+    ticks_pass,
+)
 
 Status = PaymentJob.Status
 # Ticks of about 115 days: no test here runs across a boundary by chance.
@@ -42,9 +53,7 @@ def earlier(schedule: Schedule, tick: int, count: int = 1) -> int:
 def ticks(name: str = "beat") -> list[int]:
     """Return the tick of every job of schedule `name`, in order."""
     keys = PaymentJob.objects.filter(idempotency_key__startswith=f"schedule:{name}:")
-    return sorted(
-        int(key.rsplit(":", 1)[1]) for key in keys.values_list("idempotency_key", flat=True)
-    )
+    return sorted(tick_of(key) for key in keys.values_list("idempotency_key", flat=True))
 
 
 def current_tick(schedule: Schedule) -> int:
@@ -61,11 +70,13 @@ def test_enqueue_due__enqueues_the_current_tick_once() -> None:
     with schedules(beat={**LONG, "payload": {"report": "daily"}}):
         [schedule] = configured()
         tick = current_tick(schedule)
+        begin()
         [job] = enqueue_due()
         assert enqueue_due() == []
         assert StuckWatcher().run_once() == []
     assert PaymentJob.objects.count() == 1
-    assert job.idempotency_key == f"schedule:beat:10000000:{tick}"
+    assert re.fullmatch(rf"schedule:beat:{tick}:[0-9a-f]{{32}}", job.idempotency_key)
+    assert job.idempotency_key == schedule.key(tick)
     assert (job.kind, job.payload, job.status) == ("noop", {"report": "daily"}, Status.PENDING)
     # Due at once: the tick started before now, by the database clock.
     assert job.run_at == schedule.start(tick) <= database_now(connection.alias)
@@ -75,9 +86,13 @@ def test_enqueue_due__enqueues_the_current_tick_once() -> None:
 def test_enqueue_due__accepts_a_timedelta_and_keys_by_period() -> None:
     with schedules(beat={"kind": "noop", "every": timedelta(days=200)}):
         [schedule] = configured()
+        begin()
         [job] = enqueue_due()
     assert schedule.every == 200 * 86400.0
-    assert job.idempotency_key == f"schedule:beat:17280000:{current_tick(schedule)}"
+    assert job.idempotency_key == schedule.key(current_tick(schedule))
+    assert Schedule("beat", "noop", None, True, every=10**7).key(current_tick(schedule)) != (
+        job.idempotency_key
+    )
 
 
 @pytest.mark.django_db
@@ -89,6 +104,7 @@ def test_enqueue_due__missed_ticks_are_caught_up_once_or_skipped(
     with schedules(beat={**entry, "catch_up": catch_up}):
         [schedule] = configured()
         tick = current_tick(schedule)
+        begin()
         enqueue_due()
         # The schedule last ran five ticks ago; nothing ran during the four ticks since.
         ticks_pass(schedule, 5)
@@ -102,27 +118,78 @@ def test_enqueue_due__missed_ticks_are_caught_up_once_or_skipped(
 
 
 @pytest.mark.django_db
-def test_enqueue_due__a_new_schedule_or_period_catches_nothing_up() -> None:
+def test_enqueue_due__a_new_edited_or_rolled_back_schedule_starts_at_its_next_tick() -> None:
+    """A period edited between ticks, a schedule added, then the edit rolled back: none of them
+    enqueues a tick that began before it (the rolled-back series' missed ticks included), and
+    each enqueues its next tick once it comes."""
     with schedules(beat=LONG):
         [old] = configured()
         tick = current_tick(old)
+        begin()
         enqueue_due()
-        ticks_pass(old, 3)
+        ticks_pass(old, 3)  # its last job three ticks back; the ticks since missed
     with schedules(beat={**LONG, "every": 2 * 10**7}, fresh=LONG):
+        assert enqueue_due() == []
+        assert enqueue_due() == []
+    with schedules(beat=LONG, fresh=LONG):
+        [_, fresh] = configured()
+        assert enqueue_due() == []
+        assert ticks() == [tick - 3]
+        # One row per schedule, at the tick its series started at (covered without a job).
+        assert sorted(
+            ScheduleState.objects.values_list("name", "every", "last_tick", "start_tick")
+        ) == [("beat", 10**7, tick, tick), ("fresh", 10**7, tick, tick)]
+        ticks_pass(old, 1)
+        ticks_pass(fresh, 1)
         jobs = enqueue_due()
-    assert sorted(job.idempotency_key.rsplit(":", 1)[0] for job in jobs) == [
-        "schedule:beat:20000000",
-        "schedule:fresh:10000000",
-    ]
-    # Back to the first period: its series goes on from its own row, the missed tick caught up.
+        assert enqueue_due() == []
+    assert [job.idempotency_key for job in jobs] == [old.key(tick), fresh.key(tick)]
+    assert ticks() == [tick - 4, tick]
+
+
+@pytest.mark.django_db
+def test_enqueue_due__a_tick_enqueued_under_the_old_key_is_not_enqueued_again() -> None:
+    """The deploy that changes the keys: a tick the previous release enqueued (its row at the
+    tick, its job under `schedule:<name>:<every>:<tick>`) gets no second job under the new key;
+    the next tick gets one, under the new key."""
     with schedules(beat=LONG):
-        jobs = enqueue_due()
-    assert [job.idempotency_key for job in jobs] == [old.key(tick - 1), old.key(tick)]
-    assert sorted(ScheduleState.objects.values_list("name", "every", "last_tick")) == [
-        ("beat", 10**7, tick),
-        ("beat", 2 * 10**7, tick // 2),
-        ("fresh", 10**7, tick),
-    ]
+        [schedule] = configured()
+        tick = current_tick(schedule)
+        ScheduleState.objects.create(
+            job_model="django_leases.paymentjob", name="beat", every=10**7, last_tick=tick
+        )
+        old = PaymentJob.objects.enqueue("noop", idempotency_key=f"schedule:beat:10000000:{tick}")
+        assert enqueue_due() == []
+        ScheduleState.objects.update(last_tick=tick - 1)  # as if the next tick had begun
+        PaymentJob.objects.filter(pk=old.pk).update(
+            idempotency_key=f"schedule:beat:10000000:{tick - 1}"
+        )
+        [job] = enqueue_due()
+    assert job.idempotency_key == schedule.key(tick)
+    assert PaymentJob.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_enqueue_due__a_key_taken_in_advance_skips_no_tick(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Other code that enqueued a job under a tick's key (knowing SECRET_KEY: without it the
+    key cannot be derived) does not make the schedule skip the tick: the tick gets its own job,
+    under a random key, and an error names the job that took the key."""
+    with schedules(beat=LONG):
+        [schedule] = configured()
+        tick = current_tick(schedule)
+        begin()
+        squatter = PaymentJob.objects.enqueue("other", {"x": 1}, idempotency_key=schedule.key(tick))
+        with override_settings(SECRET_KEY="another project's secret"):  # noqa: S106 - a test key
+            assert schedule.key(tick) != squatter.idempotency_key
+        [job] = enqueue_due()
+        assert enqueue_due() == []
+    assert job.pk != squatter.pk and job.kind == "noop"
+    assert re.fullmatch(rf"schedule:beat:{tick}:[0-9a-f]{{32}}", job.idempotency_key)
+    assert job.idempotency_key != schedule.key(tick)
+    assert PaymentJob.objects.filter(pk=squatter.pk, kind="other").exists()
+    assert f"its key is taken by job_id={squatter.pk}" in caplog.text
 
 
 @pytest.mark.django_db
@@ -136,6 +203,7 @@ def test_enqueue_due__a_pruned_tick_is_never_enqueued_again(
     with schedules(beat={**entry, "catch_up": catch_up}):
         [schedule] = configured()
         first = current_tick(schedule)
+        begin()
         [failed] = enqueue_due()
         run(failed, fail=True)
         for _ in range(5):
@@ -158,6 +226,7 @@ def test_enqueue_due__a_clock_that_goes_back_enqueues_nothing_again(
     with schedules(beat=entry):
         [schedule] = configured()
         tick = current_tick(schedule)
+        begin()
         [job] = enqueue_due()
         run(job)
         prune_finished()
@@ -171,6 +240,7 @@ def test_enqueue_due__a_clock_that_goes_back_enqueues_nothing_again(
 @pytest.mark.django_db
 def test_enqueue_due__a_removed_schedule_enqueues_nothing() -> None:
     with schedules(beat=LONG, other=LONG):
+        begin()
         assert len(enqueue_due()) == 2
     with schedules(other=LONG):
         assert enqueue_due() == []
@@ -180,23 +250,70 @@ def test_enqueue_due__a_removed_schedule_enqueues_nothing() -> None:
     assert PaymentJob.objects.count() == 2
 
 
+BEFORE_PER_NAME = ("django_leases", "0012_ledger_without_open_index")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migration_0013__keeps_each_schedules_latest_series_and_enqueues_no_tick_again() -> None:
+    """The rows of a release with one row per series (an edit left the old one behind): each
+    schedule keeps the row its current series moved last, which goes on without enqueueing a
+    tick the previous release enqueued (under its old key), and catches up what it missed."""
+    executor = MigrationExecutor(connection)
+    latest = executor.loader.graph.leaf_nodes("django_leases")
+    with schedules(beat=LONG):
+        [beat] = configured()
+        tick = current_tick(beat)
+    model = "django_leases.paymentjob"
+    try:
+        executor.migrate([BEFORE_PER_NAME])
+        old = MigrationExecutor(connection).loader.project_state(BEFORE_PER_NAME).apps
+        states = old.get_model("django_leases", "ScheduleState").objects
+        month_ago = timezone.now() - timedelta(days=30)
+        states.create(job_model=model, name="beat", every=2e7, last_tick=0, enqueued_at=month_ago)
+        states.create(job_model=model, name="beat", every=1e7, last_tick=tick)
+        states.create(job_model=model, name="other", every=1e7, last_tick=tick - 2)
+        old.get_model("django_leases", "PaymentJob").objects.create(
+            kind="noop", idempotency_key=f"schedule:beat:10000000:{tick}"
+        )
+        MigrationExecutor(connection).migrate(latest)
+        assert sorted(ScheduleState.objects.values_list("name", "every", "last_tick")) == [
+            ("beat", 1e7, tick),
+            ("other", 1e7, tick - 2),
+        ]
+        with schedules(beat=LONG, other=LONG):
+            [_, other] = configured()
+            jobs = enqueue_due()
+        assert [job.idempotency_key for job in jobs] == [other.key(tick - 1), other.key(tick)]
+        # Back and forth: one row per schedule fits the older constraint too.
+        MigrationExecutor(connection).migrate([BEFORE_PER_NAME])
+    finally:
+        MigrationExecutor(connection).migrate(latest)
+    assert ScheduleState.objects.count() == 2 and PaymentJob.objects.count() == 3
+
+
+# Each test schedule edited: another period, or another zone.
+EDITED = {"every": {**LONG, "every": 2 * 10**7}, "cron": {**YEARLY, "tz": "Europe/London"}}
+
+
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
 @EVERY_KIND
-def test_enqueue_due__two_schedulers_racing_for_each_tick_enqueue_it_once(
+def test_enqueue_due__six_schedulers_racing_for_each_tick_enqueue_it_once(
     entry: dict[str, object],
 ) -> None:
-    """Two schedulers (threads, each with its own connection) pass at the same instant, tick
-    after tick, the last tick's job pruned before each: one job per tick, from one of them."""
-    rounds = 8
-    together = threading.Barrier(3)
-    won: list[list[str]] = [[], []]
+    """Six schedulers (threads, each with its own connection) pass at the same instant, tick
+    after tick, the last tick's job pruned before each, the schedule edited in round 3 and
+    rolled back in round 5: one job per tick of each series, from one of them, and none in the
+    round of an edit."""
+    rounds, count = 9, 6
+    together = threading.Barrier(count + 1)
+    won: list[list[str]] = [[] for _ in range(count)]
     failures: list[BaseException] = []
 
     def scheduler(n: int) -> None:
         try:
             for _ in range(rounds):
-                together.wait(timeout=60)  # both pass at once
+                together.wait(timeout=60)  # all pass at once
                 won[n] += [job.idempotency_key for job in enqueue_due()]
                 together.wait(timeout=60)  # the tick is checked, run, pruned; time passes
         except BaseException as exc:
@@ -205,43 +322,62 @@ def test_enqueue_due__two_schedulers_racing_for_each_tick_enqueue_it_once(
         finally:
             connections.close_all()
 
+    edited = EDITED["cron" if "cron" in entry else "every"]
+    definitions = [entry] * 3 + [edited] * 2 + [entry] * 4
     with schedules(beat=entry):
         [schedule] = configured()
         first = current_tick(schedule)
-        threads = [threading.Thread(target=scheduler, args=(n,)) for n in range(2)]
+        begin()
+    with schedules(beat=edited):
+        [other] = configured()
+        other_first = current_tick(other)
+    settings = schedules(beat=entry)
+    settings.enable()
+    threads = [threading.Thread(target=scheduler, args=(n,)) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    per_round = []
+    try:
+        for number, definition in enumerate(definitions):
+            if number and definition != definitions[number - 1]:
+                settings.disable()  # an edit, or its rollback, between two ticks
+                settings = schedules(beat=definition)
+                settings.enable()
+            together.wait(timeout=60)
+            together.wait(timeout=60)
+            per_round.append(sorted(sum(won, [])))
+            for keys in won:
+                keys.clear()
+            # The first tick's job fails and stays (kept 30 days); the others are pruned.
+            for job in PaymentJob.objects.filter(status=Status.PENDING):
+                run(job, fail=number == 0)
+            prune_finished()
+            ticks_pass(configured()[0], 1)
+    except threading.BrokenBarrierError:
+        pass  # a scheduler failed and broke the barrier: `failures` says how
+    except BaseException:
+        together.abort()  # let the schedulers go
+        raise
+    finally:
+        settings.disable()
+        # No abort once every round is through: a scheduler let go by the last wait may
+        # not have left it yet, and an abort then breaks the wait it already passed.
         for thread in threads:
-            thread.start()
-        per_round = []
-        try:
-            for number in range(rounds):
-                together.wait(timeout=60)
-                together.wait(timeout=60)
-                per_round.append(sorted(won[0] + won[1]))
-                won[0].clear()
-                won[1].clear()
-                # The first tick's job fails and stays (kept 30 days); the others are pruned.
-                for job in PaymentJob.objects.filter(status=Status.PENDING):
-                    run(job, fail=number == 0)
-                prune_finished()
-                ticks_pass(schedule, 1)
-        except threading.BrokenBarrierError:
-            pass  # a scheduler failed and broke the barrier: `failures` says how
-        except BaseException:
-            together.abort()  # let the schedulers go
-            raise
-        finally:
-            # No abort once every round is through: a scheduler let go by the last wait may
-            # not have left it yet, and an abort then breaks the wait it already passed.
-            for thread in threads:
-                thread.join(timeout=60)
+            thread.join(timeout=60)
     assert failures == []
-    assert per_round == [[schedule.key(first)]] * rounds
-    assert ticks() == [earlier(schedule, first, rounds)]
+    assert per_round == (
+        [[schedule.key(first)]] * 3
+        + [[], [other.key(other_first)]]
+        + [[], *[[schedule.key(first)]] * 3]
+    )
+    # The failed job of round 0, moved back by the seven ticks that passed for its series.
+    assert ticks() == [earlier(schedule, first, 7)]
 
 
 @pytest.mark.django_db
 def test_ticker__reads_the_clock_once_per_tick(django_assert_num_queries: object) -> None:
     with schedules(beat=LONG):
+        begin()
         ticker = Ticker()
         [job] = ticker.poll()
         # The next boundary is months away: the loop's later passes ask the database nothing.
@@ -307,7 +443,7 @@ def test_cron__a_local_time_skipped_or_repeated_by_dst_fires_once(
 ) -> None:
     with schedules(beat=entry), database_clock() as clock:
         [schedule] = configured()
-        enqueued = walk(clock, start, end)[1:]  # the first pass: the fire time before the walk
+        enqueued = walk(clock, start, end)  # the first pass starts the series: no job
     # Each job at its fire time (the first pass at or after it), its run_at the fire time.
     assert enqueued == [(utc(fire), utc(fire)) for fire in fires]
     last = int(utc(fires[-1]).timestamp())
@@ -320,6 +456,7 @@ def test_cron__a_local_time_skipped_or_repeated_by_dst_fires_once(
 def test_cron__a_fire_time_missed_across_a_dst_change_is_caught_up_once(catch_up: bool) -> None:
     with schedules(beat={**DAILY, "catch_up": catch_up}), database_clock() as clock:
         clock.set(utc("2027-03-27 12:00"))
+        begin()
         [saturday] = enqueue_due()
         # Nothing runs from Saturday noon to Monday noon: Sunday's 02:30 (03:00 CEST) is missed.
         clock.set(utc("2027-03-29 12:00"))
@@ -331,33 +468,72 @@ def test_cron__a_fire_time_missed_across_a_dst_change_is_caught_up_once(catch_up
 
 
 @pytest.mark.django_db(transaction=True)  # the database clock (SQLite: see DatabaseClock)
-def test_cron__keys_name_the_fire_instant_and_a_new_expression_or_zone_is_a_new_series() -> None:
+def test_cron__keys_name_the_fire_instant_and_series() -> None:
     weekdays = {"kind": "noop", "cron": "30 2 * * 1-5", "tz": "Europe/Berlin"}
     name = "n" * 100
-    with database_clock() as clock:
+    with database_clock() as clock, schedules(**{name: weekdays}):
+        [berlin] = configured()
         clock.set(utc("2027-01-13 12:00"))  # a Wednesday
-        with schedules(**{name: weekdays}):
-            [berlin] = configured()
-            [job] = enqueue_due()
+        begin()
+        [job] = enqueue_due()
         # The same expression spelled with other spaces and case: the same series.
         with schedules(**{name: {**weekdays, "cron": " 30  2 *  * 1-5 "}}):
             assert enqueue_due() == []
-        with schedules(**{name: {**weekdays, "tz": "America/New_York"}}):
-            [new_york] = configured()
-            [other_zone] = enqueue_due()
-        with schedules(**{name: {"kind": "noop", "cron": "30 2 * * *"}}):
-            [utc_default] = enqueue_due()
     assert job.run_at == utc("2027-01-13 01:30")
-    assert job.idempotency_key == berlin.key(int(job.run_at.timestamp()))
-    assert re.fullmatch(rf"schedule:{name}:cron-[0-9a-f]{{8}}:1799803800", job.idempotency_key)
+    assert job.idempotency_key == berlin.key(1799803800)
+    assert re.fullmatch(rf"schedule:{name}:1799803800:[0-9a-f]{{32}}", job.idempotency_key)
     assert len(job.idempotency_key) <= 255
-    assert other_zone.run_at == utc("2027-01-13 07:30")  # 02:30 EST
-    assert other_zone.idempotency_key == new_york.key(1799825400) != new_york.prefix + "1799803800"
-    assert utc_default.run_at == utc("2027-01-13 02:30")
-    assert sorted(ScheduleState.objects.values_list("every", "cron", "tz", "last_tick")) == [
-        (0.0, "30 2 * * *", "UTC", 1799807400),
-        (0.0, "30 2 * * 1-5", "America/New_York", 1799825400),
-        (0.0, "30 2 * * 1-5", "Europe/Berlin", 1799803800),
+    # Another zone or expression: another series, keyed apart (the same instant included).
+    others = [{**weekdays, "tz": "America/New_York"}, {**weekdays, "cron": "30 2 * * *"}]
+    for other in others:
+        with schedules(**{name: other}):
+            assert configured()[0].key(1799803800) != job.idempotency_key
+
+
+# The issue's schedules: a weekday settlement at 02:30 in Berlin, edited to 02:45, and a monthly
+# one added mid-month.
+SETTLEMENT = {"kind": "noop", "cron": "30 2 * * 1-5", "tz": "Europe/Berlin"}
+EDITED_SETTLEMENT = {**SETTLEMENT, "cron": "45 2 * * 1-5"}
+MONTHLY = {"kind": "noop", "cron": "0 6 1 * *", "tz": "Europe/Berlin"}
+
+
+@pytest.mark.django_db(transaction=True)  # the database clock (SQLite: see DatabaseClock)
+def test_cron__an_edit_a_rollback_or_a_new_schedule_starts_at_the_next_fire_time() -> None:
+    """A settlement at 02:30 edited to 02:45 at 10:00 (today's 02:45 is not run), rolled back
+    on Monday at 10:00 (neither last Friday's nor today's 02:30 is run), and a monthly schedule
+    added on the 20th (the 1st's job is not run): each runs from its next fire time on, once
+    per fire time (times in CET, UTC+1)."""
+    steps = [
+        # (the database clock, UTC; the definitions; the jobs' run_at, UTC)
+        ("2027-01-12 12:00", {"settle": SETTLEMENT}, []),  # Tuesday: added
+        ("2027-01-13 01:40", {"settle": SETTLEMENT}, ["2027-01-13 01:30"]),  # Wednesday
+        ("2027-01-13 09:00", {"settle": EDITED_SETTLEMENT}, []),  # edited at 10:00
+        ("2027-01-14 01:50", {"settle": EDITED_SETTLEMENT}, ["2027-01-14 01:45"]),
+        ("2027-01-15 01:50", {"settle": EDITED_SETTLEMENT}, ["2027-01-15 01:45"]),  # Friday
+        ("2027-01-18 01:50", {"settle": EDITED_SETTLEMENT}, ["2027-01-18 01:45"]),  # Monday
+        ("2027-01-18 09:00", {"settle": SETTLEMENT}, []),  # rolled back at 10:00
+        ("2027-01-19 01:40", {"settle": SETTLEMENT}, ["2027-01-19 01:30"]),
+        # The monthly one added on the 20th (a Wednesday: the settlement's 02:30 is due).
+        ("2027-01-20 09:00", {"settle": SETTLEMENT, "monthly": MONTHLY}, ["2027-01-20 01:30"]),
+        ("2027-01-20 09:10", {"settle": SETTLEMENT, "monthly": MONTHLY}, []),
+        # A Monday: the settlement catches its Friday up (late), the monthly one fires.
+        (
+            "2027-02-01 05:10",
+            {"settle": SETTLEMENT, "monthly": MONTHLY},
+            ["2027-01-29 01:30", "2027-02-01 01:30", "2027-02-01 05:00"],
+        ),
+    ]
+    with database_clock() as clock:
+        for moment, entries, expected in steps:
+            clock.set(utc(moment))
+            with schedules(**entries):
+                jobs = enqueue_due()
+                assert enqueue_due() == []
+            assert sorted(job.run_at for job in jobs) == [utc(at) for at in expected], moment
+    assert PaymentJob.objects.count() == 9
+    assert sorted(ScheduleState.objects.values_list("name", "cron", "last_tick")) == [
+        ("monthly", "0 6 1 * *", int(utc("2027-02-01 05:00").timestamp())),
+        ("settle", "30 2 * * 1-5", int(utc("2027-02-01 01:30").timestamp())),
     ]
 
 
@@ -365,6 +541,7 @@ def test_cron__keys_name_the_fire_instant_and_a_new_expression_or_zone_is_a_new_
 def test_ticker__waits_until_the_next_fire_time() -> None:
     with schedules(beat=DAILY), database_clock() as clock:
         clock.set(utc("2027-01-13 12:00"))
+        begin()
         ticker = Ticker()
         before = time.monotonic()
         [job] = ticker.poll()
@@ -441,7 +618,7 @@ def test_schedules__three_workers_and_a_watcher_enqueue_one_job_per_tick(
     # Each job was created in its own tick or, caught up, the next one (database clock; a busy
     # machine may cross one more boundary between the clock read and the INSERT).
     for job in PaymentJob.objects.filter(kind="noop"):
-        tick = int(job.idempotency_key.rsplit(":", 1)[1])
+        tick = tick_of(job.idempotency_key)
         assert job.run_at.timestamp() == tick
         assert tick <= job.created_at.timestamp() < tick + 3, job.idempotency_key
     # Several processes enqueued ticks (a race's loser logs the winner's job): the race was
@@ -505,7 +682,7 @@ def assert_ticks_follow_the_database_clock(since: float) -> None:
     jobs = PaymentJob.objects.filter(kind="noop")
     assert jobs.exists()
     for job in jobs:
-        tick = int(job.idempotency_key.rsplit(":", 1)[1])
+        tick = tick_of(job.idempotency_key)
         # Hosts hours ahead or behind would be thousands of ticks off.
         assert since - 2 <= tick <= now, (since, job.idempotency_key, now)
         assert tick <= job.created_at.timestamp() < tick + 3, job.idempotency_key
@@ -628,6 +805,7 @@ def test_cron__workers_enqueue_and_run_the_current_fire_time_once(processes: Pro
     with schedules(beat=YEARLY):
         [schedule] = configured()
         current = current_tick(schedule)
+        begin()
     workers = [start(processes, f"w{n}", CRON_YEARLY) for n in range(2)]
     # Both in the registry: their signal handlers are in place before they register.
     wait_for(lambda: Worker.objects.filter(worker_id__in=["w0", "w1"]).count() == 2, timeout=60)
@@ -650,6 +828,7 @@ def test_cron__watchers_catch_up_a_missed_fire_time_once(processes: Processes) -
     with schedules(beat=YEARLY):
         [schedule] = configured()
         current = current_tick(schedule)
+        begin()
         enqueue_due()
         ticks_pass(schedule, 3)
     env = subprocess_env(LEASES_TEST_SETTINGS=json.dumps(CRON_YEARLY))
@@ -696,6 +875,11 @@ def test_overview__shows_each_schedules_next_fire_time_and_last_job(admin_client
     ):
         clock.set(utc("2027-01-13 12:10"))
         assert admin_client.get(url).context["schedules"][0].last_at is None  # nothing yet
+        assert enqueue_due() == []
+        # Started: the ticks it covered had no job, which the overview does not call pruned.
+        assert [row.last_at for row in admin_client.get(url).context["schedules"]] == [None] * 2
+        for schedule in configured():
+            ticks_pass(schedule, 1)
         hourly_job, nightly_job = enqueue_due()
         run(hourly_job)
         shown = {row.schedule.name: row for row in admin_client.get(url).context["schedules"]}

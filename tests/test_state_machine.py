@@ -63,12 +63,15 @@ jobs of the kind processing at once, across every worker" holds:
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
 pass as the database clock moves) through passes of the schedulers, ticks passing (or the clock
-going back), their jobs running or failing, and `prune()` between ticks, and checks the README's
-"exactly one job per tick" (per fire time), whatever was pruned:
+going back), their jobs running or failing, `prune()` between ticks, and edits of the schedules
+(and their rollbacks) between ticks, and checks the README's "exactly one job per tick" (per
+fire time), whatever was pruned or edited:
 
 12. A pass enqueues exactly the ticks due (the current one unless enqueued already; with
     `catch_up` also the one before it, if it was missed), and never a tick enqueued before;
-    every schedule job in the table is the one job its tick was ever given.
+    every schedule job in the table is the one job its tick was ever given. A schedule edited
+    or rolled back between ticks starts a new series: no tick before the edit is enqueued
+    that the previous definition had not enqueued, and each series has one job per tick.
 
 Besides, each rule checks what its own call must have done (a claim takes exactly the jobs the
 specification makes claimable, an operator action changes exactly the jobs its eligibility
@@ -123,6 +126,7 @@ from django_leases.handlers import unregister
 from django_leases.lease import Lease, Presence
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, ScheduleState, Worker
 from django_leases.querysets.claims import failures_of
+from django_leases.querysets.schedules import Series
 from django_leases.schedules import Schedule, configured, database_now, enqueue_due
 from django_leases.status import (
     CANCELLED,
@@ -137,7 +141,7 @@ from django_leases.watcher import StuckWatcher
 
 from .leasing import database_micros
 from .throttled import held_gate
-from .ticking import DatabaseClock, prune_finished, run, tick_of, ticks_pass
+from .ticking import DatabaseClock, of_series, prune_finished, run, tick_of, ticks_pass
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -1296,20 +1300,27 @@ def run_shard(machine: type[RuleBasedStateMachine], shard: int, examples: int) -
 # Ticks of about 115 days: they pass only when a rule moves the schedules' records back. The
 # cron schedule's fire times pass with the database clock, which a rule moves, from a day before
 # a change of Berlin's clocks: 02:00, 02:20 and 02:40 skipped in spring (they fire at 03:00 CEST),
-# repeated in autumn (they fire in the first pass).
-SCHEDULE_SETTINGS = {
-    "SCHEDULES": {
-        "sweep": {"kind": "sweep", "every": 10**7},
-        "report": {"kind": "report", "every": 10**7, "catch_up": False},
-        "nightly": {"kind": "nightly", "cron": "*/20 2 * * *", "tz": "Europe/Berlin"},
-    }
+# repeated in autumn (they fire in the first pass). Each schedule has a second definition an
+# edit switches to (another period, another expression), and back.
+DEFINITIONS: dict[str, list[dict[str, Any]]] = {
+    "sweep": [{"kind": "sweep", "every": 10**7}, {"kind": "sweep", "every": 2 * 10**7}],
+    "report": [
+        {"kind": "report", "every": 10**7, "catch_up": False},
+        {"kind": "report", "every": 3 * 10**7, "catch_up": False},
+    ],
+    "nightly": [
+        {"kind": "nightly", "cron": "*/20 2 * * *", "tz": "Europe/Berlin"},
+        {"kind": "nightly", "cron": "*/30 2 * * *", "tz": "Europe/Berlin"},
+    ],
 }
+SCHEDULE_SETTINGS = {"SCHEDULES": {name: entries[0] for name, entries in DEFINITIONS.items()}}
 DST_EVES = [datetime(2027, 3, 27, 0, 50, tzinfo=UTC), datetime(2027, 10, 30, 0, 10, tzinfo=UTC)]
 DAY = 86400
 
 
 class ScheduleMachine(RuleBasedStateMachine):
-    """Schedulers passing, ticks passing, tick jobs finishing and pruned between ticks.
+    """Schedulers passing, ticks passing, tick jobs finishing and pruned between ticks,
+    schedules edited and rolled back between ticks.
 
     Its own machine: pruning deletes ledger rows, which the lease machine's append-only
     invariant (4) holds on to, and jobs its bundles still name.
@@ -1321,19 +1332,33 @@ class ScheduleMachine(RuleBasedStateMachine):
         JobEvent.objects.all().delete()
         PaymentJob.objects.all().delete()
         ScheduleState.objects.all().delete()
-        self.schedules = configured()
-        # Per schedule, the job each tick was given, by tick: moved back as ticks pass.
-        self.given: dict[str, dict[int, int]] = {s.name: {} for s in self.schedules}
+        every = [
+            Schedule.from_setting(name, entry)
+            for name, entries in DEFINITIONS.items()
+            for entry in entries
+        ]
+        self.series = {schedule.series: schedule for schedule in every}
+        self.chosen = dict.fromkeys(DEFINITIONS, 0)
+        self.edited: override_settings | None = None
+        # Per series, the job each tick was given, by tick: moved back as ticks pass.
+        self.given: dict[Series, dict[int, int]] = {series: {} for series in self.series}
+        # Per schedule, what its row holds (its series and last tick); per series, the tick it
+        # last started at (a new or edited schedule's current tick, covered without a job).
+        self.rows: dict[str, tuple[Series, int]] = {}
+        self.starts: dict[Series, int] = {}
         self.clock = DatabaseClock(PaymentJob.objects.db)
-        self.moment = DST_EVES[0]
+        self.moment = self.furthest = DST_EVES[0]
+        self.passed = self.most_passed = 0
 
     @initialize(eve=st.sampled_from(DST_EVES))
     def clock_starts(self, eve: datetime) -> None:
-        self.moment = eve
+        self.moment = self.furthest = eve
         self.clock.set(eve)
 
     def teardown(self) -> None:
         self.clock.reset()
+        if self.edited is not None:
+            self.edited.disable()
 
     def due(self, schedule: Schedule) -> tuple[int | None, int]:
         """Return the tick before the current one and the current one: a cron schedule's by
@@ -1347,40 +1372,68 @@ class ScheduleMachine(RuleBasedStateMachine):
 
     @rule()
     def scheduler_passes(self) -> None:
-        """12. Exactly the due ticks, none of them enqueued before."""
+        """12. Exactly the due ticks, none of them enqueued before, none before an edit."""
         due = {}
-        for schedule in self.schedules:
-            given, (before, tick) = self.given[schedule.name], self.due(schedule)
-            last = max(given, default=None)
-            due[schedule.name] = [tick]
-            if last is not None and last >= tick:
-                due[schedule.name] = []  # enqueued already, or the clock went back
-            elif schedule.catch_up and last is not None and before is not None and before > last:
-                due[schedule.name] = [before, tick]
+        for schedule in configured():
+            (before, tick), row = self.due(schedule), self.rows.get(schedule.name)
+            due[schedule.series] = [tick]
+            if row is None or row[0] != schedule.series:
+                due[schedule.series] = []  # new, edited or rolled back: starts after `tick`
+                self.starts[schedule.series] = tick
+            elif row[1] >= tick:
+                due[schedule.series] = []  # enqueued already, or the clock went back
+            elif schedule.catch_up and before is not None and before > row[1]:
+                due[schedule.series] = [before, tick]
+            if row is None or row[0] != schedule.series or row[1] < tick:
+                self.rows[schedule.name] = (schedule.series, tick)
         jobs = enqueue_due()
-        for schedule in self.schedules:
-            mine = [job for job in jobs if job.idempotency_key.startswith(schedule.prefix)]
+        assert all(any(of_series(s, job.idempotency_key) for s in configured()) for job in jobs)
+        for schedule in configured():
+            given = self.given[schedule.series]
+            mine = [job for job in jobs if of_series(schedule, job.idempotency_key)]
             ticks = [tick_of(job.idempotency_key) for job in mine]
-            again = set(ticks) & set(self.given[schedule.name])
+            again = set(ticks) & set(given)
             assert not again, f"{schedule.name}: ticks {sorted(again)} enqueued a second time"
-            assert ticks == due[schedule.name], f"{schedule.name} enqueued {ticks}"
+            assert ticks == due[schedule.series], f"{schedule.name} enqueued {ticks}"
+            start = self.starts[schedule.series]
+            assert all(tick > start for tick in ticks), f"{schedule.name}: a tick before {start}"
             assert [job.run_at for job in mine] == [schedule.start(tick) for tick in ticks]
-            self.given[schedule.name].update(zip(ticks, (job.pk for job in mine), strict=True))
+            given.update(zip(ticks, (job.pk for job in mine), strict=True))
+
+    @precondition(lambda self: self.moment >= self.furthest and self.passed >= self.most_passed)
+    @rule(name=st.sampled_from(sorted(DEFINITIONS)))
+    def schedule_edited(self, name: str) -> None:
+        """A schedule edited between ticks, or the edit rolled back. (Not while the clock is
+        behind a moment it was at: across an edit, a clock that went back may give a series a
+        tick it had before the edit, which its new row knows nothing of.)"""
+        self.chosen[name] ^= 1
+        if self.edited is not None:
+            self.edited.disable()
+        entries = {name: DEFINITIONS[name][n] for name, n in self.chosen.items()}
+        self.edited = override_settings(DJANGO_LEASES={"SCHEDULES": entries})
+        self.edited.enable()
 
     @rule(count=st.sampled_from([1, 1, 2, 5, -1]))
     def ticks_pass(self, count: int) -> None:
         """`count` ticks pass (a negative count: the database clock went back)."""
-        for schedule in self.schedules:
+        self.passed += count
+        self.most_passed = max(self.most_passed, self.passed)
+        for series, schedule in self.series.items():
             if schedule.cron:
                 continue  # its fire times pass with the clock
             ticks_pass(schedule, count)
-            given = self.given[schedule.name]
-            self.given[schedule.name] = {tick - count: pk for tick, pk in given.items()}
+            self.given[series] = {tick - count: pk for tick, pk in self.given[series].items()}
+            if series in self.starts:
+                self.starts[series] -= count
+            row = self.rows.get(schedule.name)
+            if row is not None and row[0] == series:
+                self.rows[schedule.name] = (series, row[1] - count)
 
     @rule(minutes=st.sampled_from([10, 20, 20, 30, 60, 180, 1440, -20]))
     def clock_moves(self, minutes: int) -> None:
         """The database clock moves on (or back), across the DST change or not."""
         self.moment += timedelta(minutes=minutes)
+        self.furthest = max(self.furthest, self.moment)
         self.clock.set(self.moment)
 
     @rule(which=st.integers(0, 3), fail=st.booleans())
@@ -1398,14 +1451,14 @@ class ScheduleMachine(RuleBasedStateMachine):
 
     @invariant()
     def one_job_per_tick(self) -> None:
-        """12. Every schedule job in the table is the one its tick was given."""
+        """12. Every schedule job in the table is the one its tick of its series was given."""
         keyed = PaymentJob.objects.filter(idempotency_key__isnull=False)
         rows = list(keyed.values_list("pk", "idempotency_key"))  # one read for every schedule
-        for schedule in self.schedules:
-            found = {tick_of(key): pk for pk, key in rows if key.startswith(schedule.prefix)}
-            given = self.given[schedule.name]
+        for series, schedule in self.series.items():
+            found = {tick_of(key): pk for pk, key in rows if of_series(schedule, key)}
+            given = self.given[series]
             assert all(given.get(tick) == pk for tick, pk in found.items()), (
-                f"{schedule.name}: jobs {found}, ticks given {given}"
+                f"{series}: jobs {found}, ticks given {given}"
             )
 
 

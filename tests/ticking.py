@@ -11,13 +11,28 @@ from django.db.models.functions import Now
 
 from django_leases.lease import Lease
 from django_leases.models import PaymentJob, ScheduleState
-from django_leases.schedules import Schedule
+from django_leases.schedules import Schedule, configured, enqueue_due
 
 TTL = 600
 
 
 def tick_of(key: str) -> int:
-    return int(key.rsplit(":", 1)[1])
+    """Return the tick of a schedule job's key, `schedule:<name>:<tick>:<mac>`."""
+    return int(key.split(":")[2])
+
+
+def of_series(schedule: Schedule, key: str) -> bool:
+    """Tell whether `key` is the key of a tick of `schedule`'s series (not of an earlier
+    definition of the same name)."""
+    return key.startswith(f"schedule:{schedule.name}:") and key == schedule.key(tick_of(key))
+
+
+def begin() -> None:
+    """Start each configured schedule's series, then let one tick pass: the next pass enqueues
+    the current tick. (A new schedule starts at its next tick: its first pass enqueues none.)"""
+    assert enqueue_due() == []
+    for schedule in configured():
+        ticks_pass(schedule, 1)
 
 
 def ticks_pass(schedule: Schedule, count: int) -> None:
@@ -31,12 +46,16 @@ def ticks_pass(schedule: Schedule, count: int) -> None:
     """
     name, every, cron, tz = schedule.series
     state = ScheduleState.objects.filter(name=name, every=every, cron=cron, tz=tz)
-    for pk, tick in state.values_list("pk", "last_tick"):
-        ScheduleState.objects.filter(pk=pk).update(last_tick=moved(schedule, tick, count))
-    jobs = PaymentJob.objects.filter(idempotency_key__startswith=schedule.prefix)
+    for pk, tick, start in state.values_list("pk", "last_tick", "start_tick"):
+        ScheduleState.objects.filter(pk=pk).update(
+            last_tick=moved(schedule, tick, count),
+            start_tick=None if start is None else moved(schedule, start, count),
+        )
+    jobs = PaymentJob.objects.filter(idempotency_key__startswith=f"schedule:{name}:")
+    mine = [row for row in jobs.values_list("pk", "idempotency_key") if of_series(schedule, row[1])]
     # Lowest tick first (highest into the future): each key moves past every key not moved yet,
     # never onto one (the unique index).
-    rows = sorted(jobs.values_list("pk", "idempotency_key"), key=lambda row: tick_of(row[1]))
+    rows = sorted(mine, key=lambda row: tick_of(row[1]))
     for pk, key in rows if count > 0 else reversed(rows):
         tick = moved(schedule, tick_of(key), count)
         PaymentJob.objects.filter(pk=pk).update(

@@ -1,7 +1,8 @@
 """System checks of `DJANGO_LEASES["SCHEDULES"]`, entry by entry."""
 
+import os
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import TZPATH, ZoneInfo, ZoneInfoNotFoundError
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
@@ -183,18 +184,46 @@ def _check_cron(where: str, cron: Any) -> list[CheckMessage]:
     ]
 
 
+# Files of a host's zone directory that are no zone of the IANA database: the host's own zone
+# (a link to /etc/localtime), the rules POSIX TZ strings borrow, and "Factory" (no zone, "-00").
+# Fire times in them would differ from host to host.
+HOST_ZONES = frozenset({"localtime", "posixrules", "Factory"})
+# The zone directory's copies of every zone in POSIX and in leap-second ("right") time.
+HOST_DIRECTORIES = frozenset({"posix", "right"})
+
+
+def is_iana_zone(name: str) -> bool:
+    """Tell whether `name` is a time zone of the IANA database (a zone or one of its links,
+    such as 'UTC'), not one of the host's own files: those of `HOST_ZONES`, the copies under
+    `HOST_DIRECTORIES`, or a link that leaves the zone directory."""
+    if name in HOST_ZONES or name.split("/", 1)[0] in HOST_DIRECTORIES:
+        return False
+    try:
+        ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        return False
+    return not _leaves(name)
+
+
+def _leaves(name: str) -> bool:
+    """Tell whether `name` is a link out of the zone directory it is found in."""
+    for root in TZPATH:
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            return os.path.commonpath([os.path.realpath(path), os.path.realpath(root)]) != (
+                os.path.realpath(root)
+            )
+    return False
+
+
 def _check_tz(where: str, tz: Any) -> list[CheckMessage]:
-    if isinstance(tz, str) and 0 < len(tz) <= TZ_LENGTH:
-        try:
-            ZoneInfo(tz)
-        except (ZoneInfoNotFoundError, ValueError):
-            pass
-        else:
-            return []
+    if isinstance(tz, str) and 0 < len(tz) <= TZ_LENGTH and is_iana_zone(tz):
+        return []
     return [
         Error(
             f"{where}['tz'] must be the name of a time zone of the IANA database, got {shown(tz)}.",
-            hint="For example 'Europe/Berlin', 'America/New_York' or 'UTC' (the default).",
+            hint="For example 'Europe/Berlin', 'America/New_York' or 'UTC' (the default); not "
+            "'localtime', 'posixrules' or 'Factory', which name each host's own zone or none.",
             id="django_leases.E035",
         )
     ]

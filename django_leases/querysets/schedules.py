@@ -1,10 +1,10 @@
-"""The schedules' own rows: the last tick each schedule enqueued, the one record that decides
-whether a tick's job is due, whatever `prune_jobs` deleted."""
+"""The schedules' own rows: the series each schedule runs and the last tick it enqueued, the
+one record that decides whether a tick's job is due, whatever `prune_jobs` deleted."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from django.db import IntegrityError, models, transaction
 from django.db.models.functions import Now
@@ -22,22 +22,28 @@ Series = tuple[str, float, str, str]
 `every`, expression or time zone starts a new one."""
 
 
+class Recorded(NamedTuple):
+    """What a schedule's row holds: the series it runs and the last tick it covered."""
+
+    series: Series
+    last_tick: int
+    start_tick: int | None
+    """The tick the series started at, covered without a job (None: unknown, older rows)."""
+
+
 class ScheduleStateQuerySet(models.QuerySet[Any]):
-    """One row per job table and series: its last enqueued tick (or fire time), moved by one
-    conditional write."""
+    """One row per job table and schedule: its series and its last enqueued tick (or fire
+    time), moved by one conditional write."""
 
     def of(self, job_model: type[models.Model]) -> ScheduleStateQuerySet:
         """The rows of the schedules that enqueue into `job_model`'s table."""
         return self.filter(job_model=job_model._meta.label_lower)
 
-    def last_ticks(
-        self, job_model: type[models.Model], series: Iterable[Series]
-    ) -> dict[Series, int]:
-        """Return the last enqueued tick of each of `series` that has a row (one SELECT)."""
-        wanted = set(series)
-        rows = self.of(job_model).filter(name__in={s[0] for s in wanted})
-        found = rows.values_list("name", "every", "cron", "tz", "last_tick")
-        return {row[:4]: row[4] for row in found if row[:4] in wanted}
+    def recorded(self, job_model: type[models.Model], names: Iterable[str]) -> dict[str, Recorded]:
+        """Return the row of each schedule of `names` that has one, by name (one SELECT)."""
+        rows = self.of(job_model).filter(name__in=set(names))
+        found = rows.values_list("name", "every", "cron", "tz", "last_tick", "start_tick")
+        return {row[0]: Recorded(row[:4], row[4], row[5]) for row in found}
 
     @retry_deadlocks
     def advance(
@@ -45,19 +51,22 @@ class ScheduleStateQuerySet(models.QuerySet[Any]):
         job_model: type[models.Model],
         series: Series,
         *,
-        seen: int | None,
+        seen: Recorded | None,
         to: int,
         enqueue: Callable[[], T],
     ) -> T | None:
-        """Move the last enqueued tick of `series` from `seen` (None: no row yet) to `to` and
+        """Move the schedule's row from `seen` (None: no row yet) to tick `to` of `series` and
         call `enqueue` in the same transaction; return what it returned, or None (and call
-        nothing) if the row is no longer at `seen`: another process moved it first.
+        nothing) if the row no longer holds `seen`: another process moved it first.
 
-        Of processes racing with the same `seen`, exactly one moves the row: the others'
-        UPDATE matches no row, or their INSERT meets the unique constraint.
+        A row of another series is moved to `series` as the start of it: `to` is then
+        recorded as the series' start tick. Of processes racing with the same `seen`, exactly
+        one moves the row: the others' UPDATE matches no row, or their INSERT meets the unique
+        constraint.
         """
         name, every, cron, tz = series
-        if seen is not None and to <= seen:
+        same = seen is not None and seen.series == series
+        if seen is not None and same and to <= seen.last_tick:
             return None
         # The row and the ticks' jobs commit together or not at all: a tick is enqueued exactly
         # when its schedule's row moved past it, never twice, and never skipped by a rollback.
@@ -72,15 +81,21 @@ class ScheduleStateQuerySet(models.QuerySet[Any]):
                             cron=cron,
                             tz=tz,
                             last_tick=to,
+                            start_tick=to,
                         )
                 except IntegrityError:
                     return None
             else:
-                # Restates the tick it read, as a claim restates the lease: a row another process
-                # moved meanwhile (to this tick or further) is not this caller's to move.
+                # Restates the series and the tick it read, as a claim restates the lease: a
+                # row another process moved meanwhile (to this tick or further, or to another
+                # definition) is not this caller's to move.
+                _, was_every, was_cron, was_tz = seen.series
                 row = self.of(job_model).filter(
-                    name=name, every=every, cron=cron, tz=tz, last_tick=seen
+                    name=name, every=was_every, cron=was_cron, tz=was_tz, last_tick=seen.last_tick
                 )
-                if not row.update(last_tick=to, enqueued_at=Now()):
+                moved: dict[str, Any] = {"last_tick": to, "enqueued_at": Now()}
+                if not same:
+                    moved.update(every=every, cron=cron, tz=tz, start_tick=to)
+                if not row.update(**moved):
                     return None
             return enqueue()
