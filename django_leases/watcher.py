@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connections
-from django.db.models import F
+from django.db.models import F, Max, Min
 from django.db.models.functions import Now
 
 from django_leases.checks.databases import database_clock_problems
@@ -33,6 +34,11 @@ from django_leases.status import StuckPolicy, Verdict
 from django_leases.tables import leased_jobs, queue_models, registered_workers
 
 logger = logging.getLogger("django_leases.watcher")
+
+# Reconcile hooks past their deadline whose threads may still run, at most: beyond it a pass
+# asks no hook (rescues go on), so a hook that hangs for good costs a bounded number of threads
+# and connections.
+MAX_ABANDONED_HOOKS = 4
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,49 @@ class Action:
         )
 
 
+@dataclass
+class HookTally:
+    """What the reconcile hooks of one pass did besides resolving jobs."""
+
+    failed: int = 0
+    timed_out: int = 0
+    skipped: bool = False
+
+
+@dataclass
+class Hook:
+    """One reconcile hook call on a thread of its own; `wait()` gives up at a deadline."""
+
+    hook: Callable[[Any], object]
+    job: Any
+    verdict: object = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name=f"reconcile-{self.job.pk}", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        try:
+            self.verdict = self.hook(self.job)
+        except Exception as exc:  # noqa: BLE001 - reported by the watcher's thread
+            self.error = exc
+        finally:
+            # The hook's queries ran on this thread's own connections.
+            connections.close_all()
+            self.done.set()
+
+
 class StuckWatcher:
-    """One pass at a time: rescue expired and orphaned leases, reconcile jobs under review."""
+    """One pass at a time: rescue expired and orphaned leases, reconcile jobs under review.
+
+    Reconcile hooks run after the rescues, each on a thread of its own with a deadline of
+    RECONCILE_TIMEOUT seconds, in turn through the jobs under review (a cursor by id that wraps),
+    and for at most `reconcile_budget` seconds a pass: a slow, failing or hanging hook delays
+    neither the rescues nor the other jobs' hooks for long.
+    """
 
     def __init__(
         self,
@@ -73,6 +120,13 @@ class StuckWatcher:
         self.watcher_id = watcher_id
         self.batch_size = batch_size
         self.using = jobs.db
+        self.reconcile_budget = leases_settings.WATCH_INTERVAL
+        self.hooks = HookTally()
+        # The id of the last job under review a hook was asked about: the next pass goes on
+        # after it. None until the first pass, which starts at a random job, so that watchers
+        # run from cron (one pass each) do not all ask about the same lowest ids.
+        self._cursor: int | None = None
+        self._abandoned: list[threading.Thread] = []
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         return leased_jobs(self.model, self.using)
@@ -96,6 +150,7 @@ class StuckWatcher:
         clock would make every expiry wrong (see `checks.databases.database_clock_problems`).
         """
         every = interval if interval is not None else leases_settings.WATCH_INTERVAL
+        self.reconcile_budget = every
         stop = stop or threading.Event()
         total = 0
         checked = False
@@ -188,12 +243,25 @@ class StuckWatcher:
     # ---- reconcile hooks -------------------------------------------------------------------
 
     def _reconcile_reviews(self) -> list[Action]:
+        self.hooks = HookTally()
         hooked = [kind for kind in registered_kinds() if get_handler(kind).reconcile is not None]
         if not hooked:
             return []
+        self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+        if len(self._abandoned) >= MAX_ABANDONED_HOOKS:
+            logger.warning(
+                "asking no reconcile hook this pass: %s hook(s) past their deadline still run",
+                len(self._abandoned),
+            )
+            self.hooks.skipped = True
+            return []
         jobs = self._jobs()
         actions = []
-        for job in jobs.under_review().filter(kind__in=hooked).order_by("pk")[: self.batch_size]:
+        deadline = time.monotonic() + self.reconcile_budget
+        for job in self._review_turn(jobs.under_review().filter(kind__in=hooked)):
+            if time.monotonic() >= deadline or len(self._abandoned) >= MAX_ABANDONED_HOOKS:
+                break
+            self._cursor = job.pk
             verdict = self._ask(job)
             if verdict is None:
                 continue
@@ -213,18 +281,52 @@ class StuckWatcher:
             actions.append(done)
         return actions
 
+    def _review_turn(self, review: LeaseQuerySet[Any]) -> list[Any]:
+        """Up to `batch_size` jobs of `review`, in id order from the one after the cursor, then
+        from the lowest id on: each job gets its turn, whatever the hooks of the others do."""
+        if self._cursor is None:
+            bounds = review.aggregate(low=Min("pk"), high=Max("pk"))
+            if bounds["low"] is None:
+                return []
+            self._cursor = random.randint(bounds["low"], bounds["high"]) - 1  # noqa: S311
+        turn = list(review.filter(pk__gt=self._cursor).order_by("pk")[: self.batch_size])
+        if len(turn) < self.batch_size:
+            turn += review.filter(pk__lte=self._cursor).order_by("pk")[
+                : self.batch_size - len(turn)
+            ]
+        return turn
+
     def _ask(self, job: Any) -> str | None:
         hook = get_handler(job.kind).reconcile
         if hook is None:
             return None
-        try:
-            verdict = hook(job)
-        except Exception:
-            logger.exception(
-                "reconcile hook failed job_id=%s kind=%s; it stays under review", job.pk, job.kind
+        call = Hook(hook, job)
+        thread = call.start()
+        if not call.done.wait(leases_settings.RECONCILE_TIMEOUT):
+            # A thread cannot be stopped: it is left to finish (its verdict is dropped) and
+            # counted against MAX_ABANDONED_HOOKS. The job stays under review for a later pass.
+            self._abandoned.append(thread)
+            self.hooks.timed_out += 1
+            logger.error(
+                "reconcile hook of kind %s ran past its deadline (%ss) for job_id=%s; "
+                "it stays under review",
+                job.kind,
+                leases_settings.RECONCILE_TIMEOUT,
+                job.pk,
             )
             return None
+        if call.error is not None:
+            self.hooks.failed += 1
+            logger.error(
+                "reconcile hook failed job_id=%s kind=%s; it stays under review",
+                job.pk,
+                job.kind,
+                exc_info=call.error,
+            )
+            return None
+        verdict = call.verdict
         if verdict not in RECONCILE_VERDICTS:
+            self.hooks.failed += 1
             logger.error(
                 "reconcile hook of kind %s returned %r for job_id=%s; expected one of %s",
                 job.kind,

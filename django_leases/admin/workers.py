@@ -14,13 +14,13 @@ from django.utils.translation import gettext_lazy as _
 from django_leases import stats
 from django_leases.admin.display import human_duration
 from django_leases.admin.filters import WorkerStateFilter
-from django_leases.admin.mixins import DatabaseMixin, ReadOnlyMixin
+from django_leases.admin.mixins import DatabaseMixin, OfferedFiltersMixin, ReadOnlyMixin
 from django_leases.models import Worker
 from django_leases.querysets import WorkerQuerySet
 
 
 @admin.register(Worker)
-class WorkerAdmin(DatabaseMixin, ReadOnlyMixin, admin.ModelAdmin):
+class WorkerAdmin(DatabaseMixin, OfferedFiltersMixin, ReadOnlyMixin, admin.ModelAdmin):
     list_display = (
         "worker_id",
         "state",
