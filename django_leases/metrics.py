@@ -147,7 +147,7 @@ GAUGES = GaugeCache()
 
 class QueueCollector(Collector):
     """The gauges of the job table `model` (default: `JOB_MODEL`) on `using` (default: its
-    write database), read at a scrape (six index-backed queries) unless read within
+    write database), read at a scrape (eight index-backed queries) unless read within
     METRICS_MAX_AGE seconds (see `GaugeCache`); `django_leases_database_up` is 0 and the others
     absent when that read failed.
 
@@ -202,14 +202,47 @@ class QueueCollector(Collector):
                 "Processing jobs whose attempt has run longer than their kind's limit",
                 gauges.running_long,
             ),
-            (
-                "oldest_due_job_wait_seconds",
-                "How long the oldest due pending job has waited since due (0: none waits)",
-                gauges.oldest_due_wait.total_seconds() if gauges.oldest_due_wait else 0.0,
-            ),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+        yield from fleet_gauges(gauges)
         yield from throttle_gauges()
+
+
+def fleet_gauges(gauges: stats.QueueGauges) -> Iterable[Metric]:
+    """The oldest due job and its kind, the kinds no live worker serves, the workers live and
+    late, and the watchers' last pass."""
+    oldest = GaugeMetricFamily(
+        f"{PREFIX}_oldest_due_job_wait_seconds",
+        "How long the oldest due pending job, of the kind labelled, has waited since due "
+        '(0 with kind "": none waits)',
+        labels=["kind"],
+    )
+    wait = gauges.oldest_due.wait
+    oldest.add_metric([gauges.oldest_due.kind or ""], wait.total_seconds() if wait else 0.0)
+    yield oldest
+    unserved = GaugeMetricFamily(
+        f"{PREFIX}_unserved_jobs",
+        "Pending jobs of a kind no live worker serves (no worker, or only late ones)",
+        labels=["kind"],
+    )
+    for kind, n in sorted(gauges.unserved().items()):
+        unserved.add_metric([kind], n)
+    yield unserved
+    workers = GaugeMetricFamily(
+        f"{PREFIX}_workers",
+        "Live worker processes of the registry, by state: late ones missed two heartbeats",
+        labels=["state"],
+    )
+    workers.add_metric(["live"], len(gauges.fleet.workers) - gauges.fleet.late)
+    workers.add_metric(["late"], gauges.fleet.late)
+    yield workers
+    ago = gauges.fleet.last_pass_ago
+    if ago is not None:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_watcher_last_pass_age_seconds",
+            "Seconds since the last pass of any watcher (absent: no watcher ever made one)",
+            value=ago.total_seconds(),
+        )
 
 
 def throttle_gauges() -> Iterable[Metric]:

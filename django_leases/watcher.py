@@ -8,8 +8,12 @@ are safe. It parses no arguments and prints nothing; `watch_stuck_jobs` drives i
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import random
+import secrets
+import socket
 import threading
 import time
 from collections import Counter
@@ -28,6 +32,7 @@ from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
 from django_leases.outages import check_tables, outage_or_raise
 from django_leases.querysets import LeaseQuerySet
+from django_leases.querysets.workers import Role
 from django_leases.redaction import error_text
 from django_leases.schedules import enqueue_due
 from django_leases.status import StuckPolicy, Verdict
@@ -127,6 +132,7 @@ class StuckWatcher:
         # run from cron (one pass each) do not all ask about the same lowest ids.
         self._cursor: int | None = None
         self._abandoned: list[threading.Thread] = []
+        self._instance = secrets.token_hex(8)
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         return leased_jobs(self.model, self.using)
@@ -145,7 +151,9 @@ class StuckWatcher:
 
         `on_pass` gets the actions of each pass that ran, `on_outage` the reason a pass failed
         on a database connection error instead (the next pass tries again: a watcher never
-        exits for an outage). Raises `DatabaseMisconfigured` once the database refuses the
+        exits for an outage). The watcher keeps a row of the worker registry (role "watcher")
+        with its last pass and what it did, so the admin and the metrics show whether a watcher
+        runs. Raises `DatabaseMisconfigured` once the database refuses the
         connection settings or lacks the tables, or, before the first pass, where its session
         clock would make every expiry wrong (see `checks.databases.database_clock_problems`).
         """
@@ -154,24 +162,76 @@ class StuckWatcher:
         stop = stop or threading.Event()
         total = 0
         checked = False
-        while True:
-            close_old_connections()
-            try:
-                if not checked:
-                    self._check_database()
-                    checked = True
-                actions = self.run_once()
-            except DatabaseError as exc:
-                outage_or_raise(exc, self.using)
-                if on_outage is not None:
-                    on_outage(error_text(exc))
-            else:
-                total += len(actions)
-                if on_pass is not None:
-                    on_pass(actions)
-            # Jitter keeps several watchers from scanning in lockstep.
-            if once or stop.wait(every * random.uniform(0.8, 1.2)):  # noqa: S311
-                return total
+        registered = False
+        try:
+            while True:
+                close_old_connections()
+                try:
+                    if not checked:
+                        self._check_database()
+                        checked = True
+                    if not registered:
+                        registered = self._register(None if once else every)
+                    actions = self.run_once()
+                except DatabaseError as exc:
+                    outage_or_raise(exc, self.using)
+                    reason = error_text(exc)
+                    if registered:
+                        self._report({"error": reason})
+                    if on_outage is not None:
+                        on_outage(reason)
+                else:
+                    total += len(actions)
+                    if registered:
+                        self._report(self._outcome(actions))
+                    if on_pass is not None:
+                        on_pass(actions)
+                # Jitter keeps several watchers from scanning in lockstep.
+                if once or stop.wait(every * random.uniform(0.8, 1.2)):  # noqa: S311
+                    return total
+        finally:
+            if registered:
+                with contextlib.suppress(DatabaseError):
+                    registered_workers(self.using).stopped(self.watcher_id, self._instance)
+
+    def _register(self, every: float | None) -> bool:
+        """Take this watcher's registry row; False (logged) if a live process holds its id."""
+        taken = registered_workers(self.using).register(
+            self.watcher_id,
+            instance=self._instance,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            kinds=[],
+            concurrency=0,
+            heartbeat=every,
+            role=Role.WATCHER,
+        )
+        if not taken:
+            logger.warning(
+                "watcher id %r is in use by a live process; this watcher's passes are not "
+                "recorded in the registry",
+                self.watcher_id,
+            )
+        return taken
+
+    def _report(self, outcome: dict[str, Any]) -> None:
+        """Record a pass in the registry; a failure to is only logged (the next pass retries)."""
+        try:
+            registered_workers(self.using).passed(self.watcher_id, self._instance, outcome)
+        except DatabaseError as exc:
+            logger.warning("could not record the pass in the registry: %s", error_text(exc))
+
+    def _outcome(self, actions: list[Action]) -> dict[str, Any]:
+        """What a pass did, for the registry: jobs per action, and the hooks that failed or ran
+        past their deadline."""
+        outcome: dict[str, Any] = dict(Counter(action.action for action in actions))
+        if self.hooks.failed:
+            outcome["hooks_failed"] = self.hooks.failed
+        if self.hooks.timed_out:
+            outcome["hooks_timed_out"] = self.hooks.timed_out
+        if self.hooks.skipped:
+            outcome["hooks_skipped"] = True
+        return outcome
 
     def _check_database(self) -> None:
         check_tables(self.using, queue_models(self.model))
@@ -257,9 +317,13 @@ class StuckWatcher:
             return []
         jobs = self._jobs()
         actions = []
+        turn = self._review_turn(jobs.under_review().filter(kind__in=hooked))
         deadline = time.monotonic() + self.reconcile_budget
-        for job in self._review_turn(jobs.under_review().filter(kind__in=hooked)):
-            if time.monotonic() >= deadline or len(self._abandoned) >= MAX_ABANDONED_HOOKS:
+        for i, job in enumerate(turn):
+            # One job at least a pass, however short the budget: the cursor always moves on.
+            if i and time.monotonic() >= deadline:
+                break
+            if len(self._abandoned) >= MAX_ABANDONED_HOOKS:
                 break
             self._cursor = job.pk
             verdict = self._ask(job)

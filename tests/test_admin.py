@@ -1074,8 +1074,9 @@ def test_overview__counts_and_lists(admin_client: Client, jobs: dict[str, Paymen
     assert (data.stuck, data.near_expiry) == (1, 1)
     assert data.under_review == data.blocked_by_lock == Tally(1)
     assert (data.finished["completed"], data.finished["failed"]) == (1, 1)
-    assert data.oldest_due_wait.total_seconds() == pytest.approx(180, abs=5)
-    assert [w.worker_id for w in data.workers] == ["worker-a"]
+    assert data.oldest_due.wait is not None
+    assert data.oldest_due.wait.total_seconds() == pytest.approx(180, abs=5)
+    assert [w.worker_id for w in data.fleet.workers] == ["worker-a"]
     assert [job.pk for job in data.stuck_jobs] == [jobs["stuck"].pk]
 
     html = response.content.decode()
@@ -1198,9 +1199,9 @@ def bulk_jobs(n: int) -> None:
 # the same five: filters narrow the same two queries.
 CHANGELIST_QUERIES = 5
 # Session, user, then stats.overview(): a capped count per status (seven), expired count,
-# near-expiry count, oldest due wait, last hour's throughput, live workers, stuck sample, long
-# runners' count and sample.
-OVERVIEW_QUERIES = 17
+# near-expiry count, oldest due job, last hour's throughput, live workers and watchers, their
+# last pass, the pending kinds, stuck sample, long runners' count and sample.
+OVERVIEW_QUERIES = 19
 # Session, user, the job, its ledger and its operator events (the inlines).
 CHANGE_FORM_QUERIES = 5
 
@@ -1370,3 +1371,36 @@ def test_changelists__refuse_the_lookups_they_do_not_offer(
     for name, lookups in OFFERED_LOOKUPS.items():
         for params in lookups:
             assert user.get(reverse(name), params).status_code == 200, (name, params)
+
+
+def fleet_of_two() -> None:
+    """A live worker of "sleep", and one of "refund" that missed two heartbeats (frozen, or
+    killed), still alive by WORKER_GONE_AFTER; pending jobs of "sleep", "refund" and "captur"
+    (a misspelt kind: no worker serves it), "captur" the oldest due."""
+    for name, kinds in (("w-live", ["sleep"]), ("w-frozen", ["refund"])):
+        Worker.objects.register(
+            name, instance=name, hostname="h", pid=1, kinds=kinds, concurrency=1, heartbeat=30.0
+        )
+    # Late after 60 s, gone after WORKER_GONE_AFTER (120 s).
+    Worker.objects.filter(worker_id="w-frozen").update(last_seen_at=Now() - timedelta(seconds=90))
+    for kind in ("sleep", "refund", "captur"):
+        PaymentJob.objects.enqueue(kind)
+    PaymentJob.objects.filter(kind="captur").update(run_at=Now() - timedelta(minutes=3))
+
+
+def test_overview__late_workers_unserved_kinds_and_the_oldest_due_kind(
+    admin_client: Client,
+) -> None:
+    fleet_of_two()
+    response = admin_client.get(reverse(OVERVIEW))
+    html = response.content.decode()
+
+    assert re.search(r'id="dl-late-count">\s*1 late', html), html
+    unserved = html[html.index('id="dl-unserved"') :].split("</table>")[0]
+    assert re.findall(r'status=pending">([^<]+)</a>', unserved) == ["captur", "refund"]
+    assert re.search(r'id="dl-oldest-kind">captur<', html)
+    workers = admin_client.get(reverse("admin:django_leases_worker_changelist")).content.decode()
+    frozen = re.search(r"w-frozen.*?</tr>", workers, re.S)
+    assert frozen and ">late<" in frozen.group(0)
+    live = re.search(r"w-live.*?</tr>", workers, re.S)
+    assert live and ">alive<" in live.group(0)

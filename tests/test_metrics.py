@@ -347,7 +347,7 @@ def test_queue_metrics__gauges_match_the_rows(
     client: Client, django_assert_num_queries: Any
 ) -> None:
     make_queue()
-    with django_assert_num_queries(6):  # stats.queue_gauges(), once per scrape
+    with django_assert_num_queries(8):  # stats.queue_gauges(), once per scrape
         response = client.get("/metrics/")
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
@@ -361,7 +361,7 @@ def test_queue_metrics__gauges_match_the_rows(
     assert value(samples, "django_leases_jobs_stuck") == 0
     assert value(samples, "django_leases_jobs_near_expiry") == 1
     assert value(samples, "django_leases_jobs_running_long") == 1
-    wait = value(samples, "django_leases_oldest_due_job_wait_seconds")
+    wait = value(samples, "django_leases_oldest_due_job_wait_seconds", kind="capture")
     assert 600 <= wait < 3600
 
     PaymentJob.objects.filter(payment_id="live").update(lease_until=Now() - timedelta(seconds=1))
@@ -509,7 +509,7 @@ def test_metrics_endpoint__concurrent_scrapes_share_one_database_read() -> None:
     finally:
         connection_created.disconnect(count)
         endpoint.close()
-    # One read for 24 scrapes (before: a connection and six queries per scrape).
+    # One read for 24 scrapes (before: a connection and the queries per scrape).
     assert opened == ["default"]
     assert {value(samples, "django_leases_database_up") for samples in scrapes} == {1}
     assert {value(samples, "django_leases_jobs_under_review") for samples in scrapes} == {1}
@@ -537,3 +537,24 @@ def test_metrics_endpoint__half_open_sockets_hold_a_bounded_number_of_threads_fo
         for sock in idle:
             sock.close()
         endpoint.close()
+
+
+@pytest.mark.django_db
+@pytest.mark.urls(__name__)
+def test_queue_metrics__late_workers_unserved_kinds_and_the_oldest_due_kind(
+    client: Client,
+) -> None:
+    from .test_admin import fleet_of_two
+
+    fleet_of_two()
+    samples = parse(client.get("/metrics/").content.decode())
+
+    assert value(samples, "django_leases_workers", state="live") == 1
+    assert value(samples, "django_leases_workers", state="late") == 1
+    unserved = {k: n for k, n in samples.items() if k[0] == "django_leases_unserved_jobs"}
+    assert unserved == {
+        ("django_leases_unserved_jobs", (("kind", "captur"),)): 1,
+        ("django_leases_unserved_jobs", (("kind", "refund"),)): 1,
+    }
+    assert 170 < value(samples, "django_leases_oldest_due_job_wait_seconds", kind="captur") < 600
+    assert ("django_leases_watcher_last_pass_age_seconds", ()) not in samples

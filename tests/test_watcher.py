@@ -407,3 +407,23 @@ def test_watcher__reconciles_each_job_under_review_in_turn_whatever_the_others_h
         timeout=60,
     )
     assert PaymentJob.objects.filter(kind="risky_refused", status=Status.REVIEW).count() == 520
+
+
+def test_watch_stuck_jobs__records_each_pass_in_the_registry(processes: Processes) -> None:
+    proc = watcher(processes, "--interval", "0.2", "--watcher-id", "w1")
+    wait_for(lambda: Worker.objects.filter(worker_id="w1", last_pass__isnull=False).exists())
+    row = Worker.objects.get(worker_id="w1")
+    assert (row.role, row.heartbeat, row.stopped_at, row.last_pass) == ("watcher", 0.2, None, {})
+    job = PaymentJob.objects.enqueue("sleep")
+    PaymentJob.objects.claim("victim", ttl=60)
+    expire_all()
+    wait_for(lambda: Worker.objects.get(worker_id="w1").last_pass == {"retry": 1})
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert Worker.objects.get(worker_id="w1").stopped_at is not None
+    assert fresh(job).status == Status.PENDING
+
+    out = finish(watcher(processes, "--once", "--watcher-id", "cron"), timeout=30)
+    row = Worker.objects.get(worker_id="cron")
+    assert (row.heartbeat, row.last_pass) == (None, {}), out
+    assert row.stopped_at is not None and row.last_pass_at is not None
