@@ -79,7 +79,8 @@ class HookTally:
 
 @dataclass
 class Hook:
-    """One reconcile hook call on a thread of its own; `wait()` gives up at a deadline."""
+    """One reconcile hook call on a thread of its own; the watcher waits for `done` until a
+    deadline, and a call past it is left to finish unheard."""
 
     hook: Callable[[Any], object]
     job: Any
