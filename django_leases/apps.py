@@ -21,6 +21,7 @@ class LeasesConfig(AppConfig):
         # Asks the database itself: runs under `manage.py check --database ALIAS` (and migrate).
         checks.register(database_checks.check_database_clock, checks.Tags.database)
         checks.register(database_checks.check_autovacuum, checks.Tags.database)
+        checks.register(database_checks.check_pending_kinds, checks.Tags.database)
         checks.register(lease_checks.check_tasks_framework)
         checks.register(lease_checks.check_worker_retention)
         checks.register(lease_checks.check_job_model)

@@ -45,6 +45,9 @@ DEFAULTS: dict[str, Any] = {
     "STUCK_POLICY": StuckPolicy.RETRY.value,
     # Per-kind overrides of STUCK_POLICY, e.g. {"capture": "review"}.
     "STUCK_POLICY_BY_KIND": {},
+    # Seconds the watcher waits for one reconcile hook before it leaves the job under review
+    # for a later pass.
+    "RECONCILE_TIMEOUT": 10.0,
     # Seconds a finished job is kept per final status before prune_jobs deletes it.
     "RETENTION": {COMPLETED: 7 * DAY, FAILED: 30 * DAY, CANCELLED: 30 * DAY},
     # Rows prune_jobs deletes per statement.
@@ -77,6 +80,9 @@ DEFAULTS: dict[str, Any] = {
     # Periodic jobs: {"name": {"kind": "k", "every": seconds}}, optionally with "payload" and
     # "catch_up" (default True: a missed tick is enqueued once, late). One job per tick.
     "SCHEDULES": {},
+    # Seconds a process keeps the queue gauges it read for its metrics endpoint or view:
+    # scrapes within it share one database read.
+    "METRICS_MAX_AGE": 5.0,
     # Jobs the admin counts exactly (per status on the overview, per changelist): beyond it, a
     # finished status or the whole table shows the database's estimate, anything else "more than".
     "ADMIN_EXACT_COUNT_LIMIT": 10_000,

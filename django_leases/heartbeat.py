@@ -21,6 +21,7 @@ from django_leases.lease import Lease, Presence
 from django_leases.outages import is_outage, outage_or_raise
 from django_leases.outcomes import Outages
 from django_leases.querysets import LeaseQuerySet
+from django_leases.querysets.workers import Role
 from django_leases.redaction import error_text
 from django_leases.status import AttemptOutcome
 from django_leases.tables import registered_workers
@@ -41,6 +42,8 @@ class RegistryRow:
         kinds: Collection[str],
         concurrency: int,
         presence: Presence,
+        heartbeat: float | None = None,
+        role: str = Role.WORKER,
     ) -> None:
         self.using = using
         self.worker_id = worker_id
@@ -48,6 +51,8 @@ class RegistryRow:
         self.kinds = list(kinds)
         self.concurrency = concurrency
         self.presence = presence
+        self.heartbeat = heartbeat
+        self.role = role
 
     def register(self, started: float | None = None) -> bool:
         """Take the row; False if a live process holds it. Raises what the database raises.
@@ -61,6 +66,8 @@ class RegistryRow:
             pid=os.getpid(),
             kinds=self.kinds,
             concurrency=self.concurrency,
+            heartbeat=self.heartbeat,
+            role=self.role,
         )
         if registered:
             self.presence.confirmed(started)

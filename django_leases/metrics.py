@@ -18,14 +18,23 @@ a project that routes the view import this module: without the extra nothing cha
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
+from wsgiref.simple_server import make_server
 
 from django.db import DatabaseError, connections
 from django.http import HttpRequest, HttpResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import (
+    CONTENT_TYPE_LATEST,
+    ThreadingWSGIServer,
+    _SilentHandler,
+    generate_latest,
+)
 from prometheus_client.registry import Collector
 
 from django_leases import stats
@@ -101,10 +110,46 @@ class WorkerMetrics:
         self.wait_seconds.labels(kind=kind).observe(seconds)
 
 
+class GaugeCache:
+    """The last read of each job table's gauges, per process: scrapes within METRICS_MAX_AGE
+    seconds of a read share it, and concurrent ones wait for one read instead of each opening
+    a connection (Prometheus servers in pairs, several dashboards, a scrape loop gone wrong)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reads: dict[tuple[str, str], tuple[float, stats.QueueGauges | None]] = {}
+
+    def get(self, model: type[Any] | None, using: str | None) -> stats.QueueGauges | None:
+        """The gauges of `model` on `using`, read now or at most METRICS_MAX_AGE seconds ago;
+        None if the read failed (a database error), which is kept as long."""
+        jobs = leased_jobs(model, using)
+        key = (jobs.db, jobs.model._meta.label)
+        # One lock for every table: a read is a few index-range counts, and the scrapes of one
+        # process serve one or two tables.
+        with self._lock:
+            read_at, gauges = self._reads.get(key, (-float("inf"), None))
+            if time.monotonic() - read_at < leases_settings.METRICS_MAX_AGE:
+                return gauges
+            try:
+                gauges = stats.queue_gauges(jobs, near_expiry=leases_settings.NEAR_EXPIRY)
+            except DatabaseError:
+                gauges = None
+            self._reads[key] = (time.monotonic(), gauges)
+            return gauges
+
+    def clear(self) -> None:
+        with self._lock:
+            self._reads.clear()
+
+
+GAUGES = GaugeCache()
+
+
 class QueueCollector(Collector):
     """The gauges of the job table `model` (default: `JOB_MODEL`) on `using` (default: its
-    write database), read at each scrape (six index-backed queries);
-    `django_leases_database_up` is 0 and the others absent when that fails.
+    write database), read at a scrape (eight index-backed queries) unless read within
+    METRICS_MAX_AGE seconds (see `GaugeCache`); `django_leases_database_up` is 0 and the others
+    absent when that read failed.
 
     With `close_connections`, each scrape closes the connections it opened: an `Endpoint`
     answers each scrape on a new thread, which would leave its connection behind.
@@ -126,16 +171,14 @@ class QueueCollector(Collector):
             f"{PREFIX}_database_up", "Whether the last scrape could read the job table"
         )
         try:
-            gauges = stats.queue_gauges(
-                leased_jobs(self.model, self.using), near_expiry=leases_settings.NEAR_EXPIRY
-            )
-        except DatabaseError:
-            up.add_metric([], 0)
-            yield up
-            return
+            gauges = GAUGES.get(self.model, self.using)
         finally:
             if self.close_connections:
                 connections.close_all()
+        if gauges is None:
+            up.add_metric([], 0)
+            yield up
+            return
         up.add_metric([], 1)
         yield up
         jobs = GaugeMetricFamily(
@@ -159,14 +202,47 @@ class QueueCollector(Collector):
                 "Processing jobs whose attempt has run longer than their kind's limit",
                 gauges.running_long,
             ),
-            (
-                "oldest_due_job_wait_seconds",
-                "How long the oldest due pending job has waited since due (0: none waits)",
-                gauges.oldest_due_wait.total_seconds() if gauges.oldest_due_wait else 0.0,
-            ),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+        yield from fleet_gauges(gauges)
         yield from throttle_gauges()
+
+
+def fleet_gauges(gauges: stats.QueueGauges) -> Iterable[Metric]:
+    """The oldest due job and its kind, the kinds no live worker serves, the workers live and
+    late, and the watchers' last pass."""
+    oldest = GaugeMetricFamily(
+        f"{PREFIX}_oldest_due_job_wait_seconds",
+        "How long the oldest due pending job, of the kind labelled, has waited since due "
+        '(0 with kind "": none waits)',
+        labels=["kind"],
+    )
+    wait = gauges.oldest_due.wait
+    oldest.add_metric([gauges.oldest_due.kind or ""], wait.total_seconds() if wait else 0.0)
+    yield oldest
+    unserved = GaugeMetricFamily(
+        f"{PREFIX}_unserved_jobs",
+        "Pending jobs of a kind no live worker serves (no worker, or only late ones)",
+        labels=["kind"],
+    )
+    for kind, n in sorted(gauges.unserved().items()):
+        unserved.add_metric([kind], n)
+    yield unserved
+    workers = GaugeMetricFamily(
+        f"{PREFIX}_workers",
+        "Live worker processes of the registry, by state: late ones missed two heartbeats",
+        labels=["state"],
+    )
+    workers.add_metric(["live"], len(gauges.fleet.workers) - gauges.fleet.late)
+    workers.add_metric(["late"], gauges.fleet.late)
+    yield workers
+    ago = gauges.fleet.last_pass_ago
+    if ago is not None:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_watcher_last_pass_age_seconds",
+            "Seconds since the last pass of any watcher (absent: no watcher ever made one)",
+            value=ago.total_seconds(),
+        )
 
 
 def throttle_gauges() -> Iterable[Metric]:
@@ -211,15 +287,63 @@ class WatcherMetrics:
         self.rescues.labels(kind=kind, action=action).inc()
 
 
+# Connections an `Endpoint` serves at once, each on a thread of its own; more are closed at
+# once. A scrape is answered in milliseconds, so these are only ever taken by clients that
+# send nothing.
+MAX_CONNECTIONS = 8
+# Seconds an `Endpoint` waits for a client to send its request (or read the answer) before it
+# closes the connection: a half-open socket does not keep a thread for ever.
+CLIENT_TIMEOUT = 5.0
+
+
+class BoundedServer(ThreadingWSGIServer):
+    """prometheus_client's server, with at most MAX_CONNECTIONS threads."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class TimedHandler(_SilentHandler):
+    """prometheus_client's request handler, with a socket timeout of CLIENT_TIMEOUT."""
+
+    timeout = CLIENT_TIMEOUT
+
+
 class Endpoint:
-    """An HTTP server of `registry` at http://`address`:`port`/metrics, on a thread of its own.
+    """An HTTP server of `registry` at http://`address`:`port`/metrics, on a thread of its own,
+    serving at most MAX_CONNECTIONS clients at once, each for CLIENT_TIMEOUT seconds at most.
 
     Raises `OSError` when the port cannot be bound. `port` is the one bound (the system chose it
     for port 0).
     """
 
     def __init__(self, registry: CollectorRegistry, port: int, address: str) -> None:
-        self._server, self._thread = start_http_server(port, addr=address, registry=registry)
+        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("Server", (BoundedServer,), {"address_family": family})
+        self._server: BoundedServer = make_server(
+            address, port, make_wsgi_app(registry), server_class, handler_class=TimedHandler
+        )
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="metrics-endpoint", daemon=True
+        )
+        self._thread.start()
         self.port = int(self._server.server_port)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from django_leases.querysets.ledger import AttemptQuerySet
 from django_leases.querysets.payments import PaymentJobQuerySet
 from django_leases.querysets.schedules import CRON_LENGTH, TZ_LENGTH, ScheduleStateQuerySet
 from django_leases.querysets.throttles import KindGateQuerySet
-from django_leases.querysets.workers import WorkerQuerySet
+from django_leases.querysets.workers import Role, WorkerQuerySet
 from django_leases.status import LOCK_HOLDING_STATUSES, AttemptOutcome, EventAction, JobStatus
 
 __all__ = [
@@ -370,7 +370,8 @@ class JobEvent(AbstractJobEvent):
 
 
 class Worker(models.Model):
-    """A worker process, upserted by itself while it runs: who is alive, and since when."""
+    """A worker or watcher process, upserted by itself while it runs: who is alive, since
+    when, how often it reports in and (a watcher) what its last pass did."""
 
     worker_id = models.CharField(_("worker id"), max_length=255, unique=True)
     instance = models.CharField(
@@ -384,9 +385,16 @@ class Worker(models.Model):
     pid = models.PositiveIntegerField(_("process id"))
     kinds = models.JSONField(_("kinds"), default=list)
     concurrency = models.PositiveIntegerField(_("concurrency"), default=1)
+    role = models.CharField(
+        _("role"), max_length=16, choices=Role.choices, default=Role.WORKER, db_default=Role.WORKER
+    )
+    # A worker's heartbeat interval, a running watcher's pass interval (see LATE_AFTER).
+    heartbeat = models.FloatField(_("reports every (seconds)"), null=True, blank=True)
     started_at = models.DateTimeField(_("started at"), db_default=Now())
     last_seen_at = models.DateTimeField(_("last seen at"), db_default=Now())
     stopped_at = models.DateTimeField(_("stopped at"), null=True, blank=True)
+    last_pass_at = models.DateTimeField(_("last pass at"), null=True, blank=True)
+    last_pass = models.JSONField(_("last pass"), null=True, blank=True)  # per action, or error
 
     objects = WorkerQuerySet.as_manager()
 

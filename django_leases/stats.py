@@ -25,7 +25,7 @@ from django.db.models import (
     DurationField,
     ExpressionWrapper,
     F,
-    Min,
+    Max,
     OuterRef,
     Subquery,
     When,
@@ -35,6 +35,7 @@ from django.db.models.functions import Now, TruncMinute
 from django_leases.conf import leases_settings
 from django_leases.handlers import get_handler, registered_kinds
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
+from django_leases.querysets.workers import LATE_AFTER, Role
 from django_leases.status import (
     COMPLETED,
     FAILED,
@@ -45,6 +46,7 @@ from django_leases.status import (
     WAITING,
     JobStatus,
 )
+from django_leases.tables import registered_workers
 
 STUCK, NEAR_EXPIRY, HEALTHY = "stuck", "near_expiry", "healthy"
 # Not a lease state of its own: a processing job whose attempt has run longer than its limit.
@@ -87,6 +89,54 @@ def with_seen_ago(workers: WorkerQuerySet) -> WorkerQuerySet:
     clock."""
     return workers.annotate(
         seen_ago=ExpressionWrapper(Now() - F("last_seen_at"), output_field=DurationField())
+    )
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The registry's live processes (not stopped, seen within WORKER_GONE_AFTER), each row
+    annotated with `seen_ago` and `late` (`is_late()`), and the last pass of any watcher."""
+
+    workers: list[Any]
+    watchers: list[Any]
+    last_pass_ago: timedelta | None
+
+    @property
+    def late(self) -> int:
+        return sum(worker.late for worker in self.workers)
+
+    def serves(self) -> set[str]:
+        """The kinds a worker that is not late serves."""
+        return {kind for worker in self.workers if not worker.late for kind in worker.kinds}
+
+    def unserved(self, pending: Iterable[str]) -> list[str]:
+        """The kinds of `pending` that no worker serves: their jobs wait until one does."""
+        served = self.serves()
+        return sorted(set(pending) - served)
+
+
+def is_late(worker: Any) -> bool:
+    """Whether the process of a `with_seen_ago()` registry row missed LATE_AFTER reports: it
+    may be frozen or dead, though not yet gone (WORKER_GONE_AFTER). A row without an interval
+    (written by an older release, or a watcher run once) is never late."""
+    if worker.heartbeat is None or worker.seen_ago is None:
+        return False
+    return bool(worker.seen_ago > timedelta(seconds=LATE_AFTER * worker.heartbeat))
+
+
+def fleet(workers: WorkerQuerySet) -> Fleet:
+    """Read the live processes of the registry `workers` and the watchers' last pass, in two
+    queries."""
+    rows = list(with_seen_ago(workers.alive()).order_by("worker_id"))
+    for row in rows:
+        row.late = is_late(row)
+    last = workers.watchers().aggregate(
+        ago=ExpressionWrapper(Now() - Max("last_pass_at"), output_field=DurationField())
+    )
+    return Fleet(
+        workers=[row for row in rows if row.role == Role.WORKER],
+        watchers=[row for row in rows if row.role == Role.WATCHER],
+        last_pass_ago=last["ago"],
     )
 
 
@@ -245,10 +295,11 @@ class Overview:
     by_status: dict[str, Tally]
     stuck: int
     near_expiry: int
-    oldest_due_wait: timedelta | None
+    oldest_due: OldestDue
     chart: list[Minute]
     finished: Counter[str]
-    workers: list[Any]
+    fleet: Fleet
+    unserved: list[str]
     stuck_jobs: list[Any]
     running_long: int
     long_runners: list[Any]
@@ -266,14 +317,28 @@ class Overview:
         return self.by_status.get(WAITING, Tally(0))
 
 
-def oldest_due_wait(jobs: LeaseQuerySet[Any]) -> timedelta | None:
-    """Return how long the oldest due pending job has waited since its `run_at` (database
-    clock), or None when none is due. One query on the pending-only due index."""
-    oldest = jobs.due().aggregate(
-        wait=ExpressionWrapper(Now() - Min("run_at"), output_field=DurationField())
+@dataclass(frozen=True)
+class OldestDue:
+    """The oldest due pending job's kind and how long it has waited since its `run_at`; both
+    None when none is due."""
+
+    kind: str | None = None
+    wait: timedelta | None = None
+
+
+def oldest_due(jobs: LeaseQuerySet[Any]) -> OldestDue:
+    """Return the oldest due pending job's wait (database clock) and kind. One query on the
+    pending-only due index."""
+    waits = jobs.due().annotate(
+        wait=ExpressionWrapper(Now() - F("run_at"), output_field=DurationField())
     )
-    wait: timedelta | None = oldest["wait"]
-    return wait
+    oldest = waits.order_by("run_at").values_list("kind", "wait").first()
+    return OldestDue() if oldest is None else OldestDue(*oldest)
+
+
+def pending_kinds(jobs: LeaseQuerySet[Any]) -> list[str]:
+    """Return the kinds of the pending jobs (one DISTINCT over the pending-only due index)."""
+    return sorted(jobs.pending().order_by().values_list("kind", flat=True).distinct())
 
 
 def long_running_limits() -> tuple[float, dict[str, float]]:
@@ -305,11 +370,20 @@ class QueueGauges:
     near_expiry: int
     under_review: int
     running_long: int
-    oldest_due_wait: timedelta | None
+    oldest_due: OldestDue
+    fleet: Fleet
+
+    def unserved(self) -> dict[str, int]:
+        """The pending jobs of each kind that no live worker serves (`Fleet.unserved()`)."""
+        pending = {
+            kind: n for (status, kind), n in self.by_status_and_kind.items() if status == PENDING
+        }
+        return {kind: pending[kind] for kind in self.fleet.unserved(pending)}
 
 
 def queue_gauges(jobs: LeaseQuerySet[Any], *, near_expiry: float) -> QueueGauges:
-    """Read the queue's gauges in six queries, each over an index range of live rows.
+    """Read the queue's gauges in eight queries, each over an index range of live rows or the
+    registry's live rows (`fleet()`, on the job table's database).
 
     Jobs are counted per kind in the live statuses only (pending, processing, review): counting
     finished jobs per kind would scan the whole table; the workers' counters count them.
@@ -322,7 +396,8 @@ def queue_gauges(jobs: LeaseQuerySet[Any], *, near_expiry: float) -> QueueGauges
         near_expiry=jobs.near_expiry(near_expiry).count(),
         under_review=jobs.under_review().count(),
         running_long=running_long(jobs).count(),
-        oldest_due_wait=oldest_due_wait(jobs),
+        oldest_due=oldest_due(jobs),
+        fleet=fleet(registered_workers(jobs.db)),
     )
 
 
@@ -334,19 +409,21 @@ def overview(
     minutes: int = RECENT_MINUTES,
     stuck_sample: int = 10,
 ) -> Overview:
-    """Read the queue overview in fifteen queries, whatever the number of jobs (and one
+    """Read the queue overview in seventeen queries, whatever the number of jobs (and one
     estimate per final status beyond `DJANGO_LEASES["ADMIN_EXACT_COUNT_LIMIT"]`)."""
     chart, finished = throughput(jobs, minutes=minutes)
+    live = fleet(workers)
     long_runners = with_lease_clock(running_long(jobs))
     return Overview(
         by_status=status_tallies(jobs, leases_settings.ADMIN_EXACT_COUNT_LIMIT),
         stuck=jobs.expired().count(),
         near_expiry=jobs.near_expiry(near_expiry).count(),
-        oldest_due_wait=oldest_due_wait(jobs),
+        oldest_due=oldest_due(jobs),
         chart=chart,
         finished=finished,
         # The registry holds a row per worker process; the live ones are the fleet.
-        workers=list(with_seen_ago(workers.alive()).order_by("worker_id")),
+        fleet=live,
+        unserved=live.unserved(pending_kinds(jobs)),
         stuck_jobs=list(with_lease_clock(jobs.expired()).order_by("lease_until")[:stuck_sample]),
         running_long=long_runners.count(),
         long_runners=list(long_runners.order_by("-running_for", "pk")[:stuck_sample]),

@@ -227,6 +227,7 @@ class LeaseWorker:
             kinds=self.kinds,
             concurrency=self.concurrency,
             presence=self.presence,
+            heartbeat=self.heartbeat_interval,
         )
         self._heartbeat = Heartbeat(
             self._jobs,

@@ -1074,8 +1074,9 @@ def test_overview__counts_and_lists(admin_client: Client, jobs: dict[str, Paymen
     assert (data.stuck, data.near_expiry) == (1, 1)
     assert data.under_review == data.blocked_by_lock == Tally(1)
     assert (data.finished["completed"], data.finished["failed"]) == (1, 1)
-    assert data.oldest_due_wait.total_seconds() == pytest.approx(180, abs=5)
-    assert [w.worker_id for w in data.workers] == ["worker-a"]
+    assert data.oldest_due.wait is not None
+    assert data.oldest_due.wait.total_seconds() == pytest.approx(180, abs=5)
+    assert [w.worker_id for w in data.fleet.workers] == ["worker-a"]
     assert [job.pk for job in data.stuck_jobs] == [jobs["stuck"].pk]
 
     html = response.content.decode()
@@ -1198,9 +1199,9 @@ def bulk_jobs(n: int) -> None:
 # the same five: filters narrow the same two queries.
 CHANGELIST_QUERIES = 5
 # Session, user, then stats.overview(): a capped count per status (seven), expired count,
-# near-expiry count, oldest due wait, last hour's throughput, live workers, stuck sample, long
-# runners' count and sample.
-OVERVIEW_QUERIES = 17
+# near-expiry count, oldest due job, last hour's throughput, live workers and watchers, their
+# last pass, the pending kinds, stuck sample, long runners' count and sample.
+OVERVIEW_QUERIES = 19
 # Session, user, the job, its ledger and its operator events (the inlines).
 CHANGE_FORM_QUERIES = 5
 
@@ -1298,3 +1299,108 @@ def test_actions__race_a_live_holder_process(admin_client: Client, processes: Pr
     attempt = JobAttempt.objects.get(job_ref=job.pk, token=token)
     assert (attempt.outcome, attempt.ended_by) == ("requeued", OPERATOR)
     assert attempt.fenced_at is not None
+
+
+def test_force_cancel__every_page_of_more_than_a_thousand_jobs(admin_client: Client) -> None:
+    jobs = PaymentJob.objects.enqueue_many("capture", [{}] * 1200)
+    other = PaymentJob.objects.enqueue("refund")
+    url = reverse(CHANGELIST) + "?kind=capture"
+    page = [job.pk for job in jobs][-100:]  # the first page, newest first
+    data = {"action": "force_cancel", "select_across": "1", "index": "0", "_selected_action": page}
+    confirmation = admin_client.post(url, data)
+    assert confirmation.status_code == 200
+    assert "1200 jobs selected" in confirmation.content.decode()
+    assert not PaymentJob.objects.filter(status=Status.CANCELLED).exists()
+
+    # What the operator's "Yes" sends: the confirmation form's fields, to the same URL.
+    fields: dict[str, list[str]] = {}
+    for name, value in re.findall(
+        r'<input type="hidden" name="([^"]+)" value="([^"]*)"', confirmation.content.decode()
+    ):
+        fields.setdefault(name, []).append(value)
+    confirmed = admin_client.post(url, fields, follow=True)
+
+    assert confirmed.status_code == 200
+    assert [str(m) for m in confirmed.context["messages"]] == ["1200 jobs cancelled by force"]
+    assert PaymentJob.objects.filter(kind="capture", status=Status.CANCELLED).count() == 1200
+    assert PaymentJob.objects.get(pk=other.pk).status == Status.PENDING
+
+
+def viewer_client(client: Client, django_user_model: Any) -> Client:
+    viewer = django_user_model.objects.create_user("viewer", is_staff=True)
+    for codename in ("view_paymentjob", "view_jobattempt", "view_worker", "view_schedulestate"):
+        viewer.user_permissions.add(Permission.objects.get(codename=codename))
+    client.force_login(viewer)
+    return client
+
+
+REFUSED_LOOKUPS = {
+    CHANGELIST: [
+        {"payload__icontains": "4242"},
+        {"last_error__regex": "("},
+        {"kind__unsupported": "x"},
+        {"lease_owner": "a\x00b"},
+        {"id__gt": "nan"},
+        {"status__exact": "pending"},
+    ],
+    "admin:django_leases_jobattempt_changelist": [
+        {"outcome__exact": "a\x00b"},
+        {"owner__regex": "("},
+        {"error__icontains": "card"},
+    ],
+    "admin:django_leases_worker_changelist": [{"hostname__regex": "("}, {"kinds__contains": "x"}],
+    "admin:django_leases_schedulestate_changelist": [{"name__regex": "("}],
+}
+OFFERED_LOOKUPS = {
+    CHANGELIST: [{"status": "pending", "kind": "a\x00b", "lease": "stuck", "when": "due"}],
+    "admin:django_leases_jobattempt_changelist": [{"outcome__exact": "completed", "open": "1"}],
+    "admin:django_leases_worker_changelist": [{"state": "alive"}],
+}
+
+
+@pytest.mark.parametrize("who", ["superuser", "viewer"])
+def test_changelists__refuse_the_lookups_they_do_not_offer(
+    who: str, admin_client: Client, client: Client, django_user_model: Any
+) -> None:
+    user = admin_client if who == "superuser" else viewer_client(client, django_user_model)
+    PaymentJob.objects.enqueue("capture", {"card": "4242"})
+    for name, lookups in REFUSED_LOOKUPS.items():
+        for params in lookups:
+            response = user.get(reverse(name), params)
+            assert response.status_code == 400, (name, params, response.status_code)
+    for name, lookups in OFFERED_LOOKUPS.items():
+        for params in lookups:
+            assert user.get(reverse(name), params).status_code == 200, (name, params)
+
+
+def fleet_of_two() -> None:
+    """A live worker of "sleep", and one of "refund" that missed two heartbeats (frozen, or
+    killed), still alive by WORKER_GONE_AFTER; pending jobs of "sleep", "refund" and "captur"
+    (a misspelt kind: no worker serves it), "captur" the oldest due."""
+    for name, kinds in (("w-live", ["sleep"]), ("w-frozen", ["refund"])):
+        Worker.objects.register(
+            name, instance=name, hostname="h", pid=1, kinds=kinds, concurrency=1, heartbeat=30.0
+        )
+    # Late after 60 s, gone after WORKER_GONE_AFTER (120 s).
+    Worker.objects.filter(worker_id="w-frozen").update(last_seen_at=Now() - timedelta(seconds=90))
+    for kind in ("sleep", "refund", "captur"):
+        PaymentJob.objects.enqueue(kind)
+    PaymentJob.objects.filter(kind="captur").update(run_at=Now() - timedelta(minutes=3))
+
+
+def test_overview__late_workers_unserved_kinds_and_the_oldest_due_kind(
+    admin_client: Client,
+) -> None:
+    fleet_of_two()
+    response = admin_client.get(reverse(OVERVIEW))
+    html = response.content.decode()
+
+    assert re.search(r'id="dl-late-count">\s*1 late', html), html
+    unserved = html[html.index('id="dl-unserved"') :].split("</table>")[0]
+    assert re.findall(r'status=pending">([^<]+)</a>', unserved) == ["captur", "refund"]
+    assert re.search(r'id="dl-oldest-kind">captur<', html)
+    workers = admin_client.get(reverse("admin:django_leases_worker_changelist")).content.decode()
+    frozen = re.search(r"w-frozen.*?</tr>", workers, re.S)
+    assert frozen and ">late<" in frozen.group(0)
+    live = re.search(r"w-live.*?</tr>", workers, re.S)
+    assert live and ">alive<" in live.group(0)

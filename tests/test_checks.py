@@ -23,6 +23,7 @@ from django_leases.checks.databases import (
     autovacuum_problems,
     check_autovacuum,
     check_database_clock,
+    check_pending_kinds,
     check_sqlite_transaction_mode,
     database_clock_problems,
     sqlite_without_immediate,
@@ -646,3 +647,18 @@ def test_docs__settings_and_check_rows_name_each_other() -> None:
         claimed = documented_ids(checks)
         about = {id_ for id_, text in rows.items() if setting in named_settings(text)}
         assert claimed == about, f"{setting}: its row says {sorted(claimed)}"
+
+
+@pytest.mark.django_db
+def test_pending_kinds__warns_of_pending_jobs_no_handler_runs() -> None:
+    PaymentJob.objects.enqueue("slep")
+    PaymentJob.objects.enqueue("sleep")
+    done = PaymentJob.objects.enqueue("gone_kind")
+    PaymentJob.objects.filter(pk=done.pk).update(status=PaymentJob.Status.COMPLETED)
+
+    (message,) = check_pending_kinds(databases=["default"])
+
+    assert message.id == "django_leases.W014"
+    assert "pending jobs of kind 'slep'" in message.msg
+    assert message.hint.startswith("Did you mean 'sleep'?")
+    assert check_pending_kinds(databases=[]) == []

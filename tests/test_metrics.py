@@ -8,12 +8,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db.backends.signals import connection_created
 from django.db.models.functions import Now
 from django.test import Client, override_settings
 from django.urls import path
@@ -28,13 +31,19 @@ from .testapp.models import PayoutJob
 
 Status = PaymentJob.Status
 LOCAL = ("--metrics-port", "0", "--metrics-address", "127.0.0.1")
-NEAR_EXPIRY = {"NEAR_EXPIRY": 300}
+# Scrapes a moment apart each read the database here: the tests change rows between them.
+NEAR_EXPIRY = {"NEAR_EXPIRY": 300, "METRICS_MAX_AGE": 0.001}
 # The view, routed as a project would route it: for JOB_MODEL, and for an own table.
 urlpatterns = [
     path("metrics/", metrics.queue_metrics),
     path("metrics/payouts/", metrics.queue_metrics, {"model": "testapp.PayoutJob"}),
 ]
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(autouse=True)
+def _no_gauges_of_another_test() -> None:
+    metrics.GAUGES.clear()
 
 
 def parse(text: str) -> Samples:
@@ -338,7 +347,7 @@ def test_queue_metrics__gauges_match_the_rows(
     client: Client, django_assert_num_queries: Any
 ) -> None:
     make_queue()
-    with django_assert_num_queries(6):  # stats.queue_gauges(), once per scrape
+    with django_assert_num_queries(8):  # stats.queue_gauges(), once per scrape
         response = client.get("/metrics/")
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
@@ -352,7 +361,7 @@ def test_queue_metrics__gauges_match_the_rows(
     assert value(samples, "django_leases_jobs_stuck") == 0
     assert value(samples, "django_leases_jobs_near_expiry") == 1
     assert value(samples, "django_leases_jobs_running_long") == 1
-    wait = value(samples, "django_leases_oldest_due_job_wait_seconds")
+    wait = value(samples, "django_leases_oldest_due_job_wait_seconds", kind="capture")
     assert 600 <= wait < 3600
 
     PaymentJob.objects.filter(payment_id="live").update(lease_until=Now() - timedelta(seconds=1))
@@ -479,3 +488,73 @@ def test_queue_metrics__report_the_limits_per_kind(client: Client) -> None:
         ("django_leases_kind_rate_jobs", (("kind", "rated"),)): 3,
         ("django_leases_kind_rate_window_seconds", (("kind", "rated"),)): 1.0,
     }
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_metrics_endpoint__concurrent_scrapes_share_one_database_read() -> None:
+    make_queue()
+    exporter = metrics.WatcherMetrics()
+    endpoint = metrics.Endpoint(exporter.registry, 0, "127.0.0.1")
+    opened: list[str] = []
+
+    def count(sender: object, connection: Any, **kwargs: object) -> None:
+        opened.append(connection.alias)
+
+    connection_created.connect(count)
+    try:
+        url = f"http://127.0.0.1:{endpoint.port}/metrics"
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            scrapes = list(pool.map(lambda _: scrape(url), range(24)))
+    finally:
+        connection_created.disconnect(count)
+        endpoint.close()
+    # One read for 24 scrapes (before: a connection and the queries per scrape).
+    assert opened == ["default"]
+    assert {value(samples, "django_leases_database_up") for samples in scrapes} == {1}
+    assert {value(samples, "django_leases_jobs_under_review") for samples in scrapes} == {1}
+
+
+def serving_threads() -> int:
+    return sum("process_request_thread" in thread.name for thread in threading.enumerate())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_metrics_endpoint__half_open_sockets_hold_a_bounded_number_of_threads_for_a_while() -> None:
+    endpoint = metrics.Endpoint(metrics.WatcherMetrics().registry, 0, "127.0.0.1")
+    idle = []
+    try:
+        for _ in range(40):  # connect, and send nothing
+            idle.append(socket.create_connection(("127.0.0.1", endpoint.port), timeout=10))
+        wait_for(lambda: serving_threads() == metrics.MAX_CONNECTIONS)
+        # Beyond the bound, a connection is closed at once.
+        assert idle[-1].recv(1) == b""
+        # Each thread gives up its silent client after CLIENT_TIMEOUT.
+        wait_for(lambda: serving_threads() == 0, timeout=metrics.CLIENT_TIMEOUT + 10)
+        samples = scrape(f"http://127.0.0.1:{endpoint.port}/metrics")
+        assert value(samples, "django_leases_database_up") == 1
+    finally:
+        for sock in idle:
+            sock.close()
+        endpoint.close()
+
+
+@pytest.mark.django_db
+@pytest.mark.urls(__name__)
+def test_queue_metrics__late_workers_unserved_kinds_and_the_oldest_due_kind(
+    client: Client,
+) -> None:
+    from .test_admin import fleet_of_two
+
+    fleet_of_two()
+    samples = parse(client.get("/metrics/").content.decode())
+
+    assert value(samples, "django_leases_workers", state="live") == 1
+    assert value(samples, "django_leases_workers", state="late") == 1
+    unserved = {k: n for k, n in samples.items() if k[0] == "django_leases_unserved_jobs"}
+    assert unserved == {
+        ("django_leases_unserved_jobs", (("kind", "captur"),)): 1,
+        ("django_leases_unserved_jobs", (("kind", "refund"),)): 1,
+    }
+    assert 170 < value(samples, "django_leases_oldest_due_job_wait_seconds", kind="captur") < 600
+    assert ("django_leases_watcher_last_pass_age_seconds", ()) not in samples

@@ -1,8 +1,10 @@
 """The stuck watcher: real worker and watcher processes, and its policy in-process."""
 
+import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from datetime import timedelta
@@ -28,6 +30,7 @@ from .conftest import (
 )
 from .leasing import token_of
 from .test_db import Output
+from .testapp.models import Charge
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -336,3 +339,91 @@ def test_watcher__asks_for_orphans_with_a_registry_subquery_not_a_list_of_ids() 
     sql = "\n".join(q["sql"] for q in ctx.captured_queries)
     assert "gone-123" not in sql and "gone-299" not in sql
     assert Worker._meta.db_table in sql
+
+
+def under_review(kind: str, n: int, payload: dict | None = None) -> list[int]:
+    """Enqueue `n` jobs of `kind` and hold them for review, as the watcher would after a
+    checkpoint; return their ids."""
+    jobs = PaymentJob.objects.enqueue_many(kind, [payload or {}] * n)
+    pks = [job.pk for job in jobs]
+    PaymentJob.objects.filter(pk__in=pks).update(
+        status=Status.REVIEW, attempts=1, lease_owner="victim", lease_token=1
+    )
+    return pks
+
+
+def drain(proc) -> None:
+    """Read the process's output on a thread, so that a chatty process never blocks on a full
+    pipe (the test reads the database, not the output)."""
+    fd = proc.stdout.fileno()
+
+    def read() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(fd, 1 << 16):
+                pass
+
+    threading.Thread(target=read, daemon=True).start()
+
+
+HOOK_SETTINGS = {"RECONCILE_TIMEOUT": 0.5}
+
+
+def test_watch_stuck_jobs__once_returns_while_a_reconcile_hook_hangs(
+    processes: Processes,
+) -> None:
+    (hanging,) = under_review("risky_hanging", 1)
+    env = subprocess_env(LEASES_TEST_SETTINGS=json.dumps(HOOK_SETTINGS))
+
+    out = finish(watcher(processes, "--once", "-v", "2", env=env), timeout=30)
+
+    assert f"ran past its deadline (0.5s) for job_id={hanging}" in out, out
+    assert "0 job(s) acted on" in out, out
+    assert fresh(PaymentJob(pk=hanging)).status == Status.REVIEW
+
+
+def test_watcher__rescues_while_a_reconcile_hook_hangs(processes: Processes) -> None:
+    (hanging,) = under_review("risky_hanging", 1)
+    env = subprocess_env(LEASES_TEST_SETTINGS=json.dumps(HOOK_SETTINGS))
+    watcher(processes, "--interval", "0.2", env=env)
+    wait_for(lambda: Charge.objects.filter(job_ref=hanging).exists())  # the hook hangs now
+    job = PaymentJob.objects.enqueue("sleep")
+    PaymentJob.objects.claim("victim", ttl=60)
+    expire_all()
+
+    wait_for(lambda: fresh(job).status == Status.PENDING, timeout=20)
+    assert ledger(job) == [(1, "victim", "rescued")]
+
+
+def test_watcher__reconciles_each_job_under_review_in_turn_whatever_the_others_hooks_do(
+    processes: Processes,
+) -> None:
+    under_review("risky_refused", 520)
+    good = under_review("risky_reconciled", 5, {"psp_says": "completed"})
+    proc = watcher(processes, "--interval", "0.1")
+    drain(proc)
+
+    wait_for(
+        lambda: PaymentJob.objects.filter(pk__in=good, status=Status.COMPLETED).count() == 5,
+        timeout=60,
+    )
+    assert PaymentJob.objects.filter(kind="risky_refused", status=Status.REVIEW).count() == 520
+
+
+def test_watch_stuck_jobs__records_each_pass_in_the_registry(processes: Processes) -> None:
+    proc = watcher(processes, "--interval", "0.2", "--watcher-id", "w1")
+    wait_for(lambda: Worker.objects.filter(worker_id="w1", last_pass__isnull=False).exists())
+    row = Worker.objects.get(worker_id="w1")
+    assert (row.role, row.heartbeat, row.stopped_at, row.last_pass) == ("watcher", 0.2, None, {})
+    job = PaymentJob.objects.enqueue("sleep")
+    PaymentJob.objects.claim("victim", ttl=60)
+    expire_all()
+    wait_for(lambda: Worker.objects.get(worker_id="w1").last_pass == {"retry": 1})
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert Worker.objects.get(worker_id="w1").stopped_at is not None
+    assert fresh(job).status == Status.PENDING
+
+    out = finish(watcher(processes, "--once", "--watcher-id", "cron"), timeout=30)
+    row = Worker.objects.get(worker_id="cron")
+    assert (row.heartbeat, row.last_pass) == (None, {}), out
+    assert row.stopped_at is not None and row.last_pass_at is not None

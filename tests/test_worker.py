@@ -15,11 +15,11 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from django_leases import job_handler
+from django_leases import job_handler, stats
 from django_leases.db import CLIENT_SLACK, Deadline, auto_timeout
 from django_leases.exceptions import InvalidArgument
 from django_leases.handlers import unregister
-from django_leases.models import JobAttempt, PaymentJob
+from django_leases.models import JobAttempt, PaymentJob, Worker
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge, LockRun
 
@@ -585,3 +585,22 @@ def test_worker__outcome_written_by_the_handler_is_counted_as_such() -> None:
     assert (stats.failed, stats.completed) == (1, 0)
     assert fresh(job).status == Status.FAILED
     assert ledger(job) == [(1, "w", "failed")]
+
+
+def test_worker__registers_its_heartbeat_and_shows_late_once_frozen_for_two(
+    processes: Processes,
+) -> None:
+    proc = worker(processes, "frozen", "--heartbeat", "0.5", "--kind", "sleep")
+    wait_for(lambda: Worker.objects.filter(worker_id="frozen").exists())
+    row = Worker.objects.get(worker_id="frozen")
+    assert (row.role, row.heartbeat, row.kinds) == ("worker", 0.5, ["sleep"])
+    (live,) = stats.fleet(Worker.objects.all()).workers
+    assert not live.late
+
+    os.killpg(proc.pid, signal.SIGSTOP)  # frozen: alive by WORKER_GONE_AFTER (120 s) for long
+    wait_for(lambda: stats.fleet(Worker.objects.all()).late == 1, timeout=10)
+    fleet = stats.fleet(Worker.objects.all())
+    assert [w.worker_id for w in fleet.workers] == ["frozen"]
+    assert fleet.unserved(["sleep"]) == ["sleep"]
+    os.killpg(proc.pid, signal.SIGCONT)
+    wait_for(lambda: stats.fleet(Worker.objects.all()).late == 0, timeout=10)

@@ -140,15 +140,24 @@ def confirmation(
     title: Any,
     warning: Any,
 ) -> TemplateResponse:
-    """The page that asks the operator to confirm an action on the selected jobs."""
-    pks = list(queryset.order_by("pk").values_list("pk", flat=True))
+    """The page that asks the operator to confirm an action on the selected jobs.
+
+    A selection across every page of the list ("select all N") is posted back as such, and the
+    list's query string names it again: one id per job would not pass Django's
+    DATA_UPLOAD_MAX_NUMBER_FIELDS beyond about 1,000 jobs.
+    """
+    across = request.POST.get("select_across") == "1"
+    ordered = queryset.order_by("pk").values_list("pk", flat=True)
+    # Across the pages, one id only: Django runs an action only if some job is checked.
+    pks = list(ordered[:1] if across else ordered)
     context = {
         **model_admin.admin_site.each_context(request),
         "opts": model_admin.model._meta,
         "title": title,
         "warning": warning,
         "pks": pks,
-        "selected": len(pks),
+        "select_across": across,
+        "selected": queryset.count() if across else len(pks),
         "action": request.POST.get("action", ""),
         "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
     }

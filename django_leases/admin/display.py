@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.utils.html import format_html
 from django.utils.text import Truncator
@@ -40,3 +41,14 @@ def short_text(text: str) -> str:
 
 def attempt_error(attempt: JobAttempt) -> str:
     return short_text(": ".join(filter(None, [attempt.error_class, attempt.error_message])))
+
+
+def last_pass(outcome: dict[str, Any] | None) -> str:
+    """Return a watcher's last pass as text: "error: …", the jobs per action ("retry 2,
+    review 1"), or "nothing to do"."""
+    if outcome is None:
+        return EMPTY
+    if "error" in outcome:
+        return gettext("error: %(error)s") % {"error": outcome["error"]}
+    done = ", ".join(f"{name} {n}" for name, n in sorted(outcome.items()))
+    return done or gettext("nothing to do")

@@ -36,7 +36,7 @@ from django_leases.admin.filters import (
 )
 from django_leases.admin.forms import LeasedJobForm
 from django_leases.admin.ledger import AttemptInline, EventInline
-from django_leases.admin.mixins import IndexedSearchMixin, job_id
+from django_leases.admin.mixins import IndexedSearchMixin, OfferedFiltersMixin, job_id
 from django_leases.admin.overview import OverviewMixin
 from django_leases.conf import leases_settings
 from django_leases.handlers import near_window
@@ -79,7 +79,7 @@ TASK_KINDS = "tasks."
 NOT_SAVED: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
 
 
-class LeasedJobAdmin(OverviewMixin, IndexedSearchMixin, admin.ModelAdmin):
+class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, admin.ModelAdmin):
     """The admin of a job table: register it for your own `AbstractLeasedJob` model.
 
     Lease filters and columns, the operator actions, the attempt ledger inline (the model's

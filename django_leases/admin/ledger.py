@@ -13,7 +13,13 @@ from django.utils.translation import gettext_lazy as _
 
 from django_leases.admin.display import attempt_error
 from django_leases.admin.filters import OpenAttemptFilter
-from django_leases.admin.mixins import DatabaseMixin, IndexedSearchMixin, ReadOnlyMixin, job_id
+from django_leases.admin.mixins import (
+    DatabaseMixin,
+    IndexedSearchMixin,
+    OfferedFiltersMixin,
+    ReadOnlyMixin,
+    job_id,
+)
 from django_leases.models import JobAttempt, JobEvent
 
 
@@ -59,7 +65,9 @@ class EventInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
 
 
 @admin.register(JobAttempt)
-class JobAttemptAdmin(DatabaseMixin, IndexedSearchMixin, ReadOnlyMixin, admin.ModelAdmin):
+class JobAttemptAdmin(
+    DatabaseMixin, OfferedFiltersMixin, IndexedSearchMixin, ReadOnlyMixin, admin.ModelAdmin
+):
     list_display = (
         "id",
         "job_link",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
@@ -38,6 +39,26 @@ class ReadOnlyMixin:
         return False
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class OfferedFiltersMixin:
+    """Filter the list by the admin's own filters only: a URL lookup of any other field
+    (`?payload__icontains=`, `?id__regex=`) is refused with HTTP 400 (Django's
+    `DisallowedModelAdminLookup`) instead of running a full scan, or a query the database
+    rejects, for anyone who may view the list."""
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
+        model: Any = self.model  # type: ignore[attr-defined]
+        for spec in self.list_filter:  # type: ignore[attr-defined]
+            if isinstance(spec, type) and issubclass(spec, admin.SimpleListFilter):
+                if lookup == spec.parameter_name:
+                    return True  # the filter itself decides what a value means
+            elif isinstance(spec, str) and lookup == f"{spec}__exact":
+                # A field's own filter offers its choices; any other value matches nothing
+                # and would only reach the database.
+                choices = model._meta.get_field(spec).flatchoices
+                return not choices or value in {str(choice) for choice, _ in choices}
         return False
 
 

@@ -15,7 +15,7 @@ from django.utils.translation import gettext
 
 from django_leases import schedules, stats
 from django_leases.admin.counts import tally_html
-from django_leases.admin.display import human_duration
+from django_leases.admin.display import human_duration, last_pass
 from django_leases.admin.mixins import DatabaseMixin
 from django_leases.conf import leases_settings
 from django_leases.handlers import throttles
@@ -56,7 +56,8 @@ class OverviewMixin(DatabaseMixin, admin.ModelAdmin):
             "total": tally_html(data.total),
             "under_review": tally_html(data.under_review),
             "blocked_by_lock": tally_html(data.blocked_by_lock),
-            "oldest_due_wait": human_duration(data.oldest_due_wait),
+            "oldest_due_wait": human_duration(data.oldest_due.wait),
+            "oldest_due_kind": data.oldest_due.kind,
             "near_expiry_seconds": near_expiry,
             "chart": chart(data.chart),
             "stuck_jobs": [(job, self.lease(job), self.heartbeat(job)) for job in data.stuck_jobs],
@@ -64,7 +65,18 @@ class OverviewMixin(DatabaseMixin, admin.ModelAdmin):
                 (job, human_duration(job.running_for), self.lease(job), self.heartbeat(job))
                 for job in data.long_runners
             ],
-            "workers": [(worker, human_duration(worker.seen_ago)) for worker in data.workers],
+            "workers": [(worker, human_duration(worker.seen_ago)) for worker in data.fleet.workers],
+            "late_workers": data.fleet.late,
+            "watchers": [
+                (watcher, human_duration(watcher.seen_ago), last_pass(watcher.last_pass))
+                for watcher in data.fleet.watchers
+            ],
+            "last_pass_ago": (
+                None
+                if data.fleet.last_pass_ago is None
+                else human_duration(data.fleet.last_pass_ago)
+            ),
+            "unserved": data.unserved,
             # This process's registry (its jobs.py modules): what every worker enforces.
             "throttles": sorted(throttles().items()),
             "schedules": schedules.upcoming(jobs),

@@ -1,15 +1,19 @@
 """System checks that read the databases themselves (`manage.py check --database ALIAS`,
 `migrate`) or their settings' session options: the clock lease times are compared with, the
-vacuuming the claim's indexes need, SQLite's write lock."""
+vacuuming the claim's indexes need, SQLite's write lock, pending jobs no handler runs."""
 
+import difflib
 from collections.abc import Iterable
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from django_leases.dialects import dialect_of
+from django_leases.handlers import registered_kinds
+from django_leases.limits import shown
+from django_leases.tables import leased_jobs
 
 # The names MariaDB/MySQL report for a UTC session zone (named zones need the zone tables).
 UTC_ZONES = {"+00:00", "-00:00", "utc", "etc/utc", "gmt", "etc/gmt", "universal", "zulu"}
@@ -120,3 +124,36 @@ def check_sqlite_transaction_mode(**kwargs: Any) -> list[CheckMessage]:
         )
         for alias in sqlite_without_immediate(settings.DATABASES)
     ]
+
+
+def check_pending_kinds(
+    app_configs: Any = None, databases: Iterable[str] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Warn of pending jobs of JOB_MODEL whose kind no handler is registered for
+    (`check --database ALIAS`): `enqueue("captur")` is accepted, and its job waits for ever.
+
+    The handlers are those this process registers (its installed apps' jobs.py modules), as for
+    W006 and W009. A table not migrated yet is left to the other checks.
+    """
+    known = registered_kinds()
+    folded = {kind.casefold(): kind for kind in known}
+    messages: list[CheckMessage] = []
+    for alias in databases or ():
+        jobs = leased_jobs(None, alias)
+        try:
+            pending = set(jobs.pending().order_by().values_list("kind", flat=True).distinct())
+        except DatabaseError:
+            continue
+        for kind in sorted(pending - set(known)):
+            close = [folded[k] for k in difflib.get_close_matches(kind.casefold(), folded, n=1)]
+            messages.append(
+                Warning(
+                    f"database {alias!r}: {jobs.model._meta.label} has pending jobs of kind "
+                    f"{shown(kind)}, for which no handler is registered: no worker runs them.",
+                    hint=(f"Did you mean {close[0]!r}? " if close else "")
+                    + "Register a @job_handler for the kind, or cancel its jobs in the admin "
+                    "(the queue overview lists the kinds no live worker serves).",
+                    id="django_leases.W014",
+                )
+            )
+    return messages

@@ -168,6 +168,27 @@ def risky_unreconcilable(job, lease):
     time.sleep(duration(job, lease))
 
 
+def hang(job):
+    """A reconcile hook that never answers (a PSP call without a timeout), after it says, with a
+    `Charge` row, that it was called."""
+    Charge.objects.create(job_ref=job.pk, token=0, owner="reconcile hook")
+    time.sleep(3600)
+
+
+@job_handler("risky_hanging", reconcile=hang)
+def risky_hanging(job, lease):
+    lease.checkpoint("psp_called")
+
+
+def refuse(job):
+    raise RuntimeError("the PSP refused the lookup")
+
+
+@job_handler("risky_refused", reconcile=refuse)
+def risky_refused(job, lease):
+    lease.checkpoint("psp_called")
+
+
 @job_handler("self_fail")
 def self_fail(job, lease):
     """Record the failure itself, then return."""
