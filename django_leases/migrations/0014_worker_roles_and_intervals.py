@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_leases', '0012_ledger_without_open_index'),
+        ('django_leases', '0013_schedule_state_per_name'),
     ]
 
     operations = [
