@@ -112,6 +112,15 @@ def produce(rate: float, batch: int, job_seconds: float) -> None:
         sent += count
 
 
+def explain_worker_claim(owner: str, ttl: float, limit: int) -> dict[str, Any]:
+    """table_size.py's EXPLAIN of the claim, with the parameters a `run_lease_worker` without
+    --kind sends: every registered kind, up to `limit` (its free slots) jobs."""
+    from bench.table_size import explain_claim
+    from bench.throughput import registered_kinds
+
+    return explain_claim(owner, ttl, registered_kinds(), limit)
+
+
 # ---- the scratch server ------------------------------------------------------------------------
 
 
@@ -162,6 +171,9 @@ class Run:
     ledger_seen: int = 0
     minutes: dict[tuple[str, int], list[float]] = field(default_factory=lambda: defaultdict(list))
     done_by_minute: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
+    seconds_by_minute: dict[tuple[str, int], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -245,6 +257,7 @@ class Run:
         row["done_per_s"] = round((now.done - last.done) / span, 1) if last else ""
         if last:
             self.done_by_minute[(phase, minute)] += now.done - last.done
+            self.seconds_by_minute[(phase, minute)] += span
         for name, t in now.tables.items():
             row.update({f"{name}.{key}": value for key, value in t.items() if key != "bytes"})
             row[f"{name}.mb"] = round(t["bytes"] / 2**20, 2)
@@ -355,11 +368,10 @@ def explain(run: Run, procs: common.Processes, db: common.BenchDB, label: str) -
     try:
         result = procs.call(
             db,
-            "bench.table_size:explain_claim",
+            "bench.pressure:explain_worker_claim",
             timeout=run.args.timeout,
             owner=f"bench-explain-{os.getpid()}",
             ttl=run.args.ttl,
-            kinds=None,
             limit=run.args.concurrency,
         )
     except common.ChildError as exc:  # a plan is evidence, not the run: note it and go on
@@ -540,8 +552,9 @@ def phase_summary(
         if phase != name or not ms:
             continue
         done = run.done_by_minute.get((phase, minute), 0)
+        seconds = run.seconds_by_minute.get((phase, minute)) or 1.0
         lines.append(
-            f"| {minute + 1} | {done / 60:.0f} | {common.percentile(ms, 50):.1f} | "
+            f"| {minute + 1} | {done / seconds:.0f} | {common.percentile(ms, 50):.1f} | "
             f"{common.percentile(ms, 99):.1f} |"
         )
     # A phase name may come back (recovery): its minutes are for this occurrence only.
@@ -549,6 +562,7 @@ def phase_summary(
         del run.minutes[key]
     for key in [k for k in run.done_by_minute if k[0] == name]:
         del run.done_by_minute[key]
+        run.seconds_by_minute.pop(key, None)
     lines += ["", per_job(run, before, after), "", tuple_stats(run), ""]
     job = after.tables["paymentjob"]
     ledger = after.tables["jobattempt"]
