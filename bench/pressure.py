@@ -28,9 +28,10 @@ claimed since the last row), queue depth, live and dead tuples, inserts/updates 
 autovacuum runs and size of each of our tables, size and index entries read per scan of each
 index of the job table and the ledger, the age of the oldest snapshot, autovacuum workers at work
 and the top wait events of the database's active sessions, and the machine's load average.
-Per phase: `EXPLAIN (ANALYZE, BUFFERS)` of the workers' claim (table_size.py's, limit = the
-worker's --concurrency) early and late, pg_stat_statements' heaviest statements, tuples written
-per completed job per table, pgstattuple of the job table and ledger at its end. An SVG plots
+Per phase: `EXPLAIN (ANALYZE, BUFFERS)` of the workers' claim (table_size.py's, with every
+registered kind and the worker's --concurrency as the limit, as a worker sends it) early and
+late, pg_stat_statements' heaviest statements, tuples written per completed job per table,
+pgstattuple of the job table and ledger at its end. An SVG plots
 the run. Results go to --out (a directory): pressure.csv, pressure.svg, pressure.md.
 
     PYTHONPATH=. python bench/pressure.py --phases clean:180,idle:600,recovery:120 --rate 500
