@@ -711,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         ("--prune-every", float, 0.0, "seconds between prune_jobs runs; 0: none (--soak: 60)"),
         ("--retention", pf, 300.0, "prune_jobs --older-than seconds"),
         ("--out", str, "pressure-out", "directory of the CSV, SVG and report"),
+        ("--ttl", pf, 60.0, "the workers' lease seconds"),
+        ("--timeout", pf, 600.0, "seconds a child (migration, EXPLAIN, prune) may take"),
     ]
     for flag, kind, default, text in options:
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
@@ -718,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         "--soak", action="store_true", help="one hour steady with prune_jobs (unless --phases)"
     )
     parser.add_argument("--plot", metavar="CSV", help="only redraw the SVG of a CSV")
-    common.add_common_arguments(parser, databases=None, timeout=600.0)
+    parser.add_argument("--keep-logs", action="store_true", help="keep the child processes' logs")
     args = parser.parse_args(argv)
     from tests.pgcluster import bindir
 
