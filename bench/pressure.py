@@ -90,12 +90,16 @@ def produce(rate: float, batch: int, job_seconds: float) -> None:
 
     payload = {"seconds": job_seconds}
     since, credited, sent = time.monotonic(), 0, 0
+    pending = b""  # read from the descriptor: a buffered readline() would hide lines from select()
     while True:
         while select.select([sys.stdin], [], [], 0)[0]:
-            line = sys.stdin.readline()
-            if not line:
+            chunk = os.read(sys.stdin.fileno(), 4096)
+            if not chunk:
                 return
-            word, value = line.split()
+            pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            word, value = line.decode().split()
             if word == "RATE":
                 credited, since, rate = sent, time.monotonic(), float(value)
             elif word == "BURST":
@@ -437,8 +441,12 @@ def drain_capacity(run: Run, producer: Any, phase_start: float) -> float:
     """The producer stopped, a backlog enqueued: the completion rate over 30 s."""
     send(producer, "RATE 0")
     send(producer, f"BURST {int(run.args.rate * 60)}")
-    time.sleep(5)
     first = run.sample("drain", phase_start)
+    deadline = time.monotonic() + run.args.timeout
+    # Measured from the moment the backlog is in (the producer enqueues it in batches of 1,000).
+    while first["depth"] < run.args.rate * 30 and time.monotonic() < deadline:
+        time.sleep(1)
+        first = run.sample("drain", phase_start)
     end = time.monotonic() + 30
     while time.monotonic() < end:
         time.sleep(run.args.sample_seconds)
@@ -502,12 +510,12 @@ def measure(args: argparse.Namespace, procs: common.Processes, cluster: Any, out
         last_prune = time.monotonic()
         for name, seconds in args.phases:
             length = seconds or args.phase_seconds
-            phase_start = time.monotonic()
             if name == "overload":
-                capacity = args.drain_rate or drain_capacity(run, producer, phase_start)
+                capacity = args.drain_rate or drain_capacity(run, producer, time.monotonic())
                 send(producer, f"RATE {1.5 * capacity:.1f}")
             else:
                 send(producer, f"RATE {args.rate}")
+            phase_start = time.monotonic()  # the phase's length does not include the measuring
             pressure = {
                 "idle": lambda: idle_in_transaction(server),
                 "readers": lambda: readers(
