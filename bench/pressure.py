@@ -32,7 +32,8 @@ Per phase: `EXPLAIN (ANALYZE, BUFFERS)` of the workers' claim (table_size.py's, 
 registered kind and the worker's --concurrency as the limit, as a worker sends it) early and
 late, pg_stat_statements' heaviest statements, tuples written per completed job per table,
 pgstattuple of the job table and ledger at its end. An SVG plots
-the run. Results go to --out (a directory): pressure.csv, pressure.svg, pressure.md.
+the run. Results go to --out (a directory): pressure.csv, pressure.svg, pressure.md, and the
+server's log (server.log: autovacuum's account of each run).
 
     PYTHONPATH=. python bench/pressure.py --phases clean:180,idle:600,recovery:120 --rate 500
     PYTHONPATH=. python bench/pressure.py --soak
