@@ -177,8 +177,11 @@ def settle(churn: bool, index_cleanup: bool, vacuum: bool = False) -> None:
         common.analyze(*tables)
 
 
-def capture_claim_sql(owner: str, ttl: float, kinds: list[str] | None) -> list[tuple[str, Any]]:
-    """Run one claim() and return the statements it sent (SQL and parameters)."""
+def capture_claim_sql(
+    owner: str, ttl: float, kinds: list[str] | None, limit: int = 1
+) -> list[tuple[str, Any]]:
+    """Run one claim() of up to `limit` jobs and return the statements it sent (SQL and
+    parameters)."""
     from django.db import connection
 
     from django_leases.models import PaymentJob
@@ -191,14 +194,17 @@ def capture_claim_sql(owner: str, ttl: float, kinds: list[str] | None) -> list[t
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(record):
-        jobs = PaymentJob.objects.claim(owner, ttl=ttl, kinds=kinds)
+        jobs = PaymentJob.objects.claim(owner, ttl=ttl, kinds=kinds, limit=limit)
     for job in jobs:
         PaymentJob.objects.complete(job.pk, owner, job.lease_token)
     return statements
 
 
-def explain_claim(owner: str, ttl: float, kinds: list[str] | None) -> dict[str, Any]:
-    """EXPLAIN the statement of claim() that picks the jobs, on this database's terms.
+def explain_claim(
+    owner: str, ttl: float, kinds: list[str] | None, limit: int = 1
+) -> dict[str, Any]:
+    """EXPLAIN the statement of claim() (of up to `limit` jobs) that picks the jobs, on this
+    database's terms.
 
     PostgreSQL: EXPLAIN (ANALYZE, BUFFERS) of the claiming UPDATE (the EXECUTE of its prepared
     statement, as a worker runs it), rolled back. MariaDB: ANALYZE of each SELECT (the rows
@@ -209,7 +215,7 @@ def explain_claim(owner: str, ttl: float, kinds: list[str] | None) -> dict[str, 
     from django.db import connection, transaction
 
     vendor = connection.vendor
-    statements = capture_claim_sql(owner, ttl, kinds)
+    statements = capture_claim_sql(owner, ttl, kinds, limit)
     if vendor == "postgresql":
         # The claim's EXECUTE, as the worker runs it: the statement is prepared in this session
         # (its generic plan, after the timed claims). Inside a transaction it is sent whole.
