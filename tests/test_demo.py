@@ -17,6 +17,7 @@ from example_project.payments import psp
 from example_project.payments.models import Payment
 
 from .conftest import ROOT, Processes, finish, processes_marked, read_until, subprocess_env
+from .ticking import tick_of
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
@@ -94,7 +95,7 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
     )
     assert set(healed.values_list("status", flat=True)) == {"captured"}
     sweeps = PaymentJob.objects.filter(kind="reconcile_sweep").values_list("idempotency_key")
-    ticks = sorted(int(key.rsplit(":", 1)[1]) for (key,) in sweeps)
+    ticks = sorted(tick_of(key) for (key,) in sweeps)
     assert ticks == list(range(ticks[0], ticks[0] + len(ticks))), ticks
     # Every payment is settled, or explained by its failed job (the PSP rejected the capture).
     failed = set(jobs.filter(status="failed").values_list("payment_id", flat=True))
