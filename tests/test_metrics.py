@@ -492,6 +492,8 @@ def test_queue_metrics__report_the_limits_per_kind(client: Client) -> None:
 
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
+# Long enough for every scrape of the test to fall within one read, however slow the host.
+@override_settings(DJANGO_LEASES={"METRICS_MAX_AGE": 600})
 def test_metrics_endpoint__concurrent_scrapes_share_one_database_read() -> None:
     make_queue()
     exporter = metrics.WatcherMetrics()
@@ -499,7 +501,9 @@ def test_metrics_endpoint__concurrent_scrapes_share_one_database_read() -> None:
     opened: list[str] = []
 
     def count(sender: object, connection: Any, **kwargs: object) -> None:
-        opened.append(connection.alias)
+        # Which request opened it: MySQLdb's backend may open a second, short connection on
+        # the same thread to read the server's version.
+        opened.append(threading.current_thread().name)
 
     connection_created.connect(count)
     try:
@@ -509,8 +513,8 @@ def test_metrics_endpoint__concurrent_scrapes_share_one_database_read() -> None:
     finally:
         connection_created.disconnect(count)
         endpoint.close()
-    # One read for 24 scrapes (before: a connection and the queries per scrape).
-    assert opened == ["default"]
+    # One request read the database for 24 scrapes (before: each of them).
+    assert len(set(opened)) == 1, opened
     assert {value(samples, "django_leases_database_up") for samples in scrapes} == {1}
     assert {value(samples, "django_leases_jobs_under_review") for samples in scrapes} == {1}
 
@@ -526,11 +530,11 @@ def test_metrics_endpoint__half_open_sockets_hold_a_bounded_number_of_threads_fo
     try:
         for _ in range(40):  # connect, and send nothing
             idle.append(socket.create_connection(("127.0.0.1", endpoint.port), timeout=10))
-        wait_for(lambda: serving_threads() == metrics.MAX_CONNECTIONS)
-        # Beyond the bound, a connection is closed at once.
-        assert idle[-1].recv(1) == b""
-        # Each thread gives up its silent client after CLIENT_TIMEOUT.
-        wait_for(lambda: serving_threads() == 0, timeout=metrics.CLIENT_TIMEOUT + 10)
+        # Each thread gives up its silent client after CLIENT_TIMEOUT; until then, never more
+        # than MAX_CONNECTIONS of them (before: one per socket, 40).
+        counts: list[int] = []
+        wait_for(lambda: counts.append(serving_threads()) or counts[-1] == 0 and max(counts))
+        assert 1 <= max(counts) <= metrics.MAX_CONNECTIONS, counts
         samples = scrape(f"http://127.0.0.1:{endpoint.port}/metrics")
         assert value(samples, "django_leases_database_up") == 1
     finally:
