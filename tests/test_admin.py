@@ -297,13 +297,25 @@ def test_overview__lists_the_limits_per_kind(admin_client: Client, jobs: Any) ->
     assert "No kind has a limit or a rate." in html
 
 
-@pytest.mark.parametrize("status", list(Status.values))
+@pytest.mark.parametrize("status", [s for s in Status.values if s != Status.STOPPING])
 def test_status_filter__returns_jobs_of_that_status(
     admin_client: Client, jobs: dict[str, PaymentJob], status: str
 ) -> None:
     expected = {job.pk for job in jobs.values() if job.status == status}
     assert expected
     assert listed(changelist(admin_client, status=status)) == expected
+
+
+def test_status_filter__lists_a_stopping_job_with_the_holder_that_runs_it(
+    admin_client: Client,
+) -> None:
+    job = PaymentJob.objects.enqueue("capture", payment_id="pay_stop")
+    claim(job.pk, "worker-stop")
+    assert PaymentJob.objects.filter(pk=job.pk).cancel(by="ops") == 1
+    response = changelist(admin_client, status=Status.STOPPING)
+    assert listed(response) == {job.pk}
+    html = row(response, job)
+    assert "dl-stopping" in html and "Stopping" in html and "last holder" not in html, html
 
 
 def test_time_filter__due_now_and_finished_in_the_last_hour(

@@ -26,7 +26,7 @@ from django_leases.limits import (
     CHECKPOINT_LENGTH,
     check_text,
 )
-from django_leases.querysets import acks, claims, ledger, operators
+from django_leases.querysets import acks, claims, endings, ledger, operators
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -58,6 +58,7 @@ from django_leases.status import (
     PENDING,
     PROCESSING,
     REVIEW,
+    STOPPING,
     TIMED_OUT,
     AttemptOutcome,
 )
@@ -70,9 +71,9 @@ class LeaseQuerySet(LeaseReads[J]):
     The holder's writes are written out here; the others are the functions of their modules,
     each taking the queryset first, bound here as methods: claims (`claims`), batched
     completions (`acks`), throttled claims (`throttles`), the watcher's rescue and the operator
-    actions (`operators`), enqueueing (`enqueue`), pruning (`prune`); they share the ledger
-    writes (`ledger`) and the lock queue (`locks`). The database's own statements are chosen
-    by its dialect (`dialects.py`).
+    actions (`operators`), the end of a stopped execution (`endings`), enqueueing (`enqueue`),
+    pruning (`prune`); they share the ledger writes (`ledger`) and the lock queue (`locks`).
+    The database's own statements are chosen by its dialect (`dialects.py`).
     """
 
     # ---- acquisition (claims.py) --------------------------------------------------------------
@@ -94,6 +95,11 @@ class LeaseQuerySet(LeaseReads[J]):
     cancel = operators.cancel
     cancelled_leases = operators.cancelled_leases
     resolve_review = operators.resolve_review
+
+    # ---- where an execution ends (endings.py) -------------------------------------------------
+
+    acknowledge_stops = endings.acknowledge_stops
+    end_expired_stops = endings.end_expired_stops
 
     # ---- enqueueing (enqueue.py) ----------------------------------------------------------------
 
@@ -251,12 +257,22 @@ class LeaseQuerySet(LeaseReads[J]):
 
     @retry_deadlocks
     def time_out(
-        self, pk: int, owner: str, token: int, *, retry_in: float | None, reason: str
+        self,
+        pk: int,
+        owner: str,
+        token: int,
+        *,
+        retry_in: float | None,
+        reason: str,
+        running: bool = False,
     ) -> str:
-        """End the holder's attempt at its run-time limit; return the job's new status.
+        """End the holder's attempt at its run-time limit; return the status the job ends as.
 
         The job follows its kind's stuck policy, as an expired lease would: held for review
         after a risky checkpoint, failed without attempts left, else pending after `retry_in`.
+        If the handler is still `running` (a thread cannot be stopped) the job is stopping: it
+        keeps its lock and its `limit=` slot until the holder acknowledges the stop or its lease
+        expires (`endings`); else its execution ends here.
         """
         guard = takeover_guard()[0]
         review = ~guard if guard else Q(pk__in=[])
@@ -264,28 +280,29 @@ class LeaseQuerySet(LeaseReads[J]):
         delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
         with transaction.atomic(using=self.db):
             won = self.held(pk, owner, token).update(
-                status=Case(
+                ends_as=Case(
                     When(review, then=Value(REVIEW)),
                     When(final, then=Value(FAILED)),
                     default=Value(PENDING),
                 ),
-                completed_at=Case(When(~review & final, then=Now()), default=None),
-                lock_holder=Case(When(~review & final, then=None), default=F("lock_holder")),
                 run_at=Case(
                     When(review | final, then=F("run_at")),
                     default=after(delay) if delay else Now(),
                 ),
                 last_error=reason[:MAX_ERROR_LENGTH],
+                status=Value(STOPPING),
             )
             if won:
-                new_status, lock = self.filter(pk=pk).values_list("status", "lock").get()
-                close_attempt(self, pk, token, TIMED_OUT, by=owner, error=("", reason))
-                if new_status == FAILED and lock:
-                    pass_lock(self, pk)
+                ends_as = self.filter(pk=pk).values_list("ends_as", flat=True).get()
+                close_attempt(
+                    self, pk, token, TIMED_OUT, by=owner, error=("", reason), stopping=True
+                )
+                if not running:
+                    self.acknowledge_stops(owner, [(pk, token)])
         if not won:
             self.record_fenced(pk, token)
             raise self._lost(pk, token, f"{owner} no longer holds token {token}")
-        return new_status
+        return str(ends_as)
 
     def release(self, pk: int, owner: str, token: int) -> None:
         """Give a job back unstarted (graceful shutdown): pending, due now.
