@@ -49,7 +49,7 @@ class Skip:
     HOLDER_WORKING = _("its lease is live and its holder may still be working")
     FINISHED = _("already finished")
     NOT_PENDING = _("only pending or waiting jobs can be cancelled — use “Force cancel”")
-    NOT_CANCELLABLE = _("already finished, stopping or under review")
+    NOT_CANCELLABLE = _("already finished or under review")
     STOPPING = _("its handler may still run until it stops — use “Force requeue”")
     WAITING = _("it waits for an earlier job of its lock")
     NOT_IN_REVIEW = _("not under review")
