@@ -64,13 +64,18 @@ class Attempts:
         if error is None and left_open:
             error = HandlerError(left_open)
         if lease.outcome == TIMED_OUT:
-            return None  # the loop ended this attempt at its timeout; the handler came back late
+            # The loop stopped this attempt at its timeout; the handler came back late, on its
+            # abandoned thread: its execution ends now.
+            outcomes.ended([lease], "timed out", recorded=True)
+            return None
         if isinstance(error, LeaseLost):
             # Whichever write of the handler's was refused: its ledger row is noted here.
             outcomes.fenced_out(lease, str(error))
         elif isinstance(error, HandlerTimeout):
             delay = retry_delay(lease.attempt)
-            outcomes.record(lease, TIMED_OUT, partial(lease.time_out, str(error), retry_in=delay))
+            # The coroutine was cancelled at its timeout: its execution ended with it.
+            write = partial(lease.time_out, str(error), retry_in=delay)
+            outcomes.record(lease, TIMED_OUT, write)
         elif error is not None and lease.lost:
             outcomes.fenced_out(
                 lease, f"handler raised {type(error).__name__} after the lease was lost"

@@ -238,11 +238,12 @@ class Lease:
         self._end(lambda: self._jobs().release(self.pk, self.owner, self.token))
         self.finished, self.outcome = True, AttemptOutcome.RELEASED
 
-    def time_out(self, reason: str, *, retry_in: float) -> str:
-        """End the attempt as timed out (the worker's run-time limit); return the new status."""
+    def time_out(self, reason: str, *, retry_in: float, running: bool = False) -> str:
+        """End the attempt as timed out (the worker's run-time limit); return the status the
+        job ends as (stopping meanwhile if the handler is still `running`)."""
         status = self._end(
             lambda: self._jobs().time_out(
-                self.pk, self.owner, self.token, retry_in=retry_in, reason=reason
+                self.pk, self.owner, self.token, retry_in=retry_in, reason=reason, running=running
             )
         )
         self.mark_lost(reason)

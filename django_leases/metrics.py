@@ -183,7 +183,7 @@ class QueueCollector(Collector):
         yield up
         jobs = GaugeMetricFamily(
             f"{PREFIX}_jobs",
-            "Jobs per status and kind, live statuses only (pending, processing, review)",
+            "Jobs per status and kind, live statuses only (pending, processing, stopping, review)",
             labels=["status", "kind"],
         )
         for (status, kind), n in sorted(gauges.by_status_and_kind.items()):

@@ -15,7 +15,13 @@ from django_leases.querysets.payments import PaymentJobQuerySet
 from django_leases.querysets.schedules import CRON_LENGTH, TZ_LENGTH, ScheduleStateQuerySet
 from django_leases.querysets.throttles import KindGateQuerySet
 from django_leases.querysets.workers import Role, WorkerQuerySet
-from django_leases.status import LOCK_HOLDING_STATUSES, AttemptOutcome, EventAction, JobStatus
+from django_leases.status import (
+    LEASED_STATUSES,
+    LOCK_HOLDING_STATUSES,
+    AttemptOutcome,
+    EventAction,
+    JobStatus,
+)
 
 __all__ = [
     "AbstractJobAttempt",
@@ -84,6 +90,15 @@ class AbstractLeasedJob(models.Model):
         editable=False,
         help_text=_("The lock this job holds: next in line, running or under review."),
     )
+    ends_as = models.CharField(
+        _("ends as"),
+        max_length=20,
+        blank=True,
+        default="",
+        choices=JobStatus.choices,
+        editable=False,
+        help_text=_("While stopping: the status the job takes when its execution ends."),
+    )
     created_at = models.DateTimeField(_("created at"), db_default=Now())
     completed_at = models.DateTimeField(
         _("completed at"),
@@ -138,17 +153,18 @@ def lease_indexes(prefix: str) -> list[models.Index]:
             name=f"{prefix}_kind_due_idx",
             condition=Q(status=JobStatus.PENDING),
         ),
-        # claim() takeovers, expired(), near_expiry() and the watcher.
+        # claim() takeovers, expired(), near_expiry() and the watcher (stopping jobs too).
         models.Index(
             fields=["status", "lease_until"],
             name=f"{prefix}_lease_idx",
-            condition=Q(status=JobStatus.PROCESSING),
+            condition=Q(status__in=LEASED_STATUSES),
         ),
-        # claim() takeovers of given kinds, led by `kind` as the index above.
+        # claim() takeovers of given kinds, led by `kind` as the index above, and the live
+        # leases a `limit=` counts (processing or stopping).
         models.Index(
             fields=["kind", "status", "lease_until"],
             name=f"{prefix}_kind_lease_idx",
-            condition=Q(status=JobStatus.PROCESSING),
+            condition=Q(status__in=LEASED_STATUSES),
         ),
         # Passing a lock on: the first waiting job of a lock.
         models.Index(

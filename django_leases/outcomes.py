@@ -345,13 +345,15 @@ class Outcomes:
         committed by an earlier write of ours; the others were fenced out (the batch's statement
         noted them in the ledger)."""
         done = [lease for key, lease in pending.items() if key in won]
+        refused = []
         for key, lease in pending.items():
             if key in won:
                 continue
             if had_outage and self.jobs.finished_by(lease.pk, lease.owner, lease.token):
                 done.append(lease)  # our earlier write committed; only its answer was lost
             else:
-                self.fenced_out(lease, "lease lost before its batched completion", recorded=True)
+                refused.append(lease)
+        self.ended(refused, "lease lost before its batched completion", recorded=True)
         for lease in done:
             lease.mark_completed()
         for kind, count in Counter(lease.job.kind for lease in done).items():
@@ -366,21 +368,63 @@ class Outcomes:
     # ---- leases lost, given up or given back --------------------------------------------------
 
     def fenced_out(self, lease: Lease, reason: str, *, recorded: bool = False) -> None:
-        """Count and log a holder write refused; note it in the ledger unless `recorded` (the
-        statement that was refused noted it already, or nothing was written).
+        """`ended()` for one lease."""
+        self.ended([lease], reason, recorded=recorded)
+
+    def ended(self, leases: list[Lease], reason: str, *, recorded: bool = False) -> None:
+        """The executions of `leases` are over, their holder's writes refused: end those an
+        operator's cancel or a time-out stopped (one statement), so that their locks and
+        `limit=` slots are released now, not when their leases expire; count and log each.
+        Note a refusal in the ledger unless `recorded` (the statement that was refused noted it
+        already, or nothing was written).
 
         A lease an operator cancelled is counted as cancelled: its attempt is closed already.
         """
-        lease.mark_lost(reason)
-        if lease.cancelled:
-            self.stats.add(AttemptOutcome.CANCELLED, kind=lease.job.kind)
-            logger.info(
-                "cancelled job_id=%s token=%s: %s; nothing written",
-                lease.pk,
-                lease.token,
-                lease.lost_reason,
-            )
+        if not leases:
             return
+        stopped = self.acknowledge_stops(leases)
+        for lease in leases:
+            ends_as = stopped.get(lease.key)
+            timed_out = lease.outcome == TIMED_OUT
+            cancelled = ends_as is not None and not timed_out
+            lease.mark_lost(
+                f"cancelled; ended {ends_as}" if cancelled else reason, cancelled=cancelled
+            )
+            if timed_out:
+                # Counted by the loop when it timed the attempt out; its handler ended only now.
+                logger.info(
+                    "timed-out job_id=%s token=%s: its handler returned; %s",
+                    lease.pk,
+                    lease.token,
+                    f"now {ends_as}" if ends_as else lease.lost_reason,
+                )
+            elif lease.cancelled:
+                self.stats.add(AttemptOutcome.CANCELLED, kind=lease.job.kind)
+                logger.info(
+                    "cancelled job_id=%s token=%s: %s; nothing written%s",
+                    lease.pk,
+                    lease.token,
+                    lease.lost_reason,
+                    f"; its execution ended, now {ends_as}" if ends_as else "",
+                )
+            else:
+                self._lost_lease(lease, reason, recorded=recorded)
+
+    def acknowledge_stops(self, leases: list[Lease]) -> dict[LeaseKey, str]:
+        """End the stopped executions of `leases` (`LeaseQuerySet.acknowledge_stops()`); {} if the
+        database cannot answer: their leases then expire and the watcher ends them."""
+        try:
+            return self.jobs.acknowledge_stops(self.worker_id, [lease.key for lease in leases])
+        except DatabaseError as exc:
+            logger.warning(
+                "could not end the stopped execution of job_id(s) %s: %s; left to the watcher",
+                ",".join(str(lease.pk) for lease in leases),
+                type(exc).__name__,
+            )
+            close_old_connections()
+            return {}
+
+    def _lost_lease(self, lease: Lease, reason: str, *, recorded: bool) -> None:
         self.stats.add("lost", kind=lease.job.kind)
         logger.warning(
             "fenced out job_id=%s token=%s owner=%s: %s; nothing written",
@@ -399,8 +443,7 @@ class Outcomes:
     def lost_unstarted(self, leases: list[Lease]) -> None:
         """Count leases that ran out while they waited for a slot: nothing was written, their
         ledger rows stay open for the worker that takes them over."""
-        for lease in leases:
-            self.fenced_out(lease, "lost before a slot started it", recorded=True)
+        self.ended(leases, "lost before a slot started it", recorded=True)
 
     def abandon(self, lease: Lease, why: str) -> None:
         """Stop renewing `lease`: it expires and the watcher applies the kind's policy.
@@ -426,7 +469,8 @@ class Outcomes:
         became of the job (or why nothing could be written)."""
         reason = f"ran past its timeout of {get_handler(lease.job.kind).timeout:g}s"
         try:
-            status = lease.time_out(reason, retry_in=retry_delay(lease.attempt))
+            ends_as = lease.time_out(reason, retry_in=retry_delay(lease.attempt), running=True)
+            status = f"stopping until its handler returns, then {ends_as}"
         except LeaseLost:
             status = "lost before its timeout"
         except DatabaseError as exc:
@@ -456,6 +500,8 @@ class Outcomes:
             if isinstance(exc, DatabaseError) and not is_outage(exc, self.using):
                 raise
             logger.warning("could not release job_id=%s: %s", lease.pk, error_text(exc))
+            if isinstance(exc, LeaseLost):
+                self.acknowledge_stops([lease])  # cancelled while it waited: it never ran
             return
         self.stats.add(AttemptOutcome.RELEASED, kind=lease.job.kind)
         logger.info("released unstarted job_id=%s token=%s", lease.pk, lease.token)

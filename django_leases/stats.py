@@ -40,9 +40,11 @@ from django_leases.status import (
     COMPLETED,
     FAILED,
     FINAL_STATUSES,
+    LEASED_STATUSES,
     PENDING,
     PROCESSING,
     REVIEW,
+    STOPPING,
     WAITING,
     JobStatus,
 )
@@ -59,17 +61,17 @@ DUE, LAST_HOUR = "due", "last_hour"
 # The categories of `selection()`: a status, or a processing job split by its lease.
 LIVE_LEASE = "live_lease"
 # The statuses of jobs not finished yet; each is a range of an index of live rows.
-LIVE_STATUSES = (PENDING, PROCESSING, REVIEW)
+LIVE_STATUSES = (PENDING, PROCESSING, STOPPING, REVIEW)
 
 
 def with_lease_clock(jobs: LeaseQuerySet[Any]) -> LeaseQuerySet[Any]:
-    """Annotate `lease_left` (lease end minus now; processing jobs only), `heartbeat_age`
-    (now minus the last heartbeat) and `running_for` (see `with_running_for()`), all by the
-    database clock."""
+    """Annotate `lease_left` (lease end minus now; processing and stopping jobs only),
+    `heartbeat_age` (now minus the last heartbeat) and `running_for` (see
+    `with_running_for()`), all by the database clock."""
     return jobs.with_running_for().annotate(
-        # A finished job keeps its last lease end; only a processing job's is a live deadline.
+        # A finished job keeps its last lease end; only a leased job's is a live deadline.
         lease_left=Case(
-            When(status=PROCESSING, then=F("lease_until") - Now()),
+            When(status__in=LEASED_STATUSES, then=F("lease_until") - Now()),
             default=None,
             output_field=DurationField(),
         ),
@@ -385,7 +387,8 @@ def queue_gauges(jobs: LeaseQuerySet[Any], *, near_expiry: float) -> QueueGauges
     """Read the queue's gauges in eight queries, each over an index range of live rows or the
     registry's live rows (`fleet()`, on the job table's database).
 
-    Jobs are counted per kind in the live statuses only (pending, processing, review): counting
+    Jobs are counted per kind in the live statuses only (pending, processing, stopping,
+    review): counting
     finished jobs per kind would scan the whole table; the workers' counters count them.
     """
     live = jobs.filter(status__in=LIVE_STATUSES).order_by().values_list("status", "kind")

@@ -23,6 +23,10 @@ class JobStatus(models.TextChoices):
     """Cancelled by an operator: pending, waiting or running (its holder is told to stop)."""
     WAITING = "waiting", _("Waiting for its lock")
     """Enqueued with a `lock` an earlier job still holds: pending once that job is finished."""
+    STOPPING = "stopping", _("Stopping")
+    """Cancelled or timed out while its handler may still run: keeps its lock and its `limit=`
+    slot, unrenewable and unclaimable, until its holder acknowledges the stop or its lease
+    expires; it then takes the status `ends_as` names."""
 
 
 class AttemptOutcome(models.TextChoices):
@@ -66,7 +70,7 @@ class StuckPolicy(models.TextChoices):
     REVIEW = "review", _("Review")
 
 
-PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED, WAITING = (
+PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED, WAITING, STOPPING = (
     JobStatus.PENDING.value,
     JobStatus.PROCESSING.value,
     JobStatus.COMPLETED.value,
@@ -74,12 +78,17 @@ PENDING, PROCESSING, COMPLETED, FAILED, REVIEW, CANCELLED, WAITING = (
     JobStatus.REVIEW.value,
     JobStatus.CANCELLED.value,
     JobStatus.WAITING.value,
+    JobStatus.STOPPING.value,
 )
 FINAL_STATUSES = (COMPLETED, FAILED, CANCELLED)
 """Statuses no transition leaves except an operator's requeue; the ones `prune_jobs` deletes."""
-LOCK_HOLDING_STATUSES = (PENDING, PROCESSING, REVIEW)
+LOCK_HOLDING_STATUSES = (PENDING, PROCESSING, STOPPING, REVIEW)
 """Statuses in which a job with a `lock` holds it: the one job of its lock that may run next,
-runs, or waits for a verdict. The lock passes on when the job leaves them for a final status."""
+runs, is stopping, or waits for a verdict. The lock passes on when the job leaves them for a
+final status."""
+LEASED_STATUSES = (PROCESSING, STOPPING)
+"""Statuses of a job whose execution may be running: until its lease expires, it counts
+against its kind's `limit=`."""
 TIMED_OUT = AttemptOutcome.TIMED_OUT.value
 """The outcome of an attempt still running past its kind's `timeout`."""
 HOLDER_OUTCOMES = (

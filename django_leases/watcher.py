@@ -246,6 +246,7 @@ class StuckWatcher:
         enqueue_due(self.using, model=self.model)
         actions = self._rescue(orphaned=False)
         actions += self._rescue(orphaned=True)
+        actions += self._end_expired_stops()
         actions += self._reconcile_reviews()
         return actions
 
@@ -285,6 +286,20 @@ class StuckWatcher:
                 reason,
             )
             logger.info("rescued %s", done.describe())
+            actions.append(done)
+        return actions
+
+    def _end_expired_stops(self) -> list[Action]:
+        """End the executions that were stopped (a cancel, a time-out) and whose lease then
+        expired: their holder died or ignored the stop, so their lock and slot are released."""
+        jobs = self._jobs()
+        ended = {pk: (token, ends_as) for (pk, token), ends_as in jobs.end_expired_stops().items()}
+        rows = jobs.filter(pk__in=list(ended)).order_by("pk")
+        actions = []
+        for pk, kind, owner, attempts in rows.values_list("pk", "kind", "lease_owner", "attempts"):
+            token, ends_as = ended[pk]
+            done = Action(pk, kind, owner, token, attempts, None, f"stopped-{ends_as}", "")
+            logger.info("ended %s: its lease expired while stopping", done.describe())
             actions.append(done)
         return actions
 

@@ -297,13 +297,25 @@ def test_overview__lists_the_limits_per_kind(admin_client: Client, jobs: Any) ->
     assert "No kind has a limit or a rate." in html
 
 
-@pytest.mark.parametrize("status", list(Status.values))
+@pytest.mark.parametrize("status", [s for s in Status.values if s != Status.STOPPING])
 def test_status_filter__returns_jobs_of_that_status(
     admin_client: Client, jobs: dict[str, PaymentJob], status: str
 ) -> None:
     expected = {job.pk for job in jobs.values() if job.status == status}
     assert expected
     assert listed(changelist(admin_client, status=status)) == expected
+
+
+def test_status_filter__lists_a_stopping_job_with_the_holder_that_runs_it(
+    admin_client: Client,
+) -> None:
+    job = PaymentJob.objects.enqueue("capture", payment_id="pay_stop")
+    claim(job.pk, "worker-stop")
+    assert PaymentJob.objects.filter(pk=job.pk).cancel(by="ops") == 1
+    response = changelist(admin_client, status=Status.STOPPING)
+    assert listed(response) == {job.pk}
+    html = row(response, job)
+    assert "dl-stopping" in html and "Stopping" in html and "last holder" not in html, html
 
 
 def test_time_filter__due_now_and_finished_in_the_last_hour(
@@ -567,7 +579,12 @@ def test_force_cancel__asks_first_then_tells_the_running_holder_to_stop(
         "1 job cancelled by force; 1 skipped: already finished or under review"
     ]
     job = PaymentJob.objects.get(pk=healthy.pk)
-    assert (job.status, job.last_error) == (Status.CANCELLED, f"cancelled by {OPERATOR}")
+    # Its handler may still run: stopping until its worker acknowledges (no worker here).
+    assert (job.status, job.ends_as, job.last_error) == (
+        Status.STOPPING,
+        Status.CANCELLED,
+        f"cancelled by {OPERATOR}",
+    )
     with pytest.raises(Cancelled):
         PaymentJob.objects.complete(healthy.pk, "worker-healthy", healthy.lease_token)
 

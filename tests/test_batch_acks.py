@@ -455,3 +455,27 @@ def test_complete_many__completes_a_job_of_a_lock_and_passes_the_lock_on() -> No
     assert not JobAttempt.objects.filter(fenced_at__isnull=False).exists()
     (claimed,) = PaymentJob.objects.claim("w1", ttl=60)
     assert claimed.pk == second.pk
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__a_batched_completion_of_a_cancelled_job_ends_it_counted_as_cancelled(
+    processes: Processes,
+) -> None:
+    """A job cancelled while its handler runs, whose holder learns it only when its batched
+    completion is refused (no heartbeat meanwhile): the refusal acknowledges the stop, and the
+    job is counted and logged as cancelled, not as a lost lease."""
+    job = PaymentJob.objects.enqueue("sleep_batch", {"seconds": 1.5})
+    proc = worker(processes, "acker", "--ttl", "300", "--heartbeat", "50", "--kind", "sleep_batch")
+    wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, status=Status.PROCESSING).exists())
+    assert PaymentJob.objects.filter(pk=job.pk).cancel(by="ops") == 1
+
+    read_until(proc, f"cancelled job_id={job.pk}")
+    wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, status=Status.CANCELLED).exists())
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert "cancelled=1" in out and "lost=0" in out, out
+    assert "fenced out" not in out, out
+    (row,) = JobAttempt.objects.filter(job_ref=job.pk)
+    assert (row.outcome, row.ended_by, row.ended_at is not None) == ("cancelled", "ops", True)

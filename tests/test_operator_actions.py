@@ -297,20 +297,29 @@ def test_cancel__says_who_cancelled() -> None:
     assert (job.status, job.last_error) == (Status.CANCELLED, "cancelled by admin:ops")
 
 
-def test_cancel__a_running_job_ends_cancelled_and_fences_out_every_holder_write() -> None:
-    PaymentJob.objects.enqueue("a")
+def test_cancel__a_running_job_stops_fenced_out_and_ends_cancelled_once_its_holder_is_done() -> (
+    None
+):
+    PaymentJob.objects.enqueue("a", lock="payment:1")
+    behind = PaymentJob.objects.enqueue("a", lock="payment:1")
     held = claim_one("w1")
     key = (held.pk, held.lease_token)
     assert PaymentJob.objects.filter(pk=held.pk).cancel(by="admin:ops", reason="refunded") == 1
 
+    # Its handler may still run: stopping, its lock and lease kept, its attempt not closed.
     job = PaymentJob.objects.get(pk=held.pk)
-    assert (job.status, job.lease_token, job.last_error) == (
+    assert (job.status, job.ends_as, job.lease_token, job.last_error, job.completed_at) == (
+        Status.STOPPING,
         Status.CANCELLED,
-        held.lease_token + 1,
+        held.lease_token,
         "cancelled by admin:ops: refunded",
+        None,
     )
-    assert job.completed_at is not None
-    assert [r[3:5] for r in rows(job)] == [("cancelled", "admin:ops")]
+    assert (job.lock_holder, PaymentJob.objects.get(pk=behind.pk).status) == (
+        "payment:1",
+        Status.WAITING,
+    )
+    assert [r[3:5] + r[-1:] for r in rows(job)] == [("cancelled", "admin:ops", None)]
     assert events(job) == [("cancelled", "admin:ops", 1, held.lease_token, "refunded")]
     assert PaymentJob.objects.cancelled_leases([key]) == {key: "admin:ops"}
     before = (rows(job), PaymentJob.objects.filter(pk=job.pk).values().get())
@@ -324,12 +333,46 @@ def test_cancel__a_running_job_ends_cancelled_and_fences_out_every_holder_write(
     for write in writes:
         with pytest.raises(Cancelled, match="cancelled by admin:ops"):
             write()
+    # Never claimed, requeued (without force) or cancelled again while it stops.
+    assert PaymentJob.objects.claim("w2", ttl=60) == []
+    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 0
+    assert PaymentJob.objects.filter(pk=job.pk).cancel() == 0
     after = PaymentJob.objects.filter(pk=job.pk).values().get()
     assert [r[:7] for r in rows(job)] == [r[:7] for r in before[0]] and after == before[1]
+
+    # Its holder's handler returned: the execution ends, and the lock passes on.
+    assert PaymentJob.objects.acknowledge_stops("w2", [key]) == {}
+    assert PaymentJob.objects.acknowledge_stops("w1", [key]) == {key: Status.CANCELLED}
+    job = PaymentJob.objects.get(pk=held.pk)
+    assert (job.status, job.ends_as, job.lease_token, job.lock_holder) == (
+        Status.CANCELLED,
+        "",
+        held.lease_token + 1,
+        None,
+    )
+    assert job.completed_at is not None
+    assert PaymentJob.objects.get(pk=behind.pk).status == Status.PENDING
+    ((outcome, by, ended_at),) = [r[3:5] + r[-1:] for r in rows(job)]
+    assert (outcome, by) == ("cancelled", "admin:ops") and ended_at is not None
+    assert PaymentJob.objects.cancelled_leases([key]) == {key: "admin:ops"}
+    assert PaymentJob.objects.acknowledge_stops("w1", [key]) == {}
     # Never claimable again, whatever its lease said; once more is no change.
     expire(job, seconds=3600)
-    assert PaymentJob.objects.claim("w2", ttl=60) == []
+    assert [j.pk for j in PaymentJob.objects.claim("w2", ttl=60)] == [behind.pk]
     assert PaymentJob.objects.filter(pk=job.pk).cancel() == 0
+
+
+def test_cancel__an_expired_lease_ends_cancelled_at_once() -> None:
+    PaymentJob.objects.enqueue("a", lock="payment:1")
+    behind = PaymentJob.objects.enqueue("a", lock="payment:1")
+    held = claim_one("w1")
+    expire(held)
+    assert PaymentJob.objects.filter(pk=held.pk).cancel(by="ops") == 1
+    job = PaymentJob.objects.get(pk=held.pk)
+    assert (job.status, job.lease_token) == (Status.CANCELLED, held.lease_token + 1)
+    assert PaymentJob.objects.get(pk=behind.pk).status == Status.PENDING
+    ((outcome, by, ended_at),) = [r[3:5] + r[-1:] for r in rows(job)]
+    assert (outcome, by) == ("cancelled", "ops") and ended_at is not None
 
 
 def test_cancel__a_lost_lease_that_was_not_cancelled_stays_lease_lost() -> None:
@@ -350,6 +393,14 @@ def test_cancel__a_review_policy_job_past_its_checkpoint_goes_to_review() -> Non
     held, fresh_risky = PaymentJob.objects.claim("w1", ttl=60, limit=2)
     PaymentJob.objects.checkpoint(held.pk, "w1", held.lease_token, "psp_called")
     assert PaymentJob.objects.filter(pk__in=[held.pk, fresh_risky.pk]).cancel(by="ops") == 2
+    with pytest.raises(Cancelled):
+        PaymentJob.objects.complete(held.pk, "w1", held.lease_token)
+    assert PaymentJob.objects.acknowledge_stops(
+        "w1", [(held.pk, held.lease_token), (fresh_risky.pk, fresh_risky.lease_token)]
+    ) == {
+        (held.pk, held.lease_token): Status.REVIEW,
+        (fresh_risky.pk, fresh_risky.lease_token): Status.CANCELLED,
+    }
 
     job = PaymentJob.objects.get(pk=held.pk)
     # It may have moved money: under review, its lock held, its token kept for the verdict.
@@ -361,8 +412,6 @@ def test_cancel__a_review_policy_job_past_its_checkpoint_goes_to_review() -> Non
     )
     assert [r[3:5] for r in rows(job)] == [("cancelled", "ops")]
     assert PaymentJob.objects.get(pk=behind.pk).status == Status.WAITING
-    with pytest.raises(Cancelled):
-        PaymentJob.objects.complete(held.pk, "w1", held.lease_token)
     # Without a checkpoint it never reached the risky step: cancelled.
     assert PaymentJob.objects.get(pk=unchecked.pk).status == Status.CANCELLED
     assert PaymentJob.objects.filter(pk=job.pk).resolve_review("failed", by="ops") == 1
@@ -375,8 +424,13 @@ def test_cancel__on_a_table_without_a_ledger_the_holder_learns_it_from_the_job()
     BareJob.objects.enqueue("bare")
     (held,) = BareJob.objects.claim("w1", ttl=60)
     assert BareJob.objects.filter(pk=held.pk).cancel() == 1
-    assert BareJob.objects.get(pk=held.pk).status == Status.CANCELLED
+    assert BareJob.objects.get(pk=held.pk).status == Status.STOPPING
     key = (held.pk, held.lease_token)
+    assert BareJob.objects.cancelled_leases([key]) == {key: "an operator"}
+    with pytest.raises(Cancelled):
+        BareJob.objects.complete(held.pk, "w1", held.lease_token)
+    assert BareJob.objects.acknowledge_stops("w1", [key]) == {key: Status.CANCELLED}
+    assert BareJob.objects.get(pk=held.pk).status == Status.CANCELLED
     assert BareJob.objects.cancelled_leases([key]) == {key: "an operator"}
     with pytest.raises(Cancelled):
         BareJob.objects.complete(held.pk, "w1", held.lease_token)

@@ -60,6 +60,14 @@ jobs of the kind processing at once, across every worker" holds:
     fourth kind, throttled and never enqueued, gives a claim of every kind such a later part;
     while a gate is held, its kind is skipped and every other kind is still claimed.
 
+16. What an execution held is released by its end, never by a state change alone: while the
+    handler of a lease still runs (claimed, and no outcome of its holder's, no acknowledgement
+    of a stop since) and its lease has not expired, no other job of its lock is pending or
+    running, and its kind's `limit=` counts it. An operator's cancel or a time-out while the
+    handler runs makes the job stopping (its holder's writes refused); the holder's
+    acknowledgement (`holder_returns`), or the watcher once the lease expired, ends it. Only a
+    forced requeue or failure takes a running job's lock on purpose (it fences its holder).
+
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
 pass as the database clock moves) through passes of the schedulers, ticks passing (or the clock
@@ -135,6 +143,7 @@ from django_leases.status import (
     PENDING,
     PROCESSING,
     REVIEW,
+    STOPPING,
     WAITING,
 )
 from django_leases.watcher import StuckWatcher
@@ -147,7 +156,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 FINAL = {COMPLETED, FAILED, CANCELLED}
 # The statuses in which a job of a lock holds it.
-HOLDING = {PENDING, PROCESSING, REVIEW}
+HOLDING = {PENDING, PROCESSING, STOPPING, REVIEW}
+# The statuses of a job whose handler may run: its lease counts against its kind's limit.
+LEASED = {PROCESSING, STOPPING}
 # How a job is locked: (enqueue's `lock`, `payment_id`). None with a payment id locks it by its
 # payment (LOCK_BY_PAYMENT); "" opts out. Most jobs share one of three locks ("L1", "L2" and
 # "payment:p1"), so that locks are contended within a few steps.
@@ -296,7 +307,7 @@ def limited_live(rows: dict[int, dict[str, Any]], finished: Collection[int] = ()
     return sum(
         1
         for pk, row in rows.items()
-        if row["kind"] == LIMITED_KIND and row["status"] == PROCESSING and row["live"]
+        if row["kind"] == LIMITED_KIND and row["status"] in LEASED and row["live"]
         if pk not in finished
     )
 
@@ -339,6 +350,15 @@ def expired(row: dict[str, Any]) -> bool:
     return row["status"] == PROCESSING and not row["live"]
 
 
+def stopped(row: dict[str, Any], lease: Any) -> bool:
+    """Whether the job `row` was stopped (cancelled, timed out) while `lease` held it."""
+    return (
+        row["status"] == STOPPING
+        and row["lease_owner"] == lease.lease_owner
+        and row["lease_token"] == lease.lease_token
+    )
+
+
 def operator_eligible(name: str, row: dict[str, Any]) -> bool:
     """Which jobs each operator action changes (docs/operations.md)."""
     status = row["status"]
@@ -351,7 +371,7 @@ def operator_eligible(name: str, row: dict[str, Any]) -> bool:
     if name == "mark_failed":
         return status in (PENDING, WAITING, REVIEW) or expired(row)
     if name == "force_mark_failed":
-        return status in (PENDING, WAITING, REVIEW, PROCESSING)
+        return status in (PENDING, WAITING, REVIEW, PROCESSING, STOPPING)
     if name == "cancel":
         return status in (PENDING, WAITING)
     if name == "force_cancel":
@@ -459,6 +479,9 @@ class LeaseMachine(RuleBasedStateMachine):
         self.cancelled_leases: set[tuple[int, int]] = set()
         self.cancelled: dict[int, int] = {}
         self.gates_left = 0
+        # (job id, token) of the leases whose handler still runs (16): claimed, and neither
+        # ended by a write of its holder nor by the acknowledgement of a stop.
+        self.running: set[tuple[int, int]] = set()
         for owner in OWNERS:
             self.worker_beats(owner)
 
@@ -567,6 +590,7 @@ class LeaseMachine(RuleBasedStateMachine):
             assert row["attempts"] == old["attempts"] + 1 == job.attempts
             assert row["lease_token"] == job.lease_token > old["lease_token"]
             self._issued(job)
+            self.running.add(key(job))
             if old["attempts"] == 0 and row["lock"]:
                 self._runs_in_lock_order(job.pk, after)
 
@@ -719,6 +743,14 @@ class LeaseMachine(RuleBasedStateMachine):
         JobEvent.objects.bulk_create(JobEvent(**row) for row in events)
         for name, value in model.items():
             setattr(self, name, copy.deepcopy(value))
+        # A handler whose acquisition was lost runs on unseen: the known caveat of a failover
+        # that loses commits (docs/deployment.md), outside what 15 can hold.
+        restored = {row["id"]: row for row in jobs}
+        self.running = {
+            (pk, token)
+            for pk, token in self.running
+            if restored[pk]["status"] in LEASED and restored[pk]["lease_token"] == token
+        }
         # The append-only invariant (4) compares with the restored rows from here on.
         ledger = ledger_rows()
         self.closed = {pk: row for pk, row in ledger.items() if row["ended_at"] is not None}
@@ -731,7 +763,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @rule(pk=jobs)
     def lease_runs_out(self, pk: int) -> None:
-        PaymentJob.objects.filter(pk=pk, status=PROCESSING).update(lease_until=Now() - PAST)
+        PaymentJob.objects.filter(pk=pk, status__in=LEASED).update(lease_until=Now() - PAST)
 
     @rule(pk=jobs)
     def run_at_passes(self, pk: int) -> None:
@@ -740,12 +772,14 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule()
     def time_passes(self) -> None:
         """Every lease runs out and every pending job is due (a worker was paused for long)."""
-        PaymentJob.objects.filter(status=PROCESSING).update(lease_until=Now() - PAST)
+        PaymentJob.objects.filter(status__in=LEASED).update(lease_until=Now() - PAST)
         PaymentJob.objects.filter(status=PENDING).update(run_at=Now() - PAST)
 
     # ---- holders' writes, including those of holders that lost their lease -------------------
 
-    def _holder_write(self, lease: PaymentJob, write: str, needs_live: bool, call: Any) -> Any:
+    def _holder_write(
+        self, lease: PaymentJob, write: str, needs_live: bool, call: Any, *, ends: bool = True
+    ) -> Any:
         """Run a holder's `write`; check that it wins exactly while `lease` holds the job (and,
         for renewals and checkpoints, the lease is live), and that a refused write changes
         nothing."""
@@ -769,8 +803,9 @@ class LeaseMachine(RuleBasedStateMachine):
             assert ledger_after.keys() == ledger_before.keys()
             return None
         result = call()
-        if write not in ("heartbeat", "checkpoint"):
+        if write not in ("heartbeat", "checkpoint") and ends:
             self.finished_by_holder.add((lease.pk, lease.lease_token))
+            self.running.discard(key(lease))
         return result
 
     @rule(lease=leases)
@@ -849,6 +884,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 }, f"a refused batched completion changed job {pk}"
         assert ledger_after.keys() == ledger_before.keys()
         self.finished_by_holder |= won
+        self.running -= won
         for pk, old in ledger_before.items():
             new, ack = ledger_after[pk], (old["job_ref"], old["token"])
             if ack in won:
@@ -888,6 +924,7 @@ class LeaseMachine(RuleBasedStateMachine):
         for pk, _ in won:
             assert (after[pk]["status"], after[pk]["lock_holder"]) == (COMPLETED, None)
         self.finished_by_holder |= won
+        self.running -= won
         finished = {pk for pk, _ in won}
         rows = {**before, **passed_on(before, finished)}
         count, wanted = claims_expected(rows, kinds, limit, finished)
@@ -944,6 +981,68 @@ class LeaseMachine(RuleBasedStateMachine):
             assert status == job_rows()[lease.pk]["status"] == expected
 
     @rule(lease=leases)
+    def time_out_while_its_handler_runs(self, lease: PaymentJob) -> None:
+        """The loop times out a handler that runs on (a thread cannot be stopped): the job is
+        stopping, and keeps its lock and its limit slot (16) until the handler returns."""
+        before = job_rows()[lease.pk]
+        holder = Lease(lease, ttl=TTL)
+        ends_as = self._holder_write(
+            lease,
+            "time_out",
+            False,
+            lambda: holder.time_out("ran past 5s", retry_in=600, running=True),
+            ends=False,
+        )
+        if held(before, lease):
+            row = job_rows()[lease.pk]
+            assert (row["status"], row["ends_as"], row["lock_holder"]) == (
+                STOPPING,
+                ends_as,
+                before["lock_holder"],
+            )
+            attempt = JobAttempt.objects.get(job_ref=lease.pk, token=lease.lease_token)
+            assert (attempt.outcome, attempt.ended_at) == ("timed_out", None)
+
+    @rule(lease=leases)
+    def holder_returns(self, lease: PaymentJob) -> None:
+        """The handler of `lease` returned after its lease was lost (a stop, a takeover): its
+        worker acknowledges, which ends the job's execution if it was stopped under `lease`,
+        releasing its lock (passed on) and its slot, and changes nothing else."""
+        before = job_rows()
+        row = before[lease.pk]
+        if held(row, lease):
+            return  # it still holds the job: its worker writes an outcome instead
+        was = stopped(row, lease)
+        ended = PaymentJob.objects.acknowledge_stops(lease.lease_owner, [key(lease)])
+        self.running.discard(key(lease))
+        assert ended == ({key(lease): row["ends_as"]} if was else {})
+        after = job_rows()
+        if not was:
+            assert stored(after) == stored(before), "an acknowledgement changed a job"
+            return
+        self._stop_ended(lease.pk, key(lease), row, after)
+        promoted = passed_on(before, [lease.pk] if row["ends_as"] in (CANCELLED, FAILED) else [])
+        for pk, old in before.items():
+            if pk != lease.pk:
+                assert stored({pk: after[pk]}) == stored({pk: promoted.get(pk, old)})
+
+    def _stop_ended(
+        self, pk: int, lease: tuple[int, int], old: dict[str, Any], after: dict[int, Any]
+    ) -> None:
+        """Check the end of the stopped execution `lease` of job `pk` (as it was: `old`)."""
+        row = after[pk]
+        ends_as = old["ends_as"]
+        assert (row["status"], row["ends_as"]) == (ends_as, "")
+        assert row["lease_token"] == old["lease_token"] + (ends_as == CANCELLED)
+        assert (row["lock_holder"] is None) == (ends_as in (CANCELLED, FAILED) or not old["lock"])
+        attempt = JobAttempt.objects.get(job_ref=pk, token=lease[1])
+        assert attempt.ended_at is not None and attempt.outcome in ("cancelled", "timed_out")
+        if attempt.outcome == "timed_out":
+            self.finished_by_holder.add(lease)
+        if ends_as == CANCELLED:
+            self.cancelled[pk] = row["attempts"]
+
+    @rule(lease=leases)
     def finished_by(self, lease: PaymentJob) -> None:
         """The worker's question after a lost acknowledgement: did my own write commit?"""
         answer = PaymentJob.objects.finished_by(lease.pk, lease.lease_owner, lease.lease_token)
@@ -962,10 +1061,16 @@ class LeaseMachine(RuleBasedStateMachine):
             for pk, row in before.items()
             if expired(row) or (row["status"] == PROCESSING and row["lease_owner"] in gone)
         }
+        stops = {pk for pk, row in before.items() if row["status"] == STOPPING and not row["live"]}
         actions = StuckWatcher(watcher_id="watcher").run_once()
-        assert {action.pk for action in actions} == stuck
+        assert {action.pk for action in actions} == stuck | stops
         after = job_rows()
+        for pk in stops:
+            self._stop_ended(pk, (pk, before[pk]["lease_token"]), before[pk], after)
         for pk in stuck:
+            if before[pk]["lease_owner"] in gone:
+                # A gone worker runs nothing: its live lease is given away on purpose.
+                self.running.discard((pk, before[pk]["lease_token"]))
             row, old = after[pk], before[pk]
             if old["kind"] == REVIEW_KIND and old["checkpoint"]:
                 assert row["status"] == REVIEW
@@ -1031,6 +1136,7 @@ class LeaseMachine(RuleBasedStateMachine):
             return multiple()
         owner = lease.lease_owner
         assert PaymentJob.objects.filter(pk=lease.pk).requeue(force=True, by="op") == 1
+        self.running.discard(key(lease))
         requeued = job_rows()
         started = self.clocks[owner]()
         again = PaymentJob.objects.claim_job(lease.pk, owner, ttl=TTL)
@@ -1062,7 +1168,7 @@ class LeaseMachine(RuleBasedStateMachine):
         }
         self.clocks[owner].paused += seconds
         past = timedelta(seconds=seconds)
-        PaymentJob.objects.filter(status=PROCESSING, lease_owner=owner).update(
+        PaymentJob.objects.filter(status__in=LEASED, lease_owner=owner).update(
             lease_until=F("lease_until") - past
         )
         Worker.objects.filter(worker_id=owner).update(last_seen_at=F("last_seen_at") - past)
@@ -1111,8 +1217,11 @@ class LeaseMachine(RuleBasedStateMachine):
                 assert holders[old["lock"]] == pk
             else:
                 assert after[pk] == old, f"{name} changed job {pk}, not eligible"
-            if "force" not in name and old["status"] == PROCESSING and old["live"]:
+            if "force" not in name and old["status"] in LEASED and old["live"]:
                 assert after[pk] == old, f"{name} took the live lease of job {pk}"
+            if pk in eligible and name in ("force_requeue", "force_mark_failed"):
+                # It fences the holder out on purpose: 15 no longer holds its handler.
+                self.running = {pair for pair in self.running if pair[0] != pk}
 
     def _operator_changed(
         self, name: str, pk: int, old: dict[str, Any], row: dict[str, Any], holders: dict[str, int]
@@ -1126,10 +1235,16 @@ class LeaseMachine(RuleBasedStateMachine):
             # It may have moved money past a checkpoint: under review, under the same token.
             review = old["kind"] == REVIEW_KIND and bool(old["checkpoint"])
             expected = REVIEW if review else CANCELLED
-            assert row["lease_token"] == old["lease_token"] + (0 if review else 1)
-            self.cancelled_leases.add((pk, old["lease_token"]))
             attempt = JobAttempt.objects.get(job_ref=pk, token=old["lease_token"])
             assert (attempt.outcome, attempt.ended_by) == ("cancelled", "op")
+            self.cancelled_leases.add((pk, old["lease_token"]))
+            if old["live"]:
+                # Its handler may still run: stopping, until it returns or its lease expires.
+                assert (row["ends_as"], row["lease_token"]) == (expected, old["lease_token"])
+                assert attempt.ended_at is None
+                expected = STOPPING
+            else:
+                assert row["lease_token"] == old["lease_token"] + (0 if review else 1)
         if expected == CANCELLED:
             self.cancelled[pk] = row["attempts"]
         if expected == PENDING and old["lock_holder"]:
@@ -1151,6 +1266,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.a_cancelled_job_never_runs_again(jobs)
         self.one_job_of_a_lock_at_a_time(jobs, ledger)
         self.a_limited_kind_never_runs_past_its_limit(jobs)
+        self.an_execution_releases_what_it_held_only_when_it_ends(jobs)
         self.closed_ledger_rows_never_change(ledger)
 
     def ledger_and_jobs_agree(
@@ -1179,6 +1295,13 @@ class LeaseMachine(RuleBasedStateMachine):
                 assert [(r["owner"], r["token"], r["outcome"]) for r in open_rows] == [
                     (job["lease_owner"], job["lease_token"], "running")
                 ], f"job {pk} processing with open attempts {open_rows}"
+            elif job["status"] == STOPPING:
+                # Its outcome is known; the row closes when the execution ends.
+                ((owner, token, outcome),) = [
+                    (r["owner"], r["token"], r["outcome"]) for r in open_rows
+                ]
+                assert (owner, token) == (job["lease_owner"], job["lease_token"])
+                assert outcome in ("cancelled", "timed_out"), f"job {pk} stopping as {outcome}"
             else:
                 assert not open_rows, f"job {pk} {job['status']} with open attempts {open_rows}"
             assert all(row["outcome"] != "running" for row in rows if row["ended_at"])
@@ -1195,8 +1318,9 @@ class LeaseMachine(RuleBasedStateMachine):
                 ]
                 assert not blind, f"job {pk} ran again after checkpoint without a verdict"
             # 7. Columns that agree.
-            if job["status"] == PROCESSING:
+            if job["status"] in LEASED:
                 assert job["lease_owner"] and job["lease_until"] is not None
+            assert bool(job["ends_as"]) == (job["status"] == STOPPING), job
             assert (job["completed_at"] is not None) == (job["status"] in FINAL), job
             assert job["attempts"] <= job["max_attempts"]
             if job["status"] == PENDING:
@@ -1249,6 +1373,35 @@ class LeaseMachine(RuleBasedStateMachine):
         # 13. Processing with a live lease, by the database clock.
         live = limited_live(jobs)
         assert live <= LIMIT, f"{live} jobs of {LIMITED_KIND!r} hold live leases, limit {LIMIT}"
+
+    def an_execution_releases_what_it_held_only_when_it_ends(
+        self, jobs: dict[int, dict[str, Any]]
+    ) -> None:
+        # 16. A handler still running on a lease that has not expired keeps its job's lock
+        # and its limit slot, whatever its job's status says. A lease that expired frees them.
+        self.running = {pair for pair in self.running if jobs[pair[0]]["live"]}
+        may_start = LEASED | {PENDING}
+        for pk, token in self.running:
+            lock = jobs[pk]["lock"]
+            others = [
+                other
+                for other, row in jobs.items()
+                if other != pk and lock and row["lock"] == lock and row["status"] in may_start
+            ]
+            assert not others, (
+                f"lock {lock!r}: jobs {others} may start while job {pk}'s handler (token {token}) "
+                f"still runs, its job {jobs[pk]['status']}"
+            )
+        running = {pk for pk, _ in self.running if jobs[pk]["kind"] == LIMITED_KIND}
+        others = {
+            pk
+            for pk, row in jobs.items()
+            if row["kind"] == LIMITED_KIND and row["status"] in LEASED and row["live"]
+        }
+        assert len(running | others) <= LIMIT, (
+            f"{LIMITED_KIND!r}: handlers of jobs {sorted(running)} run and jobs "
+            f"{sorted(others)} hold live leases, limit {LIMIT}"
+        )
 
     def closed_ledger_rows_never_change(self, ledger: dict[int, dict[str, Any]]) -> None:
         # 4. Append-only: compare every row closed at an earlier step with what it is now.

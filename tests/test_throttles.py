@@ -23,7 +23,17 @@ from django_leases.throttles import Throttle
 from tests import throttled
 from tests.conftest import Processes, finish, read_until, subprocess_env, wait_for
 from tests.leasing import expire, statements
-from tests.throttled import CAPPED, CAPPED_LIMIT, RATED, RATED_RATE, held_gate
+from tests.testapp.models import LockRun
+from tests.throttled import (
+    CAPPED,
+    CAPPED_LIMIT,
+    RATED,
+    RATED_RATE,
+    SPANNED,
+    SPANNED_LIMIT,
+    SPANNED_UNTIMED,
+    held_gate,
+)
 
 KIND = "test_throttles_kind"
 
@@ -441,3 +451,56 @@ def test_worker__runs_every_job_it_claimed_and_the_other_kinds_while_a_gate_is_h
     assert sorted(attempts.values_list("attempt", "outcome")) == [(1, "completed")] * 3
     rows = PaymentJob.objects.filter(pk__in=[job.pk for job in rated])
     assert set(rows.values_list("status", "attempts")) == {(PENDING, 0)}
+
+
+def handler_spans(jobs: list[PaymentJob]) -> list[tuple[datetime, datetime]]:
+    """Each handler run of `jobs` from its start to its return, as the handler recorded them."""
+    runs = LockRun.objects.filter(job_ref__in=[job.pk for job in jobs])
+    return list(runs.values_list("started_at", "finished_at"))
+
+
+def all_returned(jobs: list[PaymentJob], runs: int) -> bool:
+    ended = LockRun.objects.filter(job_ref__in=[job.pk for job in jobs], finished_at__isnull=False)
+    return ended.count() >= runs
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_workers__a_time_out_frees_its_slot_only_once_its_handler_returned(
+    processes: Processes,
+) -> None:
+    # Each first attempt runs 2.5 s, past the kind's timeout of 1 s, ignoring it; a thread
+    # cannot be stopped, so its slot is taken only once it returned.
+    jobs = [
+        PaymentJob.objects.enqueue(SPANNED, {"durations": [2.5, 0]}, max_attempts=2)
+        for _ in range(2 * SPANNED_LIMIT)
+    ]
+    throttled_worker(processes, "w1", "--ttl", "5", "--heartbeat", "0.5", "--concurrency", "4")
+    wait_for(lambda: finished(SPANNED, len(jobs)), timeout=90)
+
+    assert all_returned(jobs, 2 * len(jobs))
+    assert most_at_once(handler_spans(jobs)) == SPANNED_LIMIT
+    outcomes = JobAttempt.objects.filter(job_ref__in=[job.pk for job in jobs])
+    assert sorted(outcomes.values_list("outcome", flat=True)) == sorted(
+        ["timed_out", "completed"] * len(jobs)
+    )
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_workers__a_cancel_frees_its_slot_only_once_its_handler_returned(
+    processes: Processes,
+) -> None:
+    running = [PaymentJob.objects.enqueue(SPANNED_UNTIMED, {"seconds": 2}) for _ in range(2)]
+    worker = throttled_worker(
+        processes, "w1", "--ttl", "5", "--heartbeat", "0.2", "--concurrency", "3"
+    )
+    wait_for(lambda: LockRun.objects.filter(job_ref__in=[j.pk for j in running]).count() == 2)
+    later = PaymentJob.objects.enqueue(SPANNED_UNTIMED, {"seconds": 0})
+    assert PaymentJob.objects.filter(pk=running[0].pk).cancel(by="ops") == 1
+    jobs = [*running, later]
+    wait_for(lambda: all_returned(jobs, 3))
+
+    assert most_at_once(handler_spans(jobs)) == SPANNED_LIMIT
+    wait_for(lambda: PaymentJob.objects.get(pk=running[0].pk).status == "cancelled")
+    worker.terminate()

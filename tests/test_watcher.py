@@ -427,3 +427,39 @@ def test_watch_stuck_jobs__records_each_pass_in_the_registry(processes: Processe
     row = Worker.objects.get(worker_id="cron")
     assert (row.heartbeat, row.last_pass) == (None, {}), out
     assert row.stopped_at is not None and row.last_pass_at is not None
+
+
+def test_run_once__ends_a_stopped_execution_only_once_its_lease_expired() -> None:
+    """A job stopped (cancelled, timed out) while its handler ran, whose holder never said its
+    handler returned: it keeps its lock until its lease expires, then the watcher ends it as
+    its stop said and passes the lock on."""
+    from .leasing import claim_one, expire
+
+    cancelled = PaymentJob.objects.enqueue("a", lock="account:1")
+    behind = PaymentJob.objects.enqueue("a", lock="account:1")
+    timed_out = PaymentJob.objects.enqueue("b", max_attempts=1)
+    held = claim_one("dead")
+    PaymentJob.objects.filter(pk=held.pk).cancel(by="ops")
+    slow = claim_one("dead")
+    assert slow.pk == timed_out.pk
+    PaymentJob.objects.time_out(
+        slow.pk, "dead", slow.lease_token, retry_in=None, reason="slow", running=True
+    )
+    assert StuckWatcher().run_once() == []
+    assert PaymentJob.objects.get(pk=behind.pk).status == "waiting"
+
+    expire(held)
+    expire(slow)
+    actions = StuckWatcher().run_once()
+    assert sorted((a.pk, a.previous_owner, a.action) for a in actions) == [
+        (cancelled.pk, "dead", "stopped-cancelled"),
+        (timed_out.pk, "dead", "stopped-failed"),
+    ]
+    statuses = dict(PaymentJob.objects.values_list("pk", "status"))
+    assert statuses == {cancelled.pk: "cancelled", behind.pk: "pending", timed_out.pk: "failed"}
+    ended = JobAttempt.objects.filter(job_ref__in=[cancelled.pk, timed_out.pk]).order_by("job_ref")
+    assert [(row.outcome, row.ended_by, row.ended_at is not None) for row in ended] == [
+        ("cancelled", "ops", True),
+        ("timed_out", "dead", True),
+    ]
+    assert StuckWatcher().run_once() == []

@@ -90,7 +90,8 @@ def test_cancel__a_running_sync_handler_learns_it_and_is_fenced_out(processes: P
 
     # check() raised Cancelled; the write it tried next was refused as Cancelled.
     assert finished(job) == "saw=Cancelled lost=True write=Cancelled"
-    job = fresh(job)
+    # Its execution ends once its handler returned: then, and only then, it is cancelled.
+    job = wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, status=Status.CANCELLED).first())
     assert (job.status, job.checkpoint, job.lease_token) == (Status.CANCELLED, "", run.token + 1)
     assert attempts(job) == [(run.token, "holder", "cancelled", "ops")]
     assert JobEvent.objects.get(job_ref=job.pk).reason == "customer"
@@ -107,7 +108,7 @@ def test_cancel__a_running_async_handler_is_cancelled(processes: Processes) -> N
     assert PaymentJob.objects.filter(pk=job.pk).cancel(by="ops") == 1
 
     assert finished(job) == "coroutine cancelled lease.cancelled=True"
-    assert fresh(job).status == Status.CANCELLED
+    wait_for(lambda: fresh(job).status == Status.CANCELLED)
     assert attempts(job) == [(run.token, "awaiter", "cancelled", "ops")]
     read_until(proc, f"cancelled job_id={job.pk}")
     never_runs_again(processes, job)
@@ -126,7 +127,7 @@ def test_cancel__a_review_policy_job_past_its_checkpoint_goes_to_review(
         assert PaymentJob.objects.filter(pk=job.pk).cancel(by="ops") == 1
 
     assert finished(job) == "saw=Cancelled lost=True write=Cancelled"
-    job = fresh(job)
+    job = wait_for(lambda: PaymentJob.objects.filter(pk=job.pk, status=Status.REVIEW).first())
     assert (job.status, job.checkpoint, job.lease_token) == (
         Status.REVIEW,
         "psp_called",
@@ -135,3 +136,54 @@ def test_cancel__a_review_policy_job_past_its_checkpoint_goes_to_review(
     assert attempts(job) == [(run.token, "holder", "cancelled", "ops")]
     never_runs_again(processes, job, env=env)
     assert "cancelled=1" in stop(proc)
+
+
+def runs(*jobs: PaymentJob) -> list[LockRun]:
+    """The handler runs of `jobs`, in order, once each has ended (by the database clock)."""
+    pks = [job.pk for job in jobs]
+    ended = LockRun.objects.filter(job_ref__in=pks, finished_at__isnull=False)
+    wait_for(lambda: ended.values("job_ref").distinct().count() == len(set(pks)), timeout=60)
+    return list(LockRun.objects.filter(job_ref__in=pks).order_by("started_at", "pk"))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [{"seconds": 60, "polls": True, "cleanup": 1}, {"seconds": 1.5}],
+    ids=["polls-then-cleans-up", "ignores-the-stop"],
+)
+def test_cancel__the_next_job_of_its_lock_starts_once_the_handler_returned(
+    processes: Processes, payload: dict
+) -> None:
+    first = PaymentJob.objects.enqueue("spanned", payload, lock="account:1")
+    second = PaymentJob.objects.enqueue("spanned", {"seconds": 0}, lock="account:1")
+    proc = worker(processes, "holder", "--kind", "spanned", "--concurrency", "2")
+    started(first)
+    assert PaymentJob.objects.filter(pk=first.pk).cancel(by="ops") == 1
+
+    ran, then = runs(first, second)
+    assert (ran.job_ref, then.job_ref) == (first.pk, second.pk)
+    assert ran.finished_at <= then.started_at, (ran.finished_at, then.started_at)
+    wait_for(lambda: fresh(second).status == Status.COMPLETED)
+    assert fresh(first).status == Status.CANCELLED
+    assert attempts(first) == [(ran.token, "holder", "cancelled", "ops")]
+    out = stop(proc)
+    assert "cancelled=1" in out and "lost=0" in out, out
+
+
+def test_requeue__of_a_cancelled_running_job_waits_until_its_execution_ended(
+    processes: Processes,
+) -> None:
+    job = PaymentJob.objects.enqueue("spanned", {"durations": [1.5, 0]})
+    proc = worker(processes, "holder", "--kind", "spanned", "--concurrency", "2")
+    started(job)
+    assert PaymentJob.objects.filter(pk=job.pk).cancel(by="ops") == 1
+    # Its handler still runs: a plain requeue leaves it alone.
+    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 0
+    assert fresh(job).status == Status.STOPPING
+
+    wait_for(lambda: fresh(job).status == Status.CANCELLED)
+    assert PaymentJob.objects.filter(pk=job.pk).requeue() == 1
+    wait_for(lambda: LockRun.objects.filter(job_ref=job.pk, finished_at__isnull=False).count() == 2)
+    first, again = LockRun.objects.filter(job_ref=job.pk).order_by("started_at", "pk")
+    assert first.finished_at <= again.started_at, (first.finished_at, again.started_at)
+    stop(proc)

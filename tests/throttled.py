@@ -16,6 +16,9 @@ from typing import Any
 import django
 
 CAPPED, CAPPED_LIMIT = "capped", 2
+# Limited, with a run-time limit and without, run by `tests.testapp.jobs.spanned` (which records
+# its runs).
+SPANNED, SPANNED_UNTIMED, SPANNED_LIMIT = "capped_spanned", "capped_spanned_untimed", 2
 RATED, RATED_RATE = "rated", (3, 1.0)
 
 
@@ -37,6 +40,15 @@ def register() -> None:
 
     job_handler(CAPPED, limit=CAPPED_LIMIT)(capped)
     job_handler(RATED, rate=RATED_RATE)(rated)
+
+
+def register_spanned() -> None:
+    """Register the limited kinds whose handlers record their runs (the worker here only)."""
+    from django_leases import job_handler
+    from tests.testapp.jobs import spanned
+
+    job_handler(SPANNED, limit=SPANNED_LIMIT, timeout=1)(spanned)
+    job_handler(SPANNED_UNTIMED, limit=SPANNED_LIMIT)(spanned)
 
 
 def unregister() -> None:
@@ -83,6 +95,7 @@ def main() -> None:
     from django.core.management import call_command
 
     register()
+    register_spanned()
     call_command("run_lease_worker", *sys.argv[1:])
 
 

@@ -16,7 +16,15 @@ from django.utils.translation import gettext_lazy as _
 
 from django_leases import stats
 from django_leases.querysets import LeaseQuerySet
-from django_leases.status import CANCELLED, COMPLETED, FAILED, PENDING, REVIEW, WAITING
+from django_leases.status import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    PENDING,
+    REVIEW,
+    STOPPING,
+    WAITING,
+)
 
 
 def operator(request: HttpRequest) -> str:
@@ -42,6 +50,7 @@ class Skip:
     FINISHED = _("already finished")
     NOT_PENDING = _("only pending or waiting jobs can be cancelled — use “Force cancel”")
     NOT_CANCELLABLE = _("already finished or under review")
+    STOPPING = _("its handler may still run until it stops — use “Force requeue”")
     WAITING = _("it waits for an earlier job of its lock")
     NOT_IN_REVIEW = _("not under review")
 
@@ -51,6 +60,7 @@ ALL_CATEGORIES = (
     WAITING,
     stats.LIVE_LEASE,
     stats.STUCK,
+    STOPPING,
     COMPLETED,
     FAILED,
     REVIEW,

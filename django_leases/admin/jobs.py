@@ -46,8 +46,10 @@ from django_leases.status import (
     CANCELLED,
     COMPLETED,
     FAILED,
+    LEASED_STATUSES,
     PENDING,
     REVIEW,
+    STOPPING,
     WAITING,
     JobStatus,
     Verdict,
@@ -56,6 +58,7 @@ from django_leases.tables import ledger_model
 
 LEASE_FIELDS = (
     "status",
+    "ends_as",
     "run_at",
     "attempts",
     "max_attempts",
@@ -269,7 +272,7 @@ class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, adm
     def owner(self, job: Any) -> str:
         if not job.lease_owner:
             return EMPTY
-        if job.status == JobStatus.PROCESSING:
+        if job.status in LEASED_STATUSES:
             return job.lease_owner
         # A job keeps the owner of its last lease; it holds none now.
         return format_html(
@@ -376,7 +379,12 @@ class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, adm
         _("Requeue now"),
         lambda jobs, by: jobs.requeue(by=by),
         lambda n: ngettext("%d job requeued", "%d jobs requeued", n) % n,
-        {stats.LIVE_LEASE: Skip.LIVE, COMPLETED: Skip.NEVER_REQUEUED, WAITING: Skip.WAITING},
+        {
+            stats.LIVE_LEASE: Skip.LIVE,
+            STOPPING: Skip.STOPPING,
+            COMPLETED: Skip.NEVER_REQUEUED,
+            WAITING: Skip.WAITING,
+        },
     )
     force_requeue = operator_action(
         _("Force requeue — takes a live lease, fencing out its holder"),
@@ -399,6 +407,7 @@ class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, adm
         lambda n: ngettext("%d job marked failed", "%d jobs marked failed", n) % n,
         {
             stats.LIVE_LEASE: Skip.HOLDER_WORKING,
+            STOPPING: Skip.HOLDER_WORKING,
             **dict.fromkeys([COMPLETED, FAILED, CANCELLED], Skip.FINISHED),
         },
     )

@@ -26,7 +26,7 @@ from django_leases.limits import (
     CHECKPOINT_LENGTH,
     check_text,
 )
-from django_leases.querysets import acks, base, claims, ledger, operators
+from django_leases.querysets import acks, base, claims, endings, ledger, operators
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -59,6 +59,7 @@ from django_leases.status import (
     PENDING,
     PROCESSING,
     REVIEW,
+    STOPPING,
     TIMED_OUT,
     AttemptOutcome,
 )
@@ -71,10 +72,11 @@ class LeaseQuerySet(LeaseReads[J]):
     The holder's writes are written out here; the others are the functions of their modules,
     each taking the queryset first, bound here as methods: claims (`claims`), batched
     completions (`acks`), throttled claims (`throttles`), the watcher's rescue and the operator
-    actions (`operators`), enqueueing (`enqueue`), pruning (`prune`); they share the ledger
-    writes (`ledger`) and the lock queue (`locks`). The database's own statements are chosen
-    by its dialect (`dialects.py`). Every transition runs on the database the routers send
-    the model's writes to, unless the queryset names one (`writes()`): never on a replica.
+    actions (`operators`), the end of a stopped execution (`endings`), enqueueing (`enqueue`),
+    pruning (`prune`); they share the ledger writes (`ledger`) and the lock queue (`locks`).
+    The database's own statements are chosen by its dialect (`dialects.py`). Every transition
+    runs on the database the routers send the model's writes to, unless the queryset names one
+    (`writes()`): never on a replica.
     """
 
     # ---- acquisition (claims.py) --------------------------------------------------------------
@@ -96,6 +98,11 @@ class LeaseQuerySet(LeaseReads[J]):
     cancel = writes(operators.cancel)
     cancelled_leases = writes(operators.cancelled_leases)
     resolve_review = writes(operators.resolve_review)
+
+    # ---- where an execution ends (endings.py) -------------------------------------------------
+
+    acknowledge_stops = endings.acknowledge_stops
+    end_expired_stops = endings.end_expired_stops
 
     # ---- enqueueing (enqueue.py) ----------------------------------------------------------------
 
@@ -258,12 +265,22 @@ class LeaseQuerySet(LeaseReads[J]):
     @writes
     @retry_deadlocks
     def time_out(
-        self, pk: int, owner: str, token: int, *, retry_in: float | None, reason: str
+        self,
+        pk: int,
+        owner: str,
+        token: int,
+        *,
+        retry_in: float | None,
+        reason: str,
+        running: bool = False,
     ) -> str:
-        """End the holder's attempt at its run-time limit; return the job's new status.
+        """End the holder's attempt at its run-time limit; return the status the job ends as.
 
         The job follows its kind's stuck policy, as an expired lease would: held for review
         after a risky checkpoint, failed without attempts left, else pending after `retry_in`.
+        If the handler is still `running` (a thread cannot be stopped) the job is stopping: it
+        keeps its lock and its `limit=` slot until the holder acknowledges the stop or its lease
+        expires (`endings`); else its execution ends here.
         """
         guard = takeover_guard()[0]
         review = ~guard if guard else Q(pk__in=[])
@@ -271,28 +288,29 @@ class LeaseQuerySet(LeaseReads[J]):
         delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
         with transaction.atomic(using=self.db):
             won = self.held(pk, owner, token).update(
-                status=Case(
+                ends_as=Case(
                     When(review, then=Value(REVIEW)),
                     When(final, then=Value(FAILED)),
                     default=Value(PENDING),
                 ),
-                completed_at=Case(When(~review & final, then=Now()), default=None),
-                lock_holder=Case(When(~review & final, then=None), default=F("lock_holder")),
                 run_at=Case(
                     When(review | final, then=F("run_at")),
                     default=after(delay) if delay else Now(),
                 ),
                 last_error=reason[:MAX_ERROR_LENGTH],
+                status=Value(STOPPING),
             )
             if won:
-                new_status, lock = self.filter(pk=pk).values_list("status", "lock").get()
-                close_attempt(self, pk, token, TIMED_OUT, by=owner, error=("", reason))
-                if new_status == FAILED and lock:
-                    pass_lock(self, pk)
+                ends_as = self.filter(pk=pk).values_list("ends_as", flat=True).get()
+                close_attempt(
+                    self, pk, token, TIMED_OUT, by=owner, error=("", reason), stopping=True
+                )
+                if not running:
+                    self.acknowledge_stops(owner, [(pk, token)])
         if not won:
             self.record_fenced(pk, token)
             raise self._lost(pk, token, f"{owner} no longer holds token {token}")
-        return new_status
+        return str(ends_as)
 
     @writes
     def release(self, pk: int, owner: str, token: int) -> None:

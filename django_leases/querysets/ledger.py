@@ -156,7 +156,13 @@ def finished_by(qs: LeaseQuerySet[J], pk: int, owner: str, token: int) -> bool:
         return False
     return (
         ledger.objects.using(qs.db)
-        .filter(job_ref=pk, token=token, ended_by=owner, outcome__in=HOLDER_OUTCOMES)
+        .filter(
+            job_ref=pk,
+            token=token,
+            ended_by=owner,
+            outcome__in=HOLDER_OUTCOMES,
+            ended_at__isnull=False,  # a time-out's row stays open while its handler runs
+        )
         .exists()
     )
 
@@ -183,8 +189,9 @@ def close_attempt(
     *,
     by: str,
     error: tuple[str, str] | None,
+    stopping: bool = False,
 ) -> None:
-    close_attempts(qs, [(pk, token)], outcome, by=by, error=error)
+    close_attempts(qs, [(pk, token)], outcome, by=by, error=error, stopping=stopping)
 
 
 def close_attempts(
@@ -194,8 +201,13 @@ def close_attempts(
     *,
     by: str,
     error: tuple[str, str] | None = None,
+    stopping: bool = False,
 ) -> None:
-    """Close the open ledger rows of `leases` ((job id, token) pairs) in one UPDATE."""
+    """Close the open ledger rows of `leases` ((job id, token) pairs) in one UPDATE.
+
+    `stopping`: the jobs were stopped while their handlers may still run; the rows get their
+    outcome and stay open until the execution ends (`endings`).
+    """
     error_class, message = error or ("", "")
     # Only an open row: a closed attempt is never rewritten.
     ledger_update(
@@ -203,7 +215,7 @@ def close_attempts(
         leases,
         Q(ended_at__isnull=True),
         outcome=outcome,
-        ended_at=Now(),
+        ended_at=None if stopping else Now(),
         ended_by=by,
         checkpoint=job_column(qs, "checkpoint"),
         error_class=error_class,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.db import transaction
-from django.db.models import Case, F, Q, Value, When
+from django.db.models import Case, Exists, F, OuterRef, Q, Value, When
 from django.db.models.functions import Greatest, Now
 
 from django_leases.conf import to_seconds
@@ -44,9 +44,11 @@ from django_leases.status import (
     CANCELLED,
     COMPLETED,
     FAILED,
+    LEASED_STATUSES,
     PENDING,
     PROCESSING,
     REVIEW,
+    STOPPING,
     WAITING,
     AttemptOutcome,
     EventAction,
@@ -127,9 +129,9 @@ def requeue(qs: LeaseQuerySet[J], *, force: bool = False, by: str = "operator") 
     """Make the selected jobs pending and due now; return how many changed.
 
     Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
-    live lease only with `force`, which also bumps its fencing token so that the current
-    holder is fenced out of every further write. Completed jobs are never requeued. A job
-    without attempts left gets one more.
+    live lease, and a stopping one (its handler may still run), only with `force`, which also
+    bumps its fencing token so that the current holder is fenced out of every further write.
+    Completed jobs are never requeued. A job without attempts left gets one more.
 
     A job of a lock that holds it keeps it (pending, next in line). A finished job of a
     lock rejoins it at its enqueue place: pending if the lock is free, else waiting, ahead
@@ -139,8 +141,9 @@ def requeue(qs: LeaseQuerySet[J], *, force: bool = False, by: str = "operator") 
         status=PROCESSING, lease_until__lt=Now()
     )
     if force:
-        eligible |= Q(status=PROCESSING)
+        eligible |= Q(status__in=LEASED_STATUSES)
     values = {
+        "ends_as": "",
         "status": Case(
             When(Q(lock="") | Q(lock_holder__isnull=False), then=Value(PENDING)),
             default=Value(WAITING),
@@ -178,14 +181,15 @@ def release_stuck(qs: LeaseQuerySet[J], *, by: str = "operator") -> int:
 def mark_failed(
     qs: LeaseQuerySet[J], *, reason: str, force: bool = False, by: str = "operator"
 ) -> int:
-    """Fail the selected pending, waiting, under-review or expired jobs (any processing one
-    with `force`, fencing out its holder); return how many changed."""
+    """Fail the selected pending, waiting, under-review or expired jobs (any processing or
+    stopping one with `force`, fencing out its holder); return how many changed."""
     eligible = Q(status__in=[PENDING, WAITING, REVIEW]) | Q(
         status=PROCESSING, lease_until__lt=Now()
     )
     if force:
-        eligible |= Q(status=PROCESSING)
+        eligible |= Q(status__in=LEASED_STATUSES)
     values = {
+        "ends_as": "",
         "status": FAILED,
         "completed_at": Now(),
         "last_error": reason[:MAX_ERROR_LENGTH],
@@ -208,10 +212,12 @@ def cancel(
 ) -> int:
     """Cancel the selected pending, waiting and processing jobs; return how many changed.
 
-    A processing job's holder is fenced out (its token is bumped, its attempt closed as
-    cancelled): its heartbeat is refused and it learns `Cancelled` within one heartbeat
-    interval. A processing job of a review-policy kind past its checkpoint may have moved
-    money: it goes to review instead. `running=False` leaves processing jobs alone.
+    A processing job with a live lease is stopping (`endings`): its holder's renewals and
+    writes are refused, it learns `Cancelled` within one heartbeat interval, and the job keeps
+    its lock and its `limit=` slot until the holder's execution ends or its lease expires; it
+    then ends cancelled, or under review if its kind's review policy applies past its
+    checkpoint (it may have moved money). An expired lease's job ends so at once; its holder
+    is fenced out (its token is bumped). `running=False` leaves processing jobs alone.
     """
     note = f"cancelled by {by}" + (f": {reason}" if reason else "")
     eligible = Q(status__in=[PENDING, WAITING])
@@ -219,15 +225,27 @@ def cancel(
         eligible |= Q(status=PROCESSING)
     guard = takeover_guard()[0]
     review = Q(status=PROCESSING) & ~guard if guard else Q(pk__in=[])
+    live = Q(status=PROCESSING, lease_until__gte=Now())
+    # A job under review or stopping keeps its token (the verdict is noted on that attempt's
+    # row) and its lock; the others end with the cancel.
+    keeps = live | review
     values = {
-        # The attempt ends with the cancel; under review the job keeps its token (the
-        # verdict is noted on that attempt's row) and its lock. MariaDB/MySQL evaluate SET
-        # left to right, each assignment seeing the columns set before it: status goes last.
-        "completed_at": Case(When(review, then=None), default=Now()),
+        # MariaDB/MySQL evaluate SET left to right, each assignment seeing the columns set
+        # before it: status, which the conditions read, goes last.
+        "ends_as": Case(
+            When(live & review, then=Value(REVIEW)),
+            When(live, then=Value(CANCELLED)),
+            default=Value(""),
+        ),
+        "completed_at": Case(When(keeps, then=None), default=Now()),
         "last_error": note[:MAX_ERROR_LENGTH],
-        "lease_token": Case(When(review, then=F("lease_token")), default=F("lease_token") + 1),
-        "lock_holder": Case(When(review, then=F("lock_holder")), default=None),
-        "status": Case(When(review, then=Value(REVIEW)), default=Value(CANCELLED)),
+        "lease_token": Case(When(keeps, then=F("lease_token")), default=F("lease_token") + 1),
+        "lock_holder": Case(When(keeps, then=F("lock_holder")), default=None),
+        "status": Case(
+            When(live, then=Value(STOPPING)),
+            When(review, then=Value(REVIEW)),
+            default=Value(CANCELLED),
+        ),
     }
     return operator_write(
         qs,
@@ -258,6 +276,12 @@ def cancelled_leases(qs: LeaseQuerySet[J], leases: Iterable[LeaseKey]) -> dict[L
         jobs = qs.filter(pk__in=group, status=CANCELLED).values_list(*JOB_KEY)
         found.update(
             ((pk, token - 1), "an operator") for pk, token in jobs if group[pk] == token - 1
+        )
+        stopping = qs.filter(pk__in=group, status=STOPPING, ends_as=CANCELLED)
+        found.update(
+            ((pk, token), "an operator")
+            for pk, token in stopping.values_list(*JOB_KEY)
+            if group[pk] == token
         )
     return found
 
@@ -351,10 +375,12 @@ def operator_batch(
         if ledger is not None:
             attempts = ledger.objects.using(qs.db).filter(job_ref__in=pks)
             if ends is not None:
-                # A processing job's open attempt ends here, by the operator.
+                # A processing job's open attempt ends here, by the operator; a job's that is
+                # now stopping stays open until its execution ends (`endings`).
+                stopping = qs.model._base_manager.filter(pk=OuterRef("job_ref"), status=STOPPING)
                 attempts.filter(ended_at__isnull=True).update(
                     outcome=ends,
-                    ended_at=Now(),
+                    ended_at=Case(When(Exists(stopping), then=None), default=Now()),
                     ended_by=by,
                     checkpoint=job_column(qs, "checkpoint"),
                     error_class="",

@@ -32,7 +32,7 @@ from django_leases.dialects import dialect_of
 from django_leases.exceptions import GateBusy
 from django_leases.querysets.base import ago, retry_deadlocks
 from django_leases.querysets.ledger import J
-from django_leases.status import PROCESSING
+from django_leases.status import LEASED_STATUSES
 from django_leases.throttles import Throttle
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def claim_throttled(
         gates.lock(qs.model, kind)
         room, stale, gate = limit, 0, 0
         if throttle.limit is not None:
-            live = qs.filter(kind=kind, status=PROCESSING, lease_until__gte=Now()).count()
+            live = qs.filter(kind=kind, status__in=LEASED_STATUSES, lease_until__gte=Now()).count()
             room = min(room, throttle.limit - live)
         if throttle.rate is not None and room > 0:
             count, window = throttle.rate
