@@ -75,6 +75,8 @@ EXACT_COUNT_LIMIT = (1, 100_000_000)
 MAX_JOBS = (1, 2**31 - 1)
 # A job's id: a BIGINT.
 JOB_ID = (1, 2**63 - 1)
+# The characters of an error's text stored in `last_error` and the attempt ledger (and logged).
+MAX_ERROR_LENGTH = 2000
 # A TCP port to serve metrics on; 0 lets the system choose a free one.
 PORT = (0, 65535)
 
