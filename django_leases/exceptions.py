@@ -29,6 +29,11 @@ class InvalidPayload(InvalidArgument):
     """The payload (or a task's result) cannot be stored as JSON; nothing was written."""
 
 
+class IdempotencyKeyReused(LeaseError, ValueError):
+    """An idempotency key names a job of another kind or payload than the one enqueued with it:
+    nothing was enqueued, and that job is untouched."""
+
+
 class InvalidDuration(InvalidArgument):
     """A duration argument is not positive seconds or a `timedelta`, or is too long."""
 
