@@ -34,6 +34,11 @@ class IdempotencyKeyReused(LeaseError, ValueError):
     nothing was enqueued, and that job is untouched."""
 
 
+class PayloadTooLarge(InvalidPayload):
+    """A payload (or a handler's result) is larger than `MAX_PAYLOAD_BYTES` as JSON; nothing
+    was written."""
+
+
 class InvalidDuration(InvalidArgument):
     """A duration argument is not positive seconds or a `timedelta`, or is too long."""
 

@@ -14,9 +14,15 @@ from asgiref.sync import async_to_sync
 from django.db import connection, transaction
 from django.db.models.functions import Now
 from django.db.models.signals import post_init
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_leases.exceptions import IdempotencyKeyReused, InvalidArgument, InvalidPayload
+from django_leases.exceptions import (
+    IdempotencyKeyReused,
+    InvalidArgument,
+    InvalidPayload,
+    PayloadTooLarge,
+)
 from django_leases.models import PaymentJob
 from tests.testapp.models import BareJob, PayoutJob
 
@@ -118,6 +124,37 @@ def test_enqueue_many__a_key_reused_with_another_payload_rejects_the_whole_batch
     )
     assert jobs[1].pk == first.pk and jobs[0].pk == jobs[2].pk
     assert PaymentJob.objects.count() == 2
+
+
+def test_enqueue__a_payload_over_max_payload_bytes_raises_naming_both_and_writes_nothing() -> None:
+    big = {"blob": "x" * 1024 * 1024}  # 1 MiB of text: over the default MAX_PAYLOAD_BYTES
+    size = len(json.dumps(big))
+    message = f"payload is {size} bytes as JSON, more than MAX_PAYLOAD_BYTES \\({1024 * 1024}\\)"
+    with pytest.raises(PayloadTooLarge, match=message):
+        PaymentJob.objects.enqueue("capture", big)
+    with pytest.raises(PayloadTooLarge, match=message):
+        awaited(PaymentJob.objects.aenqueue("capture", big, idempotency_key="k"))
+    with pytest.raises(PayloadTooLarge, match=f"^payloads\\[1\\]: {message}"):
+        PaymentJob.objects.enqueue_many("capture", [{}, big])
+    with pytest.raises(PayloadTooLarge, match=f"^payloads\\[1\\]: {message}"):
+        awaited(PaymentJob.objects.aenqueue_many("capture", [{}, big], lock="L"))
+    assert issubclass(PayloadTooLarge, ValueError) and PaymentJob.objects.count() == 0
+    with override_settings(DJANGO_LEASES={"MAX_PAYLOAD_BYTES": 10}):
+        PaymentJob.objects.enqueue("capture", {"n": 1})  # 8 bytes
+        with pytest.raises(PayloadTooLarge, match="payload is 11 bytes .*\\(10\\)"):
+            PaymentJob.objects.enqueue("capture", {"n": 1000})
+    assert PaymentJob.objects.count() == 1
+
+
+def test_complete__a_result_over_max_payload_bytes_raises_and_changes_nothing() -> None:
+    job = PaymentJob.objects.enqueue("capture")
+    claimed = PaymentJob.objects.claim_job(job.pk, "w", ttl=60)
+    assert claimed is not None
+    with override_settings(DJANGO_LEASES={"MAX_PAYLOAD_BYTES": 10}):
+        with pytest.raises(PayloadTooLarge, match="result is 11 bytes"):
+            PaymentJob.objects.complete(job.pk, "w", claimed.lease_token, result={"n": 1000})
+    job.refresh_from_db()
+    assert (job.status, job.result) == ("processing", None)
 
 
 def test_enqueue__a_key_reused_sends_no_more_statements_than_before() -> None:

@@ -25,6 +25,7 @@ from django_leases.limits import (
     check_datetime,
     check_int,
     check_json,
+    check_json_size,
     check_kind,
     check_text,
     shown,
@@ -312,6 +313,7 @@ def job_row(payload: Any, key: str | None) -> inserts.Row:
     """Return the checked payload (None: `{}`) and idempotency key of one job."""
     payload = {} if payload is None else payload
     check_json(payload, "payload")
+    check_json_size(payload, "payload", leases_settings.MAX_PAYLOAD_BYTES)
     if key is not None:
         check_text(key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
     return payload, key
