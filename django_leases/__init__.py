@@ -6,7 +6,13 @@ triggers app loading.
 
 from typing import Any
 
-from django_leases.exceptions import Cancelled, LeaseError, LeaseLost, PermanentError
+from django_leases.exceptions import (
+    Cancelled,
+    IdempotencyKeyReused,
+    LeaseError,
+    LeaseLost,
+    PermanentError,
+)
 from django_leases.handlers import job_handler
 
 
@@ -25,4 +31,12 @@ def __getattr__(name: str) -> Any:
     return found
 
 
-__all__ = ["Cancelled", "LeaseError", "LeaseLost", "PermanentError", "__version__", "job_handler"]
+__all__ = [
+    "Cancelled",
+    "IdempotencyKeyReused",
+    "LeaseError",
+    "LeaseLost",
+    "PermanentError",
+    "__version__",
+    "job_handler",
+]

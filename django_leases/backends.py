@@ -33,7 +33,14 @@ from django_leases.exceptions import (
     LeaseLost,
     TaskFailed,
 )
-from django_leases.limits import KIND_LENGTH, MAX_ATTEMPTS, check_json, check_kind, shown
+from django_leases.limits import (
+    KIND_LENGTH,
+    MAX_ATTEMPTS,
+    check_json,
+    check_json_size,
+    check_kind,
+    shown,
+)
 from django_leases.querysets import LeaseQuerySet
 from django_leases.redaction import describe
 from django_leases.status import AttemptOutcome, JobStatus
@@ -309,6 +316,11 @@ def run_task(job: Any, lease: Any) -> None:
         try:
             value = normalize_json(value)
             check_json(value, f"the return value of task {task.module_path}")
+            check_json_size(
+                value,
+                f"the return value of task {task.module_path}",
+                leases_settings.MAX_PAYLOAD_BYTES,
+            )
         except (TypeError, ValueError, RecursionError) as exc:
             # A value that cannot be stored fails the task once: running it again returns the
             # same.

@@ -86,6 +86,10 @@ DEFAULTS: dict[str, Any] = {
     # Jobs the admin counts exactly (per status on the overview, per changelist): beyond it, a
     # finished status or the whole table shows the database's estimate, anything else "more than".
     "ADMIN_EXACT_COUNT_LIMIT": 10_000,
+    # The largest payload (and handler result) a job stores, in bytes of its JSON text: 1 MiB,
+    # far above a job's references and amounts, and below what every database takes in one
+    # statement (MariaDB's default max_allowed_packet is 16 MiB).
+    "MAX_PAYLOAD_BYTES": 1024 * 1024,
 }
 
 

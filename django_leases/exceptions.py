@@ -31,6 +31,16 @@ class InvalidPayload(InvalidArgument):
     """The payload (or a task's result) cannot be stored as JSON; nothing was written."""
 
 
+class IdempotencyKeyReused(LeaseError, ValueError):
+    """An idempotency key names a job of another kind or payload than the one enqueued with it:
+    nothing was enqueued, and that job is untouched."""
+
+
+class PayloadTooLarge(InvalidPayload):
+    """A payload (or a handler's result) is larger than `MAX_PAYLOAD_BYTES` as JSON; nothing
+    was written."""
+
+
 class InvalidDuration(InvalidArgument):
     """A duration argument is not positive seconds or a `timedelta`, or is too long."""
 

@@ -8,6 +8,7 @@ another.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import unicodedata
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from django_leases.exceptions import InvalidArgument, InvalidPayload
+from django_leases.exceptions import InvalidArgument, InvalidPayload, PayloadTooLarge
 
 DAY = 24 * 3600
 # About 100 years: `database now + MAX_DURATION` stays far inside the DATETIME range of every
@@ -75,6 +76,10 @@ EXACT_COUNT_LIMIT = (1, 100_000_000)
 MAX_JOBS = (1, 2**31 - 1)
 # A job's id: a BIGINT.
 JOB_ID = (1, 2**63 - 1)
+# The characters of an error's text stored in `last_error` and the attempt ledger (and logged).
+MAX_ERROR_LENGTH = 2000
+# MAX_PAYLOAD_BYTES: up to PostgreSQL's bound of one jsonb value (255 MiB, less a margin).
+PAYLOAD_BYTES = (1, 256 * 1024 * 1024 - 1024 * 1024)
 # A TCP port to serve metrics on; 0 lets the system choose a free one.
 PORT = (0, 65535)
 
@@ -206,6 +211,18 @@ def check_json(value: Any, name: str) -> None:
                 stack.append((child, (place, key, keyed), depth + 1))
             elif not _plain(child):
                 _check_json_scalar(child, _where(name, (place, key, keyed)), name)
+
+
+def check_json_size(value: Any, name: str, limit: int) -> None:
+    """Raise `PayloadTooLarge` naming `name`, its size and `limit` if `value` (which passed
+    `check_json()`) takes more than `limit` bytes as JSON text (as Django's JSONField writes
+    it: ASCII, so characters are bytes)."""
+    size = len(json.dumps(value))
+    if size > limit:
+        raise PayloadTooLarge(
+            f"{name} is {size} bytes as JSON, more than MAX_PAYLOAD_BYTES ({limit}): store "
+            "large data elsewhere and pass its reference"
+        )
 
 
 def _plain(item: Any) -> bool:

@@ -21,24 +21,39 @@ from django.db import Error as DjangoDatabaseError
 from django.utils.module_loading import import_string
 
 from django_leases.conf import leases_settings
+from django_leases.limits import MAX_ERROR_LENGTH
 
 Redactor = Callable[[BaseException, str], str]
+
+# The most of an error's text that redaction reads: the stored length, with room for a quoted
+# value that redaction shortens to `'…'` and the words after it. Texts are cut to it before any
+# pattern sees them, so that one job's error (PostgreSQL quotes a whole refused value) costs
+# the worker thread that records it microseconds, not seconds under the GIL; each pattern below
+# is linear in the text it reads, so the cut bounds the work.
+REDACT_LENGTH = 4 * MAX_ERROR_LENGTH
+# What stands for the rest of a text longer than REDACT_LENGTH.
+CUT = " […]"
 
 # The driver packages whose exceptions are database errors even when Django did not wrap them.
 DRIVER_PACKAGES = ("psycopg", "psycopg2", "MySQLdb", "pymysql", "sqlite3", "_sqlite3")
 # PostgreSQL's secondary fields, each on its own line after the primary message: they quote
-# rows, keys, values and statements. Everything from the first of them on is dropped.
+# rows, keys, values and statements. Everything from the first of them on is dropped. The
+# indent is whitespace other than a newline: `\s*` from every line start over a run of newlines
+# was quadratic.
 SECONDARY_FIELD = re.compile(
-    r"^\s*(DETAIL|HINT|CONTEXT|WHERE|QUERY|STATEMENT|LINE \d+):", re.MULTILINE
+    r"^[^\S\n]*(DETAIL|HINT|CONTEXT|WHERE|QUERY|STATEMENT|LINE \d+):", re.MULTILINE
 )
 # A quoted text of a primary message: '...' (MariaDB/MySQL: "Duplicate entry '4111' for key",
 # "Incorrect integer value: 'x'"), and PostgreSQL's `: "..."` ('invalid input syntax for type
 # integer: "4111"'). One that follows key, constraint, column, table, index or relation names a
-# schema object (`name`): it is kept, the others are values.
+# schema object (`name`): it is kept, the others are values. A quote left open (a text cut at
+# REDACT_LENGTH) runs to the end. Every opening quote thus matches, and the loop is possessive,
+# so no attempt fails after scanning the rest of the text (which, from each of many quotes, was
+# quadratic).
 QUOTED = re.compile(
-    r"""(?P<name>\b(?:key|constraint|column|table|index|relation) )?'(?:[^'\\]|\\.|'')*'"""
-    r"""|(?<=: )"(?:[^"\\]|\\.)*\"""",
-    re.IGNORECASE,  # MariaDB's "Column 'x' cannot be null"
+    r"""(?P<name>\b(?:key|constraint|column|table|index|relation) )?'(?:[^'\\]|\\.?|'')*+(?:'|\Z)"""
+    r"""|(?<=: )"(?:[^"\\]|\\.?)*+(?:"|\Z)""",
+    re.IGNORECASE | re.DOTALL,  # IGNORECASE: MariaDB's "Column 'x' cannot be null"
 )
 MASK = "'…'"
 # MariaDB/MySQL's driver error as str() prints it: (code, 'message'), the message a Python
@@ -48,17 +63,19 @@ DRIVER_TUPLE = re.compile(r"\A\((\d+), (.*)\)\Z", re.DOTALL)
 # runs to the last quote before the words that follow it. MariaDB/MySQL: Duplicate entry,
 # Incorrect <type> value, Truncated incorrect <type> value, a syntax error's "near"; PostgreSQL:
 # value "..." is out of range, <problem>: "..." at the end of the message, a syntax error's
-# "at or near". Each names the value `value`.
+# "at or near". Each names the value `value`. Only the first occurrence of the words before
+# the value is tried (the atomic group, matched from the start): the greedy value then scans
+# the text once; a search from every occurrence scanned it from each (quadratic).
 GREEDY_VALUES = [
-    re.compile(pattern, re.DOTALL)
-    for pattern in (
-        r"Duplicate entry (?P<value>'.*') for key ",
-        r"Incorrect \w+ value: (?P<value>'.*') for column ",
-        r"Truncated incorrect \w+ value: (?P<value>'.*')",
-        r" near (?P<value>'.*') at line \d",
-        r'\bvalue (?P<value>".*") is out of range for type ',
-        r': (?P<value>".*")\s*\Z',
-        r' at or near (?P<value>".*")',
+    re.compile(rf"(?>.*?{before}(?={quote}))(?P<value>{quote}.*{quote}){after}", re.DOTALL)
+    for before, quote, after in (
+        (r"Duplicate entry ", "'", " for key "),
+        (r"Incorrect \w+ value: ", "'", " for column "),
+        (r"Truncated incorrect \w+ value: ", "'", ""),
+        (r" near ", "'", r" at line \d"),
+        (r"\bvalue ", '"', " is out of range for type "),
+        (r": ", '"', r"\s*\Z"),
+        (r" at or near ", '"', ""),
     )
 ]
 # A card-like number wherever it is left: 12 to 19 digits, in groups or not. Database errors
@@ -90,10 +107,12 @@ def redact_database_values(exc: BaseException, text: str) -> str:
     out of range`), a value holding quotes whole, keeping quoted names that follow key,
     constraint, column, table, index or relation; and replace what is left of card-like numbers
     (12 to 19 digits) by `…`. SQLite's messages name constraints and columns, never values (but
-    a trigger's RAISE text may hold one).
+    a trigger's RAISE text may hold one). A text longer than REDACT_LENGTH is cut to it first
+    (a quote the cut leaves open is a value to its end), and ends in `CUT`.
     """
     if not is_database_error(exc):
         return text
+    text, rest = cut(text)
     driver = DRIVER_TUPLE.match(text)
     if driver:
         try:
@@ -101,8 +120,19 @@ def redact_database_values(exc: BaseException, text: str) -> str:
         except (ValueError, SyntaxError, MemoryError, RecursionError):
             message = None
         if isinstance(message, str):
-            return f"({driver.group(1)}, {_redacted_message(message)!r})"
-    return _redacted_message(text)
+            return f"({driver.group(1)}, {_redacted_message(message)!r}){rest}"
+    return _redacted_message(text) + rest
+
+
+def cut(text: str) -> tuple[str, str]:
+    """Return `text` cut to REDACT_LENGTH, and `CUT` if that left something out (else "").
+
+    The digits (and their spaces and dashes) that the cut runs through go too: the part of a
+    card number left before the cut would be too short for CARD_NUMBER to see.
+    """
+    if len(text) <= REDACT_LENGTH:
+        return text, ""
+    return text[:REDACT_LENGTH].rstrip("0123456789 -"), CUT
 
 
 def _redacted_message(text: str) -> str:
@@ -110,7 +140,7 @@ def _redacted_message(text: str) -> str:
     if match:
         text = text[: match.start()].rstrip()
     for pattern in GREEDY_VALUES:
-        value = pattern.search(text)
+        value = pattern.match(text)
         if value:
             text = text[: value.start("value")] + MASK + text[value.end("value") :]
     text = QUOTED.sub(lambda m: m.group() if m.group("name") else MASK, text)
@@ -127,15 +157,19 @@ def error_text(exc: BaseException) -> str:
     """Return the text of `exc` to store or log: `str(exc)` through the REDACT_ERRORS hook.
 
     Never raises: if the hook fails or returns something else than a string, only the
-    exception's class name is kept, so that a broken hook cannot leak the raw text.
+    exception's class name is kept, so that a broken hook cannot leak the raw text. The hook
+    is given the text cut to REDACT_LENGTH, and what it returns is cut to it too: the result
+    ends in `CUT` if either cut left something out.
     """
     try:
-        text = redactor()(exc, str(exc))
+        text, rest = cut(str(exc))
+        text = redactor()(exc, text)
     except Exception as hook_error:  # noqa: BLE001 - the raw text must not escape
         return f"[error text withheld: REDACT_ERRORS raised {type(hook_error).__name__}]"
     if not isinstance(text, str):
         return "[error text withheld: REDACT_ERRORS returned no string]"
-    return text
+    text, more = cut(text)
+    return text + (rest or more)
 
 
 def class_path(exc: BaseException) -> str:

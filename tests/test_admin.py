@@ -13,7 +13,7 @@ from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
 from django.db import connection, transaction
 from django.db.models.functions import Now
-from django.test import Client
+from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
@@ -728,6 +728,38 @@ def test_change_form__save_of_a_pending_job_restates_pending(admin_client: Clien
     set_clause, where = updates[0].split(" WHERE ")
     assert "lease_" not in set_clause and "status" not in set_clause
     assert "status" in where and "'pending'" in where.replace('"', "'")
+
+
+def test_change_form__a_payload_over_max_payload_bytes_is_a_form_error(
+    admin_client: Client,
+) -> None:
+    job = PaymentJob.objects.enqueue("capture", {"amount": 1})
+    with override_settings(DJANGO_LEASES={"MAX_PAYLOAD_BYTES": 20}):
+        data = form_data(priority="0", payload=json.dumps({"amount": "1" * 20}))
+        response = admin_client.post(change_url(job), data)
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors["payload"]
+    assert errors == ["payload is 34 bytes as JSON, more than MAX_PAYLOAD_BYTES (20): store "
+                      "large data elsewhere and pass its reference"]  # fmt: skip
+    job.refresh_from_db()
+    assert job.payload == {"amount": 1}
+
+
+def test_changelist__loads_no_payload_and_no_result(admin_client: Client) -> None:
+    job = PaymentJob.objects.enqueue("capture", {"blob": "x" * 1000})
+    claimed = PaymentJob.objects.claim_job(job.pk, "w", ttl=60)
+    assert claimed is not None
+    PaymentJob.objects.complete(job.pk, "w", claimed.lease_token, result={"r": "y" * 1000})
+    with CaptureQueriesContext(connection) as ctx:
+        response = changelist(admin_client)
+    assert listed(response) == {job.pk}
+    payload, result = (connection.ops.quote_name(name) for name in ("payload", "result"))
+    rows = [
+        q["sql"] for q in ctx.captured_queries if f"{payload}" in q["sql"] or "x" * 100 in q["sql"]
+    ]
+    assert rows == [], rows
+    assert not any(result in q["sql"] for q in ctx.captured_queries)
+    assert "x" * 1000 not in response.content.decode()
 
 
 def test_change_form__job_claimed_while_the_form_was_open_is_not_changed(

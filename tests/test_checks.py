@@ -30,7 +30,13 @@ from django_leases.checks.databases import (
 )
 from django_leases.checks.schedules import check_schedules
 from django_leases.conf import DEFAULTS
-from django_leases.limits import BATCH_SIZE, EXACT_COUNT_LIMIT, MAX_ATTEMPTS, MAX_DURATION
+from django_leases.limits import (
+    BATCH_SIZE,
+    EXACT_COUNT_LIMIT,
+    MAX_ATTEMPTS,
+    MAX_DURATION,
+    PAYLOAD_BYTES,
+)
 from django_leases.models import PaymentJob
 from django_leases.tables import leased_jobs
 from tests.testapp.models import PayoutJob
@@ -91,6 +97,12 @@ def test_check_settings__admin_exact_count_limit_whole_and_in_range(value: objec
     assert ids(ADMIN_EXACT_COUNT_LIMIT=value) == ["django_leases.E004"]
     assert ids(ADMIN_EXACT_COUNT_LIMIT=EXACT_COUNT_LIMIT[0]) == []
     assert ids(RETENTION={"completed": 1e300}) == ["django_leases.E007"]
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "1MiB", None, True, PAYLOAD_BYTES[1] + 1])
+def test_check_settings__max_payload_bytes_whole_and_in_range(value: object) -> None:
+    assert ids(MAX_PAYLOAD_BYTES=value) == ["django_leases.E004"]
+    assert ids(MAX_PAYLOAD_BYTES=PAYLOAD_BYTES[1]) == []
 
 
 def test_check_settings__policies() -> None:

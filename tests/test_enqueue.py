@@ -4,7 +4,7 @@ payments.py): checked arguments, idempotency, own columns, the statements they s
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -14,9 +14,15 @@ from asgiref.sync import async_to_sync
 from django.db import connection, transaction
 from django.db.models.functions import Now
 from django.db.models.signals import post_init
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_leases.exceptions import InvalidArgument, InvalidPayload
+from django_leases.exceptions import (
+    IdempotencyKeyReused,
+    InvalidArgument,
+    InvalidPayload,
+    PayloadTooLarge,
+)
 from django_leases.models import PaymentJob
 from tests.testapp.models import BareJob, PayoutJob
 
@@ -41,11 +47,126 @@ def test_enqueue__creates_pending_job_due_now() -> None:
 
 
 def test_enqueue__same_idempotency_key_returns_first_job() -> None:
-    first = PaymentJob.objects.enqueue("capture", {"n": 1}, idempotency_key="cap-1")
-    second = PaymentJob.objects.enqueue("capture", {"n": 2}, idempotency_key="cap-1")
+    first = PaymentJob.objects.enqueue("capture", {"n": 1}, idempotency_key="cap-1", priority=3)
+    second = PaymentJob.objects.enqueue("capture", {"n": 1}, idempotency_key="cap-1")
     assert second.pk == first.pk
-    assert second.payload == {"n": 1}
+    assert (second.payload, second.priority) == ({"n": 1}, 3)
     assert PaymentJob.objects.count() == 1
+
+
+def awaited(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run `coroutine` as async code would, on this thread's connection."""
+
+    async def run() -> Any:
+        return await coroutine
+
+    return async_to_sync(run)()
+
+
+# The same JSON value as the payload {"n": 1, "items": [1.5, true, null]}, spelled otherwise.
+SAME_PAYLOAD = {"items": (1.5, True, None), "n": 1}
+OTHER_PAYLOADS = [
+    {"n": 2, "items": [1.5, True, None]},
+    {"n": 1, "items": [1.5, 1, None]},  # equal in Python (True == 1), not in JSON
+    {"n": 1, "items": [1.5, True]},
+    {"n": 1},
+    [1],
+    None,  # {}
+]
+
+
+@pytest.mark.parametrize("lock", ["", "payment:1"])
+@pytest.mark.parametrize(
+    ("kind", "payload"),
+    [("refund", SAME_PAYLOAD), *(("capture", payload) for payload in OTHER_PAYLOADS)],
+)
+def test_enqueue__a_key_reused_with_another_kind_or_payload_raises_and_changes_nothing(
+    kind: str, payload: Any, lock: str
+) -> None:
+    first = PaymentJob.objects.enqueue(
+        "capture", {"n": 1, "items": [1.5, True, None]}, idempotency_key="cap-1", lock=lock
+    )
+    before = list(PaymentJob.objects.values())
+    differs = "kind" if kind != "capture" else "payload"
+    message = f"idempotency_key 'cap-1' already names job {first.pk} .* another {differs}"
+    with pytest.raises(IdempotencyKeyReused, match=message):
+        PaymentJob.objects.enqueue(kind, payload, idempotency_key="cap-1", lock=lock)
+    with pytest.raises(IdempotencyKeyReused, match=message):
+        awaited(PaymentJob.objects.aenqueue(kind, payload, idempotency_key="cap-1"))
+    assert list(PaymentJob.objects.values()) == before
+    again = PaymentJob.objects.enqueue("capture", SAME_PAYLOAD, idempotency_key="cap-1", lock=lock)
+    assert again.pk == first.pk and list(PaymentJob.objects.values()) == before
+
+
+@pytest.mark.parametrize("lock", ["", "payment:1"])
+def test_enqueue_many__a_key_reused_with_another_payload_rejects_the_whole_batch(
+    lock: str,
+) -> None:
+    first = PaymentJob.objects.enqueue("capture", {"n": 0}, idempotency_key="k0", lock=lock)
+    before = list(PaymentJob.objects.values())
+    batches = [
+        ([{"n": 1}, {"n": 9}], ["k1", "k0"], "payloads\\[1\\]: idempotency_key 'k0'"),
+        # A key repeated in the batch with another payload than its first.
+        ([{"n": 1}, {"n": 2}, {"n": 3}], ["k1", None, "k1"], "payloads\\[2\\]: .*'k1'"),
+    ]
+    for payloads, keys, message in batches:
+        with pytest.raises(IdempotencyKeyReused, match=message):
+            PaymentJob.objects.enqueue_many("capture", payloads, idempotency_keys=keys, lock=lock)
+        with pytest.raises(IdempotencyKeyReused, match=message):
+            awaited(
+                PaymentJob.objects.aenqueue_many(
+                    "capture", payloads, idempotency_keys=keys, lock=lock
+                )
+            )
+        assert list(PaymentJob.objects.values()) == before
+    jobs = PaymentJob.objects.enqueue_many(
+        "capture", [{"n": 1}, {"n": 0}, {"n": 1}], idempotency_keys=["k1", "k0", "k1"], lock=lock
+    )
+    assert jobs[1].pk == first.pk and jobs[0].pk == jobs[2].pk
+    assert PaymentJob.objects.count() == 2
+
+
+def test_enqueue__a_payload_over_max_payload_bytes_raises_naming_both_and_writes_nothing() -> None:
+    big = {"blob": "x" * 1024 * 1024}  # 1 MiB of text: over the default MAX_PAYLOAD_BYTES
+    size = len(json.dumps(big))
+    message = f"payload is {size} bytes as JSON, more than MAX_PAYLOAD_BYTES \\({1024 * 1024}\\)"
+    with pytest.raises(PayloadTooLarge, match=message):
+        PaymentJob.objects.enqueue("capture", big)
+    with pytest.raises(PayloadTooLarge, match=message):
+        awaited(PaymentJob.objects.aenqueue("capture", big, idempotency_key="k"))
+    with pytest.raises(PayloadTooLarge, match=f"^payloads\\[1\\]: {message}"):
+        PaymentJob.objects.enqueue_many("capture", [{}, big])
+    with pytest.raises(PayloadTooLarge, match=f"^payloads\\[1\\]: {message}"):
+        awaited(PaymentJob.objects.aenqueue_many("capture", [{}, big], lock="L"))
+    assert issubclass(PayloadTooLarge, ValueError) and PaymentJob.objects.count() == 0
+    with override_settings(DJANGO_LEASES={"MAX_PAYLOAD_BYTES": 10}):
+        PaymentJob.objects.enqueue("capture", {"n": 1})  # 8 bytes
+        with pytest.raises(PayloadTooLarge, match="payload is 11 bytes .*\\(10\\)"):
+            PaymentJob.objects.enqueue("capture", {"n": 1000})
+    assert PaymentJob.objects.count() == 1
+
+
+def test_complete__a_result_over_max_payload_bytes_raises_and_changes_nothing() -> None:
+    job = PaymentJob.objects.enqueue("capture")
+    claimed = PaymentJob.objects.claim_job(job.pk, "w", ttl=60)
+    assert claimed is not None
+    with override_settings(DJANGO_LEASES={"MAX_PAYLOAD_BYTES": 10}):
+        with pytest.raises(PayloadTooLarge, match="result is 11 bytes"):
+            PaymentJob.objects.complete(job.pk, "w", claimed.lease_token, result={"n": 1000})
+    job.refresh_from_db()
+    assert (job.status, job.result) == ("processing", None)
+
+
+def test_enqueue__a_key_reused_sends_no_more_statements_than_before() -> None:
+    """The comparison is made in Python on the row the INSERT's conflict path reads anyway."""
+    PaymentJob.objects.enqueue("capture", {"n": 1}, idempotency_key="k-1")
+    same = sent(lambda: PaymentJob.objects.enqueue("capture", {"n": 1}, idempotency_key="k-1"))
+
+    def other() -> None:
+        with pytest.raises(IdempotencyKeyReused):
+            PaymentJob.objects.enqueue("capture", {"n": 2}, idempotency_key="k-1")
+
+    assert [s.split()[0] for s in sent(other)] == [s.split()[0] for s in same]
 
 
 @pytest.mark.parametrize(
@@ -84,7 +205,9 @@ def test_enqueue__a_projects_own_table_takes_its_columns_and_idempotency_key() -
     job = PayoutJob.objects.enqueue(
         "payout.send", {"amount": 500}, recipient="acct-1", idempotency_key="po-1", priority=3
     )
-    again = PayoutJob.objects.enqueue("payout.send", recipient="acct-2", idempotency_key="po-1")
+    again = PayoutJob.objects.enqueue(
+        "payout.send", {"amount": 500}, recipient="acct-2", idempotency_key="po-1"
+    )
     job.refresh_from_db()
     assert again.pk == job.pk
     assert (job.status, job.kind, job.payload, job.recipient, job.priority) == (
@@ -421,7 +544,7 @@ def test_enqueue_many__sends_the_same_few_parameters_whatever_the_batch_size() -
 
 def test_enqueue_many__keys_repeated_in_the_batch_and_existing_return_the_first_job() -> None:
     existing = PaymentJob.objects.enqueue("capture", {"n": 0}, idempotency_key="k0")
-    payloads = [{"n": n} for n in range(1, 6)]
+    payloads = [{"n": 0}, {"n": 2}, {"n": 2}, {"n": 4}, {"n": 5}]
     keys = ["k0", "k1", "k1", None, "k2"]
     jobs: list[PaymentJob] = []
     statements = sent(
@@ -461,7 +584,7 @@ def test_enqueue_many__the_first_new_job_of_a_free_lock_takes_it_the_rest_wait()
     ]
     # A held lock: every new job waits behind its holder, in the payloads' order.
     more = PaymentJob.objects.enqueue_many(
-        "refund", [{}, {}], lock="L", idempotency_keys=["k1", "k3"]
+        "capture", [{}, {}], lock="L", idempotency_keys=["k1", "k3"]
     )
     assert more[0].pk == jobs[1].pk and stored(more[1]).status == Status.WAITING
     assert list(PaymentJob.objects.waiting().order_by("pk").values_list("pk", flat=True)) == [
@@ -533,9 +656,15 @@ def test_enqueue__without_returning_keeps_the_same_rules(monkeypatch: pytest.Mon
     first = PaymentJob.objects.enqueue("capture", payment_id="p1", idempotency_key="k1")
     again = PaymentJob.objects.enqueue("capture", payment_id="p1", idempotency_key="k1")
     jobs = PaymentJob.objects.enqueue_many(
-        "refund", [{}, {}, {}], payment_id="p1", idempotency_keys=["k1", "k2", "k2"]
+        "capture", [{}, {}, {}], payment_id="p1", idempotency_keys=["k1", "k2", "k2"]
     )
     assert again.pk == first.pk == jobs[0].pk and jobs[1].pk == jobs[2].pk
+    with pytest.raises(IdempotencyKeyReused, match="^idempotency_key 'k1'"):
+        PaymentJob.objects.enqueue("refund", payment_id="p1", idempotency_key="k1")
+    with pytest.raises(IdempotencyKeyReused, match=r"^payloads\[1\]: idempotency_key 'k2'"):
+        PaymentJob.objects.enqueue_many(
+            "capture", [{}, {"n": 1}], payment_id="p1", idempotency_keys=["k3", "k2"]
+        )
     assert [(job.status, job.lock_holder) for job in map(stored, [first, jobs[1]])] == [
         (Status.PENDING, "payment:p1"),
         (Status.WAITING, None),

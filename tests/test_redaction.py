@@ -5,6 +5,7 @@ import json
 import logging
 import logging.config
 import re
+import signal
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,16 +25,21 @@ from django.db import (
 from django.db.models.functions import Now
 from django.test import override_settings
 
+from django_leases import redaction
+from django_leases.limits import MAX_ERROR_LENGTH
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets import describe_error
 from django_leases.redaction import (
+    CUT,
     LOGGERS,
+    REDACT_LENGTH,
     RedactExceptions,
     error_text,
     redact_database_values,
 )
+from django_leases.status import COMPLETED, FAILED, PROCESSING
 
-from .conftest import ON_SQLITE, ROOT, Processes, subprocess_env
+from .conftest import ON_SQLITE, ROOT, Processes, subprocess_env, wait_for
 
 CARD = "4111111111111111"
 
@@ -411,6 +417,173 @@ def test_error_text__keeps_no_value_of_any_error_the_test_database_raises() -> N
     quoting = [name for name, raw in raised if CARD in raw]
     # What the redaction is for: PostgreSQL and MariaDB quote the values in these forms.
     assert bool(quoting) == (not ON_SQLITE), raised
+
+
+# ---- texts of adversarial length ----------------------------------------------------------------
+
+MB = 1_000_000
+# Texts of 1 MB, each a long run of what one of the patterns loops on, a card inside.
+ADVERSARIAL = {
+    "pg quoted value": f'invalid input syntax for type integer: "{CARD}{"4" * MB}"',
+    "pg quoted newlines": f'invalid input syntax for type integer: "{CARD}{chr(10) * MB}"',
+    "newlines, then a detail": "refused" + "\n" * MB + f"DETAIL:  Key (c)=({CARD})",
+    "blank lines": f"refused {CARD}" + "\n \t" * (MB // 3),
+    "single quotes": f"'{CARD}" + "'" * MB,
+    "double quotes": f': "{CARD}' + '"' * MB,
+    "colon quotes": f': "{CARD}' * (MB // 19),
+    "escaped quotes": f"'{CARD}" + "\\'" * (MB // 2) + "\\",
+    "equals": f"{CARD}=" + "=" * MB,
+    "colons": f"key {CARD}:" + ":" * MB,
+    "nears": f" near '{CARD}" * (MB // 23),
+    "at lines": f"' at line x{CARD}" * (MB // 27),
+    "duplicate entries": f"Duplicate entry '{CARD}" * (MB // 33),
+    "incorrect values": f"Incorrect integer value: '{CARD}" * (MB // 42),
+    "out of range values": f'value "{CARD} is out of range for type ' * (MB // 48),
+    "driver tuple": str((1366, f"Incorrect integer value: '{CARD * (MB // 16)}' for column `n`")),
+    "digits": "1" * MB,
+    "grouped digits": "4111 " * (MB // 5),
+}
+
+
+class Reading:
+    """A pattern of `redaction`, run as it is, that refuses a text longer than REDACT_LENGTH:
+    what each pattern reads is bounded, and each is linear in what it reads."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        self.pattern = pattern
+        self.read: list[int] = []
+
+    def _reading(self, text: str) -> None:
+        assert len(text) <= REDACT_LENGTH, f"{self.pattern.pattern!r} given {len(text)} chars"
+        self.read.append(len(text))
+
+    def search(self, text: str) -> re.Match[str] | None:
+        self._reading(text)
+        return self.pattern.search(text)
+
+    def match(self, text: str) -> re.Match[str] | None:
+        self._reading(text)
+        return self.pattern.match(text)
+
+    def sub(self, repl: object, text: str) -> str:
+        self._reading(text)
+        return self.pattern.sub(repl, text)  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def readings(monkeypatch: pytest.MonkeyPatch) -> list[Reading]:
+    """Every pattern of `redaction`, read through `Reading`."""
+    found = []
+    for name in ("SECONDARY_FIELD", "QUOTED", "DRIVER_TUPLE", "CARD_NUMBER"):
+        found.append(Reading(getattr(redaction, name)))
+        monkeypatch.setattr(redaction, name, found[-1])
+    greedy = [Reading(pattern) for pattern in redaction.GREEDY_VALUES]
+    monkeypatch.setattr(redaction, "GREEDY_VALUES", greedy)
+    return found + greedy
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL.values(), ids=ADVERSARIAL)
+def test_redact_database_values__a_megabyte_text_is_cut_before_any_pattern_reads_it(
+    readings: list[Reading], text: str
+) -> None:
+    redacted = redact_database_values(DataError(text), text)
+    assert redacted.endswith(CUT), redacted[-80:]
+    assert len(redacted) <= REDACT_LENGTH + len(CUT)
+    assert "4111" not in redacted, redacted
+    assert any(reading.read for reading in readings)
+
+
+@pytest.mark.parametrize(
+    ("text", "kept"),
+    [
+        (ADVERSARIAL["pg quoted value"], "invalid input syntax for type integer: '…'" + CUT),
+        (ADVERSARIAL["pg quoted newlines"], "invalid input syntax for type integer: '…'" + CUT),
+        (ADVERSARIAL["driver tuple"], "(1366, \"Incorrect integer value: '…'" + CUT),
+        (f"card {CARD[:8]}" + "9" * MB, "card" + CUT),
+        # A detail within the first REDACT_LENGTH characters is still dropped.
+        (f"refused\nDETAIL:  Key (c)=({CARD})" + "x" * MB, "refused" + CUT),
+    ],
+)
+def test_redact_database_values__a_cut_value_is_redacted_to_the_cut(text: str, kept: str) -> None:
+    assert redact_database_values(DataError(text), text) == kept
+
+
+TEXTS_GIVEN: list[int] = []
+
+
+def recording_hook(exc: BaseException, text: str) -> str:
+    """A project's hook that keeps all of a text, noting its length."""
+    TEXTS_GIVEN.append(len(text))
+    return text * 2
+
+
+@override_settings(DJANGO_LEASES={"REDACT_ERRORS": "tests.test_redaction.recording_hook"})
+def test_error_text__the_hook_is_given_a_cut_text_and_its_answer_is_cut() -> None:
+    TEXTS_GIVEN.clear()
+    text = error_text(ValueError(CARD + "x" * MB))
+    assert TEXTS_GIVEN == [REDACT_LENGTH]
+    assert text == (CARD + "x" * MB)[:REDACT_LENGTH] + CUT
+
+
+def test_describe_error__a_megabyte_error_or_reason_is_stored_cut() -> None:
+    name, message = describe_error(DataError(ADVERSARIAL["pg quoted newlines"]))
+    assert (name, message) == (
+        "django.db.utils.DataError",
+        "invalid input syntax for type integer: '…'" + CUT,
+    )
+    assert describe_error("\x00" * MB) == ("", "\\x00" * (MAX_ERROR_LENGTH // 4))
+
+
+def test_log_exception__a_megabyte_error_logs_one_cut_line(readings: list[Reading]) -> None:
+    error = DataError(ADVERSARIAL["pg quoted newlines"])
+    with captured("django_leases.worker", logging.DEBUG) as lines:
+        try:
+            raise error
+        except DataError:
+            logging.getLogger("django_leases.worker").exception("job_id=%s failed", 7)
+    (text,) = lines
+    assert text.splitlines()[0] == (
+        "ERROR django_leases.worker job_id=7 failed: django.db.utils.DataError: "
+        "invalid input syntax for type integer: '…'" + CUT
+    )
+    assert CARD not in text and len(text) < 2 * REDACT_LENGTH, len(text)
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker__a_megabyte_error_text_costs_no_other_job_its_lease(
+    processes: Processes,
+) -> None:
+    """One job's error quotes a value of 1 MB (newlines, which the redaction once read in
+    quadratic time under the GIL, freezing the worker): its error is recorded, cut and
+    redacted, and the job beside it keeps its lease (a second worker would take it over)."""
+    other = PaymentJob.objects.enqueue("sleep", {"seconds": 4})
+    bad = PaymentJob.objects.enqueue(
+        "huge_database_error", {"card": CARD, "newlines": MB}, max_attempts=1
+    )
+    lease = ("--ttl", "3", "--heartbeat", "0.5")
+    kinds = ("--kind", "sleep", "huge_database_error")
+    processes.manage("run_lease_worker", "--concurrency", "2", *lease, *kinds, "--burst")
+    wait_for(lambda: PaymentJob.objects.filter(pk=other.pk, status=PROCESSING).exists())
+    # Takes `other` over if its lease expires.
+    rescuer = processes.manage("run_lease_worker", *lease, "--kind", "sleep", "-v", "2")
+
+    wait_for(lambda: PaymentJob.objects.filter(pk=bad.pk, status=FAILED).exists(), timeout=30)
+    wait_for(lambda: PaymentJob.objects.filter(pk=other.pk, status=COMPLETED).exists())
+    rescuer.send_signal(signal.SIGTERM)
+    out = rescuer.communicate(timeout=60)[0]
+    assert rescuer.returncode == 0, out
+
+    other.refresh_from_db()
+    assert other.attempts == 1, out
+    assert list(JobAttempt.objects.filter(job_ref=other.pk).values_list("outcome", flat=True)) == [
+        "completed"
+    ]
+    bad.refresh_from_db()
+    expected = "django.db.utils.DataError: invalid input syntax for type integer: '…'" + CUT
+    assert bad.last_error == expected
+    (attempt,) = JobAttempt.objects.filter(job_ref=bad.pk)
+    assert (attempt.outcome, attempt.error_message) == ("failed", expected.split(": ", 1)[1])
 
 
 # ---- what is logged -----------------------------------------------------------------------------

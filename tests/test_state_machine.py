@@ -129,7 +129,7 @@ from hypothesis.stateful import (
 
 from django_leases import job_handler
 from django_leases.backoff import retry_delay
-from django_leases.exceptions import Cancelled, LeaseLost
+from django_leases.exceptions import Cancelled, IdempotencyKeyReused, LeaseLost
 from django_leases.handlers import unregister
 from django_leases.lease import Lease, Presence
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, ScheduleState, Worker
@@ -535,22 +535,41 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(
         target=jobs,
         kind=st.sampled_from([RETRY_KIND, REVIEW_KIND]),
+        amount=st.sampled_from([100, 200]),
         keys=st.lists(st.sampled_from([None, "batch-1", "batch-2", "batch-3"]), max_size=4),
         locking=LOCKING,
     )
     def enqueue_many(
-        self, kind: str, keys: list[str | None], locking: tuple[str | None, str | None]
+        self, kind: str, amount: int, keys: list[str | None], locking: tuple[str | None, str | None]
     ) -> Any:
         """A batch follows enqueue()'s rules: a key stored already or repeated in the batch
         returns its first job; of a lock, the first new job is next in line if the lock has no
-        holder, every later one waits, in the payloads' order."""
+        holder, every later one waits, in the payloads' order. A key stored already with
+        another kind or payload rejects the batch, naming the key, and changes nothing."""
         lock, payment_id = locking
         before = job_rows()
         held_before = {row["lock_holder"] for row in before.values()}
         first_job = {row["idempotency_key"]: pk for pk, row in before.items()}
+        payload = {"amount": amount}
+        reused = [
+            key
+            for key in keys
+            if key is not None
+            and key in first_job
+            and (before[first_job[key]]["kind"], before[first_job[key]]["payload"])
+            != (kind, payload)
+        ]
+        if reused:
+            with pytest.raises(IdempotencyKeyReused, match=f"idempotency_key '{reused[0]}'"):
+                PaymentJob.objects.enqueue_many(
+                    kind, [payload] * len(keys), idempotency_keys=keys, lock=lock,
+                    payment_id=payment_id,
+                )  # fmt: skip
+            assert stored(job_rows()) == stored(before)
+            return multiple()
         batch = PaymentJob.objects.enqueue_many(
             kind,
-            [{"amount": 100}] * len(keys),
+            [payload] * len(keys),
             idempotency_keys=keys,
             lock=lock,
             payment_id=payment_id,
@@ -574,6 +593,26 @@ class LeaseMachine(RuleBasedStateMachine):
             else:
                 assert (row["status"], row["lock_holder"]) == (PENDING, expected_lock or None)
         return multiple(*new)
+
+    @rule(
+        key=st.sampled_from(["batch-1", "batch-2", "batch-3"]),
+        kind=st.sampled_from([RETRY_KIND, REVIEW_KIND]),
+        amount=st.sampled_from([100, 200]),
+    )
+    def enqueue_with_a_used_key(self, key: str, kind: str, amount: int) -> None:
+        """A key names one job, with its kind and payload: enqueue() with a stored key returns
+        its job if both match, else raises naming the key; neither changes any row."""
+        before = job_rows()
+        first = next((pk for pk, row in before.items() if row["idempotency_key"] == key), None)
+        if first is None:
+            return
+        payload = {"amount": amount}
+        if (before[first]["kind"], before[first]["payload"]) == (kind, payload):
+            assert PaymentJob.objects.enqueue(kind, payload, idempotency_key=key).pk == first
+        else:
+            with pytest.raises(IdempotencyKeyReused, match=f"idempotency_key '{key}'"):
+                PaymentJob.objects.enqueue(kind, payload, idempotency_key=key)
+        assert stored(job_rows()) == stored(before)
 
     def _acquired(
         self, claimed: list[PaymentJob], owner: str, before: dict[int, dict], started: float

@@ -15,7 +15,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_leases.backends import LeaseBackend
-from django_leases.exceptions import TaskFailed
+from django_leases.exceptions import PayloadTooLarge, TaskFailed
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge, PayoutAttempt, PayoutJob
@@ -237,6 +237,17 @@ def test_lease_backend__result_that_cannot_be_stored_fails_once(kind: str) -> No
     assert [outcome for outcome, _, _ in ledger(result.id)] == ["failed"]
     job = PaymentJob.objects.get(pk=int(result.id))
     assert (job.attempts, job.max_attempts, job.result) == (1, 2, None)
+
+
+def test_lease_backend__arguments_over_max_payload_bytes_raise_and_enqueue_nothing() -> None:
+    with override_settings(DJANGO_LEASES={"MAX_PAYLOAD_BYTES": 200}):
+        with pytest.raises(PayloadTooLarge, match=r"more than MAX_PAYLOAD_BYTES \(200\)"):
+            add.enqueue("x" * 200, "y")
+        result = add.enqueue("x", "y")
+    assert PaymentJob.objects.count() == 1
+    drain()
+    result.refresh()
+    assert (result.status, result.return_value) == (TaskResultStatus.SUCCESSFUL, "xy")
 
 
 CRAFTED = [

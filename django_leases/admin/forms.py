@@ -11,8 +11,16 @@ from django.core.exceptions import ValidationError
 from django.forms.fields import InvalidJSONInput
 from django.utils.translation import gettext
 
+from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidArgument, InvalidPayload
-from django_leases.limits import JSON_INT, MAX_JSON_DEPTH, PRIORITY, check_int, check_json
+from django_leases.limits import (
+    JSON_INT,
+    MAX_JSON_DEPTH,
+    PRIORITY,
+    check_int,
+    check_json,
+    check_json_size,
+)
 
 
 class PayloadField(forms.JSONField):
@@ -79,6 +87,7 @@ class LeasedJobForm(forms.ModelForm):
         payload = self.cleaned_data["payload"]
         try:
             check_json(payload, "payload")
+            check_json_size(payload, "payload", leases_settings.MAX_PAYLOAD_BYTES)
         except InvalidPayload as exc:
             raise ValidationError(str(exc)) from None
         return payload

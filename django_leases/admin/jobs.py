@@ -82,6 +82,14 @@ TASK_KINDS = "tasks."
 NOT_SAVED: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
 
 
+class JobChangeList(CountingChangeList):
+    """The job list: no column reads the payload or the result, which may each be up to
+    MAX_PAYLOAD_BYTES: a page of them is not loaded."""
+
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
+        return super().get_queryset(request, exclude_parameters).defer("payload", "result")
+
+
 class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, admin.ModelAdmin):
     """The admin of a job table: register it for your own `AbstractLeasedJob` model.
 
@@ -158,7 +166,7 @@ class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, adm
         return False  # jobs are added with enqueue()
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[CountingChangeList]:
-        return CountingChangeList
+        return JobChangeList
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None

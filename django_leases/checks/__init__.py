@@ -28,6 +28,7 @@ from django_leases.limits import (
     MAX_ATTEMPTS,
     MAX_DURATION,
     MIN_SECONDS,
+    PAYLOAD_BYTES,
     duration_range,
     in_duration_range,
     shown,
@@ -54,6 +55,7 @@ COUNTS = {
     "MAX_ATTEMPTS": MAX_ATTEMPTS,
     "PRUNE_BATCH_SIZE": BATCH_SIZE,
     "ADMIN_EXACT_COUNT_LIMIT": EXACT_COUNT_LIMIT,
+    "MAX_PAYLOAD_BYTES": PAYLOAD_BYTES,
 }
 BOOLEANS = ("PRUNE_LEDGER", "USE_NOTIFY", "LOCK_BY_PAYMENT")
 POLICIES = tuple(StuckPolicy.values)

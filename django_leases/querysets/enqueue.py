@@ -14,7 +14,7 @@ from django.db import IntegrityError, models, transaction
 
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.constraints import is_unique
-from django_leases.exceptions import InvalidArgument, LeaseError
+from django_leases.exceptions import IdempotencyKeyReused, InvalidArgument, LeaseError
 from django_leases.handlers import max_attempts_of
 from django_leases.limits import (
     IDEMPOTENCY_KEY_LENGTH,
@@ -25,6 +25,7 @@ from django_leases.limits import (
     check_datetime,
     check_int,
     check_json,
+    check_json_size,
     check_kind,
     check_text,
     shown,
@@ -161,12 +162,35 @@ def enqueue_all(
     if not inserts.returns_rows(qs.db):
         # One transaction: a job that fails rolls back the ones before it.
         with transaction.atomic(using=qs.db):
-            return [enqueue_with_savepoints(qs, values, row, delay) for row in rows]
-    with transaction.atomic(using=qs.db, savepoint=False):
-        done, created = insert_all(qs, values, rows, delay)
-    if created:
-        notify(qs, kind)
+            done = [enqueue_with_savepoints(qs, values, row, delay) for row in rows]
+            reused = undo_if_reused(qs, kind, rows, done)
+    else:
+        with transaction.atomic(using=qs.db, savepoint=False):
+            done, created = insert_all(qs, values, rows, delay)
+            reused = undo_if_reused(qs, kind, rows, done)
+        if created and reused is None:
+            notify(qs, kind)
+    if reused is not None:
+        raise reused
     return done
+
+
+def undo_if_reused(
+    qs: LeaseQuerySet[J], kind: str, rows: list[inserts.Row], jobs: list[J]
+) -> IdempotencyKeyReused | None:
+    """Return the error of the first of `jobs` (enqueued for `rows`) whose key names a job of
+    another kind or payload, having deleted the jobs the batch added (all or nothing); None if
+    there is none. Deleted rather than rolled back, so that the error leaves a caller's own
+    transaction usable, as it does without a conflict: no savepoint on the path without one.
+    """
+    for position, (row, job) in enumerate(zip(rows, jobs, strict=True)):
+        try:
+            check_bound(job, kind, row, f"payloads[{position}]: ")
+        except IdempotencyKeyReused as exc:
+            added = [job.pk for row, job in zip(rows, jobs, strict=True) if job.payload is row[0]]
+            table_jobs(qs).filter(pk__in=added).delete()
+            return exc
+    return None
 
 
 @retry_deadlocks
@@ -189,7 +213,7 @@ def enqueue_one(
         _check_idempotency_field(qs.model)
     row = job_row(payload, idempotency_key)
     if not inserts.returns_rows(qs.db):
-        return enqueue_with_savepoints(qs, values, row, delay)
+        return check_bound(enqueue_with_savepoints(qs, values, row, delay), kind, row)
     if idempotency_key is None and not values["lock"]:
         # Nothing can conflict: a plain INSERT, in the caller's transaction or on its own; on
         # its own, the INSERT announces the job too (one statement, one commit).
@@ -204,9 +228,53 @@ def enqueue_one(
         with transaction.atomic(using=qs.db, savepoint=False):
             [job], created = insert_all(qs, values, [row], delay)
         if not created:
-            return job
+            # Nothing was written: checked after the transaction, which stays usable.
+            return check_bound(job, kind, row)
     notify(qs, kind)
     return job
+
+
+def check_bound(job: J, kind: str, row: inserts.Row, place: str = "") -> J:
+    """Return `job`, the job enqueued for `row` or the first of its idempotency key; raise
+    `IdempotencyKeyReused` naming the key if that one is of another kind or payload.
+
+    The payloads are compared as JSON values, in Python, as each database gives them back
+    (objects by key, arrays in order, a boolean never equal to a number), so that the verdict
+    is the same on every database. A job just inserted holds `row`'s own payload: no
+    comparison, and no statement, on the path without a conflict.
+    """
+    payload, key = row
+    if key is None or (
+        job.kind == kind and (job.payload is payload or same_json(job.payload, payload))
+    ):
+        return job
+    differs = "kind" if job.kind != kind else "payload"
+    raise IdempotencyKeyReused(
+        f"{place}idempotency_key {key!r} already names job {job.pk} of kind {job.kind!r} with "
+        f"another {differs}: a key stands for one kind and payload; nothing was enqueued"
+    )
+
+
+def same_json(stored: Any, given: Any) -> bool:
+    """Whether `stored` (a JSON value read back) and `given` (one `check_json()` passed: tuples
+    may stand for arrays) are the same JSON value."""
+    if isinstance(stored, bool) or isinstance(given, bool):
+        return type(stored) is type(given) and stored == given
+    if isinstance(stored, dict):
+        return (
+            isinstance(given, dict)
+            and stored.keys() == given.keys()
+            and all(same_json(stored[name], given[name]) for name in stored)
+        )
+    if isinstance(stored, list):
+        return (
+            isinstance(given, list | tuple)
+            and len(stored) == len(given)
+            and all(same_json(a, b) for a, b in zip(stored, given, strict=True))
+        )
+    if isinstance(given, dict | list | tuple):
+        return False
+    return bool(stored == given)
 
 
 def job_values(
@@ -230,6 +298,7 @@ def job_row(payload: Any, key: str | None) -> inserts.Row:
     """Return the checked payload (None: `{}`) and idempotency key of one job."""
     payload = {} if payload is None else payload
     check_json(payload, "payload")
+    check_json_size(payload, "payload", leases_settings.MAX_PAYLOAD_BYTES)
     if key is not None:
         check_text(key, "idempotency_key", IDEMPOTENCY_KEY_LENGTH)
     return payload, key

@@ -18,12 +18,13 @@ from django.db import connections, transaction
 from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Now
 
-from django_leases.conf import to_seconds
+from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
 from django_leases.handlers import lease_lengths_of
 from django_leases.limits import (
     CHECKPOINT_LENGTH,
+    check_json_size,
     check_text,
 )
 from django_leases.querysets import acks, base, claims, endings, ledger, operators
@@ -196,6 +197,7 @@ class LeaseQuerySet(LeaseReads[J]):
             "lock_holder": None,
         }
         if result is not None:
+            check_json_size(result, "result", leases_settings.MAX_PAYLOAD_BYTES)
             values["result"] = result
         self._holder_write(pk, owner, token, AttemptOutcome.COMPLETED, None, **values)
 

@@ -16,6 +16,7 @@ from django.db import connections, models
 from django.db.models import F, OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
+from django_leases.limits import MAX_ERROR_LENGTH
 from django_leases.querysets.base import LEDGER_KEY, LeaseKey, key_groups, keys_filter
 from django_leases.querysets.reads import J
 from django_leases.redaction import error_text
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
 
 
-MAX_ERROR_LENGTH = 2000
 MAX_ERROR_CLASS_LENGTH = 255
 
 # The ledger columns the PostgreSQL fast paths write: a ledger model with other fields (a
@@ -59,7 +59,8 @@ def describe_error(error: BaseException | str) -> tuple[str, str]:
         if len(name) > MAX_ERROR_CLASS_LENGTH:
             name = name[: MAX_ERROR_CLASS_LENGTH - 1] + "…"
         return storable(name), storable(error_text(error))[:MAX_ERROR_LENGTH]
-    return "", storable(str(error))[:MAX_ERROR_LENGTH]
+    # Cut before escaping, too: a reason of any length costs no more than one of the column's.
+    return "", storable(str(error)[:MAX_ERROR_LENGTH])[:MAX_ERROR_LENGTH]
 
 
 def storable(text: str) -> str:

@@ -5,7 +5,7 @@ import threading
 import time
 from collections import Counter
 
-from django.db import connection, transaction
+from django.db import DataError, connection, transaction
 from django.db.backends.signals import connection_created
 from django.db.models.functions import Now
 
@@ -245,6 +245,14 @@ def long_named_error(job, lease):
 def unstorable_error(job, lease):
     """An error whose text no column stores as it is: a NUL and a lone surrogate."""
     raise RuntimeError("card\x00 declined \udc80")
+
+
+@job_handler("huge_database_error")
+def huge_database_error(job, lease):
+    """Raise PostgreSQL's refusal of a value as it quotes it, whole: the card, then
+    `payload["newlines"]` newlines (runs that the redaction's patterns once read quadratically)."""
+    value = job.payload["card"] + "\n" * job.payload["newlines"]
+    raise DataError(f'invalid input syntax for type integer: "{value}"')
 
 
 @job_handler("leaves_transaction_open")
