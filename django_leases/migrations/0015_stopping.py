@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_leases', '0012_ledger_without_open_index'),
+        ('django_leases', '0014_worker_roles_and_intervals'),
     ]
 
     operations = [
