@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -18,8 +19,7 @@ from django_leases.db import harden, keep_usable
 from django_leases.exceptions import WorkerIdTaken
 from django_leases.handlers import min_lease
 from django_leases.lease import Lease, Presence
-from django_leases.outages import is_outage, outage_or_raise
-from django_leases.outcomes import Outages
+from django_leases.outages import Outages, is_outage, outage_or_raise
 from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.workers import Role
 from django_leases.redaction import error_text
@@ -28,6 +28,11 @@ from django_leases.tables import registered_workers
 from django_leases.worker_stats import WorkerStats
 
 logger = logging.getLogger("django_leases.worker")
+
+
+def default_worker_id() -> str:
+    """Return "<host>:<pid>:<random>": unique per process, readable in the admin and logs."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 class RegistryRow:

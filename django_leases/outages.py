@@ -9,21 +9,34 @@ where a driver has none, by the server's message: libpq reports no SQLSTATE for 
 the connection handshake (a failed login, an unknown database or startup parameter), so those
 are read from PostgreSQL's and PgBouncer's English messages. Anything not recognised counts as
 an outage, as before: a server whose `lc_messages` is not English gets its connection errors
-waited out.
+waited out. `Outages` is the back-off every worker thread shares while the database is away.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError, connections
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+)
 
+from django_leases.backoff import reconnect_delay
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.redaction import error_text
 from django_leases.sql import MIGRATE
+from django_leases.worker_stats import WorkerStats
+
+logger = logging.getLogger("django_leases.worker")
 
 OUTAGES = (OperationalError, InterfaceError)
 """The errors of a database that is down or cut off; waited out unless `misconfiguration()`
@@ -103,3 +116,86 @@ def check_tables(alias: str, models: Iterable[type[Any]]) -> None:
             f"database {alias!r} is not migrated (no table {', '.join(missing)}): run "
             f'"manage.py migrate --database {alias}"'
         )
+
+
+OUTAGE_BACKOFF_MAX = 5.0
+"""The longest wait (seconds) between two tries of a database that is away: an outcome must
+still land while its lease may be live."""
+STILL_DOWN_EVERY = 60.0
+"""Seconds between two "still unavailable" lines of one outage."""
+
+
+class Outages:
+    """Log a database outage once, drop the broken connection and back off: exponentially,
+    with jitter, up to `OUTAGE_BACKOFF_MAX` seconds; "still unavailable" once a minute
+    (`STILL_DOWN_EVERY`), each retry at DEBUG, and the end of the outage once."""
+
+    def __init__(
+        self, stats: WorkerStats, using: str, poll_interval: float, stopping: threading.Event
+    ) -> None:
+        self.stats = stats
+        self.using = using
+        self.poll_interval = poll_interval
+        self.stopping = stopping
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        """Monotonic time of the first failure of the current outage; None: no outage."""
+        self._failures = 0
+        self._next_report = 0.0
+
+    def away(self, exc: BaseException) -> bool:
+        """Whether `exc` says the database is away, not that it refused the statement: it
+        takes no writes now (`outages.is_outage()`), or the connection no longer answers."""
+        if not is_outage(exc, self.using):
+            return False
+        return not isinstance(exc, OUTAGES) or not connections[self.using].is_usable()
+
+    def pause(self, what: str, exc: Exception, *, wait: threading.Event | None = None) -> None:
+        """Back off unless `wait` (default: the stop request) is set first."""
+        self.stats.add("outages")
+        now = time.monotonic()
+        with self._lock:
+            first = self._since is None
+            if self._since is None:
+                self._since = now
+                self._next_report = now + STILL_DOWN_EVERY
+            report = not first and now >= self._next_report
+            if report:
+                self._next_report = now + STILL_DOWN_EVERY
+            self._failures += 1
+            since, failures = self._since, self._failures
+        pause = reconnect_delay(
+            failures, min(self.poll_interval, OUTAGE_BACKOFF_MAX), OUTAGE_BACKOFF_MAX
+        )
+        if first:
+            logger.warning(
+                "database unavailable during %s: %s; retrying", what, one_line(error_text(exc))
+            )
+        elif report:
+            logger.warning(
+                "database still unavailable after %.0fs (%s failed: %s); retrying every %.0fs "
+                "at most",
+                now - since,
+                what,
+                one_line(error_text(exc)),
+                OUTAGE_BACKOFF_MAX,
+            )
+        else:
+            logger.debug(
+                "database unavailable during %s: %s; retrying in %.2fs",
+                what,
+                one_line(error_text(exc)),
+                pause,
+            )
+        close_old_connections()
+        connections[self.using].close()
+        (wait or self.stopping).wait(timeout=pause)
+
+    def over(self) -> None:
+        """Note that a database call succeeded: log the end of an outage, if one was on."""
+        if self._since is None:  # the common case, read without the lock
+            return
+        with self._lock:
+            since, self._since, self._failures = self._since, None, 0
+        if since is not None:
+            logger.warning("database available again after %.1fs", time.monotonic() - since)

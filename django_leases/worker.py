@@ -26,10 +26,8 @@ finish (fenced) on its own; a dead heartbeat or acknowledgement thread is starte
 from __future__ import annotations
 
 import logging
-import os
 import random
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Collection
@@ -45,12 +43,12 @@ from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import ACK_BATCH, get_handler, lease_length, min_lease, registered_kinds
-from django_leases.heartbeat import Heartbeat, RegistryRow
+from django_leases.heartbeat import Heartbeat, RegistryRow, default_worker_id
 from django_leases.lease import Lease, Presence
 from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, check_kind, check_owner
 from django_leases.listener import Listener
-from django_leases.outages import check_tables, outage_or_raise
-from django_leases.outcomes import Outages, Outcomes
+from django_leases.outages import Outages, check_tables, outage_or_raise
+from django_leases.outcomes import Outcomes
 from django_leases.querysets.claims import failures_of
 from django_leases.schedules import Ticker
 from django_leases.slots import Slot, SlotPool
@@ -58,11 +56,6 @@ from django_leases.tables import leased_jobs, queue_models
 from django_leases.worker_stats import Recorder, WorkerStats
 
 logger = logging.getLogger("django_leases.worker")
-
-
-def default_worker_id() -> str:
-    """Return "<host>:<pid>:<random>": unique per process, readable in the admin and logs."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 class LeaseWorker:

@@ -341,9 +341,10 @@ def test_postgresql_literals__write_integers_here_and_keep_what_the_driver_quote
 
 @pytest.mark.django_db(transaction=True)
 def test_prepared_claim__writes_each_owner_kind_and_length_in_as_itself() -> None:
-    # Quotes, a backslash and percent signs: on PostgreSQL the EXECUTE goes without parameters,
-    # its texts written in by the driver's quoting; two owners and lengths on one connection.
-    owners = ["o'wner\\1 %s", "o'wner\\2 %(x)s"]
+    # Quotes, a backslash and percent signs (an owner has no spaces): on PostgreSQL the EXECUTE
+    # goes without parameters, its texts written in by the driver's quoting; two owners and
+    # lengths on one connection.
+    owners = ["o'wner\\1%s", "o'wner\\2%(x)s"]
     PaymentJob.objects.bulk_create(PaymentJob(kind="cap'ture%") for _ in range(4))
     for owner, ttl in zip(owners, (60.0, 30.5), strict=True):
         jobs = PaymentJob.objects.claim(owner, ttl=ttl, limit=2, kinds=["cap'ture%"])

@@ -744,7 +744,13 @@ class LeaseMachine(RuleBasedStateMachine):
     # ---- the database forgets its last commits ----------------------------------------------
 
     # The model's state that follows the database back in a failover (deep copies).
-    FOLLOWS_THE_DATABASE = ("acquisitions", "tokens", "finished_by_holder", "requeued_behind")
+    FOLLOWS_THE_DATABASE = (
+        "acquisitions",
+        "tokens",
+        "finished_by_holder",
+        "requeued_behind",
+        "cancelled",
+    )
 
     @rule()
     def standby_replays(self) -> None:

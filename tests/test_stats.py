@@ -123,13 +123,13 @@ def test_throughput__per_database_minute() -> None:
     )
 
 
-def test_overview__seventeen_queries(django_assert_num_queries: Any) -> None:
+def test_overview__eighteen_queries(django_assert_num_queries: Any) -> None:
     job_in("processing", lease_until=Now() - timedelta(seconds=5))
     job_in("pending", run_at=Now() - timedelta(minutes=2))
     job_in("review")
     long_runner = running_since(timedelta(hours=2))
     Worker.objects.register("w1", instance="test", hostname="h", pid=1, kinds=[], concurrency=1)
-    with django_assert_num_queries(17):
+    with django_assert_num_queries(18):
         data = stats.overview(PaymentJob.objects.all(), Worker.objects.all(), near_expiry=20)
     assert (data.total, data.under_review) == (stats.Tally(4), stats.Tally(1))
     assert (data.stuck, data.near_expiry) == (1, 0)

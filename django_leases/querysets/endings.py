@@ -22,9 +22,9 @@ from django.db.models import Case, F, PositiveBigIntegerField, Q, Value, When
 from django.db.models.functions import Now
 
 from django_leases.exceptions import LeaseError
+from django_leases.limits import check_owner
 from django_leases.querysets.base import (
     LeaseKey,
-    check_owner,
     key_groups,
     keys_filter,
     lease_keys,
