@@ -68,6 +68,10 @@ jobs of the kind processing at once, across every worker" holds:
     acknowledgement (`holder_returns`), or the watcher once the lease expired, ends it. Only a
     forced requeue or failure takes a running job's lock on purpose (it fences its holder).
 
+17. An error text of adversarial length (a megabyte a PostgreSQL error quotes, runs of what the
+    redactor's patterns loop on) is recorded, cut to MAX_ERROR_LENGTH and redacted, on the job
+    and on its attempt's row, and its failure follows the same rules as any other.
+
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
 pass as the database clock moves) through passes of the schedulers, ticks passing (or the clock
@@ -109,7 +113,7 @@ from itertools import combinations, takewhile
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import DataError, connection, connections
 from django.db.models import BooleanField, Case, F, QuerySet, When
 from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
@@ -132,6 +136,7 @@ from django_leases.backoff import retry_delay
 from django_leases.exceptions import Cancelled, IdempotencyKeyReused, LeaseLost
 from django_leases.handlers import unregister
 from django_leases.lease import Lease, Presence
+from django_leases.limits import MAX_ERROR_LENGTH
 from django_leases.models import JobAttempt, JobEvent, PaymentJob, ScheduleState, Worker
 from django_leases.querysets.claims import failures_of
 from django_leases.querysets.schedules import Series
@@ -216,6 +221,17 @@ PUT_UNDER_REVIEW = ("review", "timed_out", "cancelled")
 # Attempts after which the backoff's exponent no longer fits a float (2 ** 1024).
 MARATHON = 1024
 WITH_MARATHON = bool(os.environ.get("LEASES_STATE_MACHINE_MARATHON"))
+CARD = "4111111111111111"
+"""A card number inside the adversarial error texts: never stored."""
+ERRORS: tuple[BaseException, ...] = (
+    RuntimeError("psp said no"),
+    # 17. A megabyte value PostgreSQL quotes whole, and runs of what the redactor's patterns
+    # loop on: the redaction that once took seconds per 20,000 characters, under the GIL.
+    DataError(f'invalid input syntax for type integer: "{CARD}{chr(10) * 1_000_000}"'),
+    DataError(f" near '{CARD}" * 43_000),
+    DataError(f"refused {CARD}" + "\n \t" * 333_000),
+)
+
 EXAMPLES = int(os.environ.get("LEASES_STATE_MACHINE_EXAMPLES", "0"))
 STEPS = int(os.environ.get("LEASES_STATE_MACHINE_STEPS", "40"))
 
@@ -978,9 +994,10 @@ class LeaseMachine(RuleBasedStateMachine):
         self._acquired(claimed, owner, rows, started)
         return multiple(*claimed)
 
-    @rule(lease=leases, permanent=st.booleans())
-    def fail(self, lease: PaymentJob, permanent: bool) -> None:
-        """A handler raised: retried after the worker's backoff, or failed for good."""
+    @rule(lease=leases, permanent=st.booleans(), error=st.sampled_from(ERRORS))
+    def fail(self, lease: PaymentJob, permanent: bool, error: BaseException) -> None:
+        """A handler raised: retried after the worker's backoff, or failed for good; its error
+        may be of adversarial length (17)."""
         before = job_rows()[lease.pk]
         holder = Lease(lease, ttl=TTL)
         delay = None if permanent else retry_delay(lease.attempts)
@@ -988,13 +1005,20 @@ class LeaseMachine(RuleBasedStateMachine):
             lease,
             "fail",
             False,
-            lambda: holder.fail(RuntimeError("psp said no"), retry_in=delay, permanent=permanent),
+            lambda: holder.fail(error, retry_in=delay, permanent=permanent),
         )
         if held(before, lease):
             out_of_attempts = before["attempts"] >= before["max_attempts"]
             row = job_rows()[lease.pk]
             assert status == row["status"] == (FAILED if permanent or out_of_attempts else PENDING)
             assert row["due"] is False or status == FAILED
+            # 17. Recorded, cut and redacted, on the job and on its attempt's row.
+            key = (lease.pk, lease.lease_token)
+            (attempt,) = (a for a in ledger_rows().values() if (a["job_ref"], a["token"]) == key)
+            message, last_error = attempt["error_message"], row["last_error"]
+            assert message and len(message) <= MAX_ERROR_LENGTH and CARD not in message
+            # The job's copy is the class path, ": " and the same message.
+            assert last_error.endswith(message) and len(last_error) <= MAX_ERROR_LENGTH + 64
 
     @rule(lease=leases)
     def release(self, lease: PaymentJob) -> None:
