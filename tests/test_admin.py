@@ -1119,6 +1119,7 @@ def test_overview__counts_and_lists(admin_client: Client, jobs: dict[str, Paymen
         "review": Tally(1),
         "cancelled": Tally(1),
         "waiting": Tally(1),
+        "stopping": Tally(0),
     }
     assert (data.stuck, data.near_expiry) == (1, 1)
     assert data.under_review == data.blocked_by_lock == Tally(1)

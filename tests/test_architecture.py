@@ -293,15 +293,16 @@ def claim_path_traced() -> list[str]:
 @pytest.mark.django_db(transaction=True)
 def test_architecture__one_claim_on_postgresql_reads_in_a_few_jumps() -> None:
     # Every function of the package one claim calls, in the order a reader follows it: at
-    # most 12, in at most 6 files (the prepared-statement path, the stock ledger; the kinds'
-    # own lease lengths and their SQL fragment are cached, so they add no jump).
+    # most 14, in at most 6 files (the prepared-statement path, the stock ledger; the kinds'
+    # own lease lengths and their SQL fragment are cached, so they add no jump). 12 until the
+    # claim was bound to the routers' write database (`writes()`, `writing_to()`: two jumps).
     from django.db import connection
 
     if connection.vendor != "postgresql":
         pytest.skip("the path counted is PostgreSQL's")
     path = claim_path_traced()
     files = {name.split(":")[0] for name in path}
-    assert len(path) <= 12 and len(files) <= 6, "\n".join(path)
+    assert len(path) <= 14 and len(files) <= 6, "\n".join(path)
 
 
 def test_architecture__the_doors_import_no_model() -> None:

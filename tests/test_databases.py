@@ -392,11 +392,12 @@ def test_routers__every_lease_transition_writes_where_the_routers_send_writes() 
     assert jobs.rescue(risky, "review", by="watcher")
     assert jobs.filter(pk=risky.pk).resolve_review("failed", by="op") == 1
     assert jobs.filter(pk=risky.pk).requeue(by="op") == 1
+    # The cancelled job's holder is running it: stopping until it acknowledges (release rule).
     assert [on_default(job) for job in enqueued] == [
         Status.COMPLETED,
         Status.PENDING,
         Status.PENDING,
-        Status.CANCELLED,
+        Status.STOPPING,
         Status.PENDING,
         Status.PENDING,
         Status.FAILED,
@@ -421,7 +422,7 @@ def test_routers__the_watcher_rescues_on_the_write_database() -> None:
     ("action", "status"),
     [
         ("cancel", Status.CANCELLED),
-        ("force_cancel", Status.CANCELLED),
+        ("force_cancel", Status.STOPPING),  # running: stopping until its holder returns
         ("requeue", Status.PENDING),
         ("force_requeue", Status.PENDING),
         ("release_stuck", Status.PENDING),

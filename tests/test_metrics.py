@@ -187,7 +187,9 @@ def test_worker_metrics__a_timeout_is_counted(processes: Processes) -> None:
     )
     url = endpoint(proc)
     wait_for(lambda: value(scrape(url), "django_leases_timeouts_total", kind="hangs") == 1)
-    assert PaymentJob.objects.get(pk=job.pk).status == Status.FAILED
+    # Its handler still runs: stopping (lock and limit slot kept) until it returns, then failed.
+    row = PaymentJob.objects.get(pk=job.pk)
+    assert (row.status, row.ends_as) == (Status.STOPPING, Status.FAILED)
     assert value(scrape(url), "django_leases_completions_total", kind="hangs") == 0
 
 

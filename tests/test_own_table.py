@@ -59,7 +59,9 @@ def test_own_table__workers_sigkill_watcher_completion_prune_and_admin(
         idempotency_key="payout-slow",
         priority=10,
     )
-    again = PayoutJob.objects.enqueue("payout.send", idempotency_key="payout-slow")
+    again = PayoutJob.objects.enqueue(
+        "payout.send", {"durations": [60, 0]}, idempotency_key="payout-slow"
+    )
     assert (again.pk, again.recipient) == (slow.pk, "acct-slow")
     quick = [PayoutJob.objects.enqueue("payout.send", recipient=f"acct-{i}") for i in range(6)]
 

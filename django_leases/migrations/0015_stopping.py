@@ -1,7 +1,7 @@
 # The stopping status (a job cancelled or timed out while its handler may still run) and the
 # status it ends as: stopping jobs hold their lock (the lock constraints list it) and count
-# against their kind's limit, so the lease indexes cover them too. The new column has a constant
-# default; the indexes and check constraints are rebuilt with their new conditions.
+# against their kind's limit. The new column has a constant default; the check constraints are
+# rebuilt with their new conditions.
 from django.db import migrations, models
 
 
@@ -24,14 +24,6 @@ class Migration(migrations.Migration):
             model_name='paymentjob',
             name='dl_job_lock_holder_is_lock',
         ),
-        migrations.RemoveIndex(
-            model_name='paymentjob',
-            name='dl_job_lease_idx',
-        ),
-        migrations.RemoveIndex(
-            model_name='paymentjob',
-            name='dl_job_kind_lease_idx',
-        ),
         migrations.AddField(
             model_name='paymentjob',
             name='ends_as',
@@ -41,14 +33,6 @@ class Migration(migrations.Migration):
             model_name='paymentjob',
             name='status',
             field=models.CharField(choices=[('pending', 'Pending'), ('processing', 'Processing'), ('completed', 'Completed'), ('failed', 'Failed'), ('review', 'Under review'), ('cancelled', 'Cancelled'), ('waiting', 'Waiting for its lock'), ('stopping', 'Stopping')], default='pending', max_length=20, verbose_name='status'),
-        ),
-        migrations.AddIndex(
-            model_name='paymentjob',
-            index=models.Index(condition=models.Q(('status__in', ('processing', 'stopping'))), fields=['status', 'lease_until'], name='dl_job_lease_idx'),
-        ),
-        migrations.AddIndex(
-            model_name='paymentjob',
-            index=models.Index(condition=models.Q(('status__in', ('processing', 'stopping'))), fields=['kind', 'status', 'lease_until'], name='dl_job_kind_lease_idx'),
         ),
         migrations.AddConstraint(
             model_name='paymentjob',

@@ -1,7 +1,7 @@
 # The stopping status (a job cancelled or timed out while its handler may still run) and the
 # status it ends as: stopping jobs hold their lock (the lock constraints list it) and count
-# against their kind's limit, so the lease indexes cover them too. The new column has a constant
-# default; the indexes and check constraints are rebuilt with their new conditions.
+# against their kind's limit. The new column has a constant default; the check constraints are
+# rebuilt with their new conditions.
 from django.db import migrations, models
 
 
@@ -35,22 +35,6 @@ class Migration(migrations.Migration):
             model_name="payoutjob",
             name="tp_payout_lock_holder_is_lock",
         ),
-        migrations.RemoveIndex(
-            model_name="barejob",
-            name="tp_bare_lease_idx",
-        ),
-        migrations.RemoveIndex(
-            model_name="barejob",
-            name="tp_bare_kind_lease_idx",
-        ),
-        migrations.RemoveIndex(
-            model_name="payoutjob",
-            name="tp_payout_lease_idx",
-        ),
-        migrations.RemoveIndex(
-            model_name="payoutjob",
-            name="tp_payout_kind_lease_idx",
-        ),
         migrations.AddField(
             model_name="barejob",
             name="ends_as",
@@ -131,38 +115,6 @@ class Migration(migrations.Migration):
                 default="pending",
                 max_length=20,
                 verbose_name="status",
-            ),
-        ),
-        migrations.AddIndex(
-            model_name="barejob",
-            index=models.Index(
-                condition=models.Q(("status__in", ("processing", "stopping"))),
-                fields=["status", "lease_until"],
-                name="tp_bare_lease_idx",
-            ),
-        ),
-        migrations.AddIndex(
-            model_name="barejob",
-            index=models.Index(
-                condition=models.Q(("status__in", ("processing", "stopping"))),
-                fields=["kind", "status", "lease_until"],
-                name="tp_bare_kind_lease_idx",
-            ),
-        ),
-        migrations.AddIndex(
-            model_name="payoutjob",
-            index=models.Index(
-                condition=models.Q(("status__in", ("processing", "stopping"))),
-                fields=["status", "lease_until"],
-                name="tp_payout_lease_idx",
-            ),
-        ),
-        migrations.AddIndex(
-            model_name="payoutjob",
-            index=models.Index(
-                condition=models.Q(("status__in", ("processing", "stopping"))),
-                fields=["kind", "status", "lease_until"],
-                name="tp_payout_kind_lease_idx",
             ),
         ),
         migrations.AddConstraint(
