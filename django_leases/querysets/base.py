@@ -23,7 +23,9 @@ from django_leases.exceptions import InvalidArgument
 from django_leases.handlers import Lengths
 from django_leases.limits import JOB_ID, check_int, shown
 
-DEADLOCK_RETRIES = 5
+DEADLOCK_RETRIES = 10
+"""Tries of a transition InnoDB chose as a deadlock's victim: an operator's cancel of a running
+job of a limited kind lost five in a row to a busy worker's heartbeats (MariaDB, in tests)."""
 
 LeaseKey = tuple[int, int]
 """(job id, fencing token): one acquisition of a job. Writes over many leases are keyed by it,
