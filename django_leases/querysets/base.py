@@ -17,6 +17,7 @@ from django.db.models import Case, F, Func, Q, Value, When
 from django.db.models.functions import Greatest, Now
 from django.db.models.sql import Query
 from django.db.models.sql.compiler import SQLCompiler
+from django.utils.connection import ConnectionDoesNotExist
 
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import InvalidArgument
@@ -201,12 +202,21 @@ def next_token() -> Any:
     )
 
 
+def _is_connection(alias: str) -> bool:
+    """Whether `alias` names a database: one of DATABASES or a connection set up in code."""
+    try:
+        connections[alias]
+    except ConnectionDoesNotExist:
+        return False
+    return True
+
+
 def writing_to(qs: QS, using: str | None = None) -> QS:
     """This queryset on the database `using`; None: its own, else the routers' choice
     for writes of the model. Raises `InvalidArgument` for an alias not in DATABASES."""
     chosen: Any = qs  # its alias, `_db`, is Django's; django-stubs does not declare it
     alias = using if using is not None else chosen._db or router.db_for_write(qs.model)
-    if not isinstance(alias, str) or alias not in connections.settings:
+    if not isinstance(alias, str) or not _is_connection(alias):
         raise InvalidArgument(
             f"using must name a database of DATABASES ({', '.join(connections.settings)}), "
             f"got {shown(alias)}"
