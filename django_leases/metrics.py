@@ -27,7 +27,14 @@ from wsgiref.simple_server import make_server
 
 from django.db import DatabaseError, connections
 from django.http import HttpRequest, HttpResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import (
     CONTENT_TYPE_LATEST,
@@ -42,6 +49,10 @@ from django_leases.conf import leases_settings
 from django_leases.handlers import throttles
 from django_leases.status import TIMED_OUT, AttemptOutcome
 from django_leases.tables import job_model, leased_jobs
+
+# No `_created` series beside every counter and histogram: a second series per label set that
+# no dashboard reads (prometheus_client's own switch; it holds for the whole process).
+disable_created_metrics()
 
 PREFIX = "django_leases"
 # Seconds, from a quick API call to a batch that runs for an hour.
@@ -78,7 +89,13 @@ class WorkerMetrics:
     """A worker's `Recorder`: its counters and histograms, in a registry of its own, for the job
     table `model` on `using` (their defaults as for `leased_jobs()`)."""
 
-    def __init__(self, *, model: type[Any] | None = None, using: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model: type[Any] | None = None,
+        using: str | None = None,
+        kinds: Iterable[str] = (),
+    ) -> None:
         self.registry = CollectorRegistry()
         describe_queue(self.registry, model, using)
         self.counters = {
@@ -97,6 +114,11 @@ class WorkerMetrics:
                 ),
             )
         )
+        # Each series of the kinds served exists from the start, at 0: `increase()` and an
+        # alert on a counter see the process's first event, not only the ones after it.
+        for kind in kinds:
+            for metric in (*self.counters.values(), self.run_seconds, self.wait_seconds):
+                metric.labels(kind=kind)
 
     def count(self, event: str, kind: str, n: int) -> None:
         counter = self.counters.get(event)
@@ -189,7 +211,8 @@ class QueueCollector(Collector):
         for (status, kind), n in sorted(gauges.by_status_and_kind.items()):
             jobs.add_metric([status, kind], n)
         yield jobs
-        for name, text, value in (
+        kinds = sorted({kind for _, kind in gauges.by_status_and_kind})
+        for name, text, counts in (
             ("jobs_stuck", "Processing jobs whose lease has expired", gauges.stuck),
             (
                 "jobs_near_expiry",
@@ -203,7 +226,12 @@ class QueueCollector(Collector):
                 gauges.running_long,
             ),
         ):
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+            # Every kind with live jobs has a series, 0 included: an alert on `> 0` sees a kind
+            # before its first stuck job, and a series does not vanish when its count drops.
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", text, labels=["kind"])
+            for kind in sorted({*kinds, *counts}):
+                family.add_metric([kind], counts.get(kind, 0))
+            yield family
         yield from fleet_gauges(gauges)
         yield from throttle_gauges()
 

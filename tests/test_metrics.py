@@ -20,6 +20,7 @@ from django.db.backends.signals import connection_created
 from django.db.models.functions import Now
 from django.test import Client, override_settings
 from django.urls import path
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from django_leases import metrics, stats
@@ -336,9 +337,10 @@ def expected_gauges() -> Samples:
         if job.status in stats.LIVE_STATUSES:
             key = ("django_leases_jobs", (("kind", job.kind), ("status", job.status)))
             expected[key] = expected.get(key, 0) + 1
-    expected[("django_leases_jobs_under_review", ())] = sum(
-        job.status == Status.REVIEW for job in rows
-    )
+    for job in rows:
+        key = ("django_leases_jobs_under_review", (("kind", job.kind),))
+        if job.status in stats.LIVE_STATUSES:
+            expected[key] = expected.get(key, 0) + (job.status == Status.REVIEW)
     return expected
 
 
@@ -359,16 +361,16 @@ def test_queue_metrics__gauges_match_the_rows(
     assert gauges == {key: n for key, n in expected.items() if key[0] == "django_leases_jobs"}
     assert gauges[("django_leases_jobs", (("kind", "capture"), ("status", "pending")))] == 3
     assert value(samples, "django_leases_database_up") == 1
-    assert value(samples, "django_leases_jobs_under_review") == 1
-    assert value(samples, "django_leases_jobs_stuck") == 0
-    assert value(samples, "django_leases_jobs_near_expiry") == 1
-    assert value(samples, "django_leases_jobs_running_long") == 1
+    assert value(samples, "django_leases_jobs_under_review", kind="refund") == 1
+    assert value(samples, "django_leases_jobs_stuck", kind="capture") == 0
+    assert value(samples, "django_leases_jobs_near_expiry", kind="capture") == 1
+    assert value(samples, "django_leases_jobs_running_long", kind="capture") == 1
     wait = value(samples, "django_leases_oldest_due_job_wait_seconds", kind="capture")
     assert 600 <= wait < 3600
 
     PaymentJob.objects.filter(payment_id="live").update(lease_until=Now() - timedelta(seconds=1))
     samples = parse(client.get("/metrics/").content.decode())
-    assert value(samples, "django_leases_jobs_stuck") == 1
+    assert value(samples, "django_leases_jobs_stuck", kind="capture") == 1
 
 
 @pytest.mark.concurrency
@@ -391,14 +393,14 @@ def test_watcher_metrics__rescues_and_gauges_of_a_real_watcher(processes: Proces
     assert {key: n for key, n in samples.items() if key[0] == "django_leases_jobs"} == {
         key: n for key, n in expected.items() if key[0] == "django_leases_jobs"
     }
-    assert value(samples, "django_leases_jobs_stuck") == 0
+    assert value(samples, "django_leases_jobs_stuck", kind="capture") == 0
 
     # A lease that expires after the pass shows at the next scrape, by the database clock.
     PaymentJob.objects.filter(payment_id="near").update(lease_until=Now() - timedelta(seconds=1))
     samples = scrape(url)
-    assert value(samples, "django_leases_jobs_stuck") == 1
-    assert value(samples, "django_leases_jobs_near_expiry") == 0
-    assert value(samples, "django_leases_jobs_running_long") == 1
+    assert value(samples, "django_leases_jobs_stuck", kind="capture") == 1
+    assert value(samples, "django_leases_jobs_near_expiry", kind="capture") == 0
+    assert value(samples, "django_leases_jobs_running_long", kind="capture") == 1
 
     proc.send_signal(signal.SIGTERM)
     out = finish(proc)
@@ -448,13 +450,13 @@ def test_queue_metrics__the_urlconf_chooses_the_job_table(client: Client) -> Non
     two_tables()
     payouts = parse(client.get("/metrics/payouts/").content.decode())
     assert job_series(payouts) == PAYOUT_SERIES
-    assert value(payouts, "django_leases_jobs_stuck") == 0
+    assert value(payouts, "django_leases_jobs_stuck", kind="payout.send") == 0
     default = parse(client.get("/metrics/").content.decode())
     assert job_series(default) == {
         ("django_leases_jobs", (("kind", "capture"), ("status", "pending"))): 3,
         ("django_leases_jobs", (("kind", "capture"), ("status", "processing"))): 1,
     }
-    assert value(default, "django_leases_jobs_stuck") == 1
+    assert value(default, "django_leases_jobs_stuck", kind="capture") == 1
 
 
 @pytest.mark.concurrency
@@ -468,7 +470,7 @@ def test_watcher_metrics__the_gauges_of_its_model(processes: Processes) -> None:
     samples = scrape(endpoint(proc))
     assert job_series(samples) == PAYOUT_SERIES
     # JOB_MODEL's stuck job is neither counted nor rescued by a watcher of another table.
-    assert value(samples, "django_leases_jobs_stuck") == 0
+    assert value(samples, "django_leases_jobs_stuck", kind="capture") == 0
     proc.send_signal(signal.SIGTERM)
     out = finish(proc)
     assert proc.returncode == 0, out
@@ -518,7 +520,9 @@ def test_metrics_endpoint__concurrent_scrapes_share_one_database_read() -> None:
     # One request read the database for 24 scrapes (before: each of them).
     assert len(set(opened)) == 1, opened
     assert {value(samples, "django_leases_database_up") for samples in scrapes} == {1}
-    assert {value(samples, "django_leases_jobs_under_review") for samples in scrapes} == {1}
+    assert {
+        value(samples, "django_leases_jobs_under_review", kind="refund") for samples in scrapes
+    } == {1}
 
 
 def serving_threads() -> int:
@@ -564,3 +568,14 @@ def test_queue_metrics__late_workers_unserved_kinds_and_the_oldest_due_kind(
     }
     assert 170 < value(samples, "django_leases_oldest_due_job_wait_seconds", kind="captur") < 600
     assert ("django_leases_watcher_last_pass_age_seconds", ()) not in samples
+
+
+@pytest.mark.django_db
+def test_worker_metrics__every_series_of_the_kinds_served_exists_from_the_start() -> None:
+    exporter = metrics.WorkerMetrics(kinds=["capture", "refund"])
+    samples = parse(generate_latest(exporter.registry).decode())
+    for kind in ("capture", "refund"):
+        for name, _ in metrics.WORKER_COUNTERS.values():
+            assert (f"django_leases_{name}_total", (("kind", kind),)) in samples
+        assert value(samples, "django_leases_job_run_seconds_count", kind=kind) == 0
+    assert not [key for key in samples if key[0].endswith("_created")], samples

@@ -218,8 +218,8 @@ def test_queue_gauges__eight_queries(django_assert_num_queries: Any) -> None:
         ("review", "refund"): 1,
     }
     assert (gauges.stuck, gauges.near_expiry, gauges.under_review, gauges.running_long) == (
-        0,
-        0,
-        1,
-        1,
+        {},
+        {},
+        {"refund": 1},
+        {"capture": 1},
     )

@@ -7,6 +7,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_leases.checks import heartbeat_judged_by_worker
 from django_leases.conf import leases_settings
 from django_leases.exceptions import DatabaseMisconfigured, WorkerIdTaken
+from django_leases.handlers import registered_kinds
 from django_leases.limits import (
     ACK_BATCH_SIZE,
     CONCURRENCY,
@@ -165,7 +166,9 @@ class Command(OneLineErrorsMixin, BaseCommand):
         recorder = (
             None
             if metrics_port is None
-            else prometheus_metrics().WorkerMetrics(model=model, using=database)
+            else prometheus_metrics().WorkerMetrics(
+                model=model, using=database, kinds=kinds or registered_kinds()
+            )
         )
         try:
             worker = LeaseWorker(
