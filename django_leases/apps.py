@@ -22,6 +22,7 @@ class LeasesConfig(AppConfig):
         checks.register(database_checks.check_database_clock, checks.Tags.database)
         checks.register(database_checks.check_autovacuum, checks.Tags.database)
         checks.register(database_checks.check_pending_kinds, checks.Tags.database)
+        checks.register(database_checks.check_horizon, checks.Tags.database)
         checks.register(lease_checks.check_tasks_framework)
         checks.register(lease_checks.check_worker_retention)
         checks.register(lease_checks.check_job_model)

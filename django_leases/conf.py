@@ -83,6 +83,13 @@ DEFAULTS: dict[str, Any] = {
     # Seconds a process keeps the queue gauges it read for its metrics endpoint or view:
     # scrapes within it share one database read.
     "METRICS_MAX_AGE": 5.0,
+    # Seconds a transaction (or prepared transaction) may hold back the removal of dead rows
+    # (PostgreSQL's vacuum horizon, InnoDB's purge) before the watcher warns, the overview
+    # flags it and `check --database` reports it.
+    "HORIZON_WARN_AFTER": 300.0,
+    # The same bound in transactions, for what pins PostgreSQL's horizon without a start time:
+    # a replication slot, a standby's hot_standby_feedback.
+    "HORIZON_WARN_XIDS": 1_000_000,
     # Jobs the admin counts exactly (per status on the overview, per changelist): beyond it, a
     # finished status or the whole table shows the database's estimate, anything else "more than".
     "ADMIN_EXACT_COUNT_LIMIT": 10_000,

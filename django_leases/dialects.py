@@ -26,7 +26,7 @@ from django.db.backends.utils import CursorWrapper
 
 from django_leases import passes, sessions, sql
 from django_leases.passes import R, Run, Statement
-from django_leases.sql import Claim, mysql, postgresql, sqlite
+from django_leases.sql import Claim, horizon, mysql, postgresql, sqlite
 from django_leases.sql import prepared as statements
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.postgresql import LedgerNames
@@ -119,6 +119,11 @@ class Dialect:
     def gate_holders(self, table: str, *, job_model: str, kind: str) -> Statement | None:
         """The read of the sessions holding a kind's gate (SQLite: the writer holding the
         database's write lock, which it does not name); None where there is none."""
+        return None
+
+    def horizon_pin(self) -> Statement | None:
+        """The statement reading what holds back the removal of dead rows (`sql.horizon`), or
+        None where nothing does (SQLite)."""
         return None
 
     def notify(self, channel: str, message: str) -> Statement:
@@ -239,6 +244,9 @@ class PostgreSQL(Dialect):
 
     def share_lock_holder(self, table: str, lock: str) -> Statement:
         return postgresql.share_lock_holder(table, lock=lock)
+
+    def horizon_pin(self) -> Statement | None:
+        return horizon.postgresql_pin()
 
     def notify(self, channel: str, message: str) -> Statement:
         return postgresql.notify(channel, message)
@@ -378,6 +386,9 @@ class MySQL(Dialect):
 
     def share_lock_holder(self, table: str, lock: str) -> Statement:
         return mysql.share_lock_holder(table, lock=lock)
+
+    def horizon_pin(self) -> Statement | None:
+        return horizon.mysql_pin()
 
     def gate_bounds(self, connection: DB, *, wait: float, idle: float) -> Statement | None:
         return mysql.gate_bounds(wait=wait, idle=idle, mariadb=_mariadb(connection))

@@ -80,6 +80,8 @@ JOB_ID = (1, 2**63 - 1)
 MAX_ERROR_LENGTH = 2000
 # MAX_PAYLOAD_BYTES: up to PostgreSQL's bound of one jsonb value (255 MiB, less a margin).
 PAYLOAD_BYTES = (1, 256 * 1024 * 1024 - 1024 * 1024)
+# Transactions (HORIZON_WARN_XIDS): up to PostgreSQL's wraparound bound of two billion.
+XIDS = (1, 2_000_000_000)
 # A TCP port to serve metrics on; 0 lets the system choose a free one.
 PORT = (0, 65535)
 

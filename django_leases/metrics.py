@@ -47,6 +47,7 @@ from prometheus_client.registry import Collector
 from django_leases import stats
 from django_leases.conf import leases_settings
 from django_leases.handlers import throttles
+from django_leases.horizon import HorizonPin
 from django_leases.status import TIMED_OUT, AttemptOutcome
 from django_leases.tables import job_model, leased_jobs
 
@@ -234,6 +235,7 @@ class QueueCollector(Collector):
             yield family
         yield from fleet_gauges(gauges)
         yield from throttle_gauges()
+        yield from horizon_gauges(gauges.horizon)
 
 
 def fleet_gauges(gauges: stats.QueueGauges) -> Iterable[Metric]:
@@ -271,6 +273,27 @@ def fleet_gauges(gauges: stats.QueueGauges) -> Iterable[Metric]:
             "Seconds since the last pass of any watcher (absent: no watcher ever made one)",
             value=ago.total_seconds(),
         )
+
+
+def horizon_gauges(pin: HorizonPin | None) -> Iterable[Metric]:
+    """How long, and how many transactions, the oldest holder of the vacuum horizon (InnoDB's
+    purge on MariaDB/MySQL) has held it: 0 when nothing does, or the database has no horizon
+    (SQLite)."""
+    age = GaugeMetricFamily(
+        f"{PREFIX}_horizon_pin_age_seconds",
+        "How long the oldest transaction, replication slot or prepared transaction holding "
+        "back the removal of dead rows has held it (0: none; one without a start time: 0)",
+        labels=["source"],
+    )
+    xids = GaugeMetricFamily(
+        f"{PREFIX}_horizon_pin_age_transactions",
+        "How many transactions old that holder is (PostgreSQL)",
+        labels=["source"],
+    )
+    source = pin.source if pin is not None else ""
+    age.add_metric([source], (pin.seconds or 0.0) if pin is not None else 0.0)
+    xids.add_metric([source], (pin.xids or 0) if pin is not None else 0)
+    yield from (age, xids)
 
 
 def throttle_gauges() -> Iterable[Metric]:

@@ -34,6 +34,7 @@ from django.db.models.functions import Now, TruncMinute
 
 from django_leases.conf import leases_settings
 from django_leases.handlers import get_handler, registered_kinds
+from django_leases.horizon import HorizonPin, oldest_pin
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
 from django_leases.querysets.workers import LATE_AFTER, Role
 from django_leases.status import (
@@ -305,6 +306,7 @@ class Overview:
     stuck_jobs: list[Any]
     running_long: int
     long_runners: list[Any]
+    horizon: HorizonPin | None
 
     @property
     def total(self) -> Tally:
@@ -374,6 +376,7 @@ class QueueGauges:
     running_long: dict[str, int]
     oldest_due: OldestDue
     fleet: Fleet
+    horizon: HorizonPin | None
 
     def unserved(self) -> dict[str, int]:
         """The pending jobs of each kind that no live worker serves (`Fleet.unserved()`)."""
@@ -389,7 +392,8 @@ def per_kind(jobs: LeaseQuerySet[Any]) -> dict[str, int]:
 
 
 def queue_gauges(jobs: LeaseQuerySet[Any], *, near_expiry: float) -> QueueGauges:
-    """Read the queue's gauges in eight queries, each over an index range of live rows or the
+    """Read the queue's gauges in eight queries (nine with the horizon's, on PostgreSQL and
+    MariaDB/MySQL), each over an index range of live rows or the
     registry's live rows (`fleet()`, on the job table's database).
 
     Jobs are counted per kind in the live statuses only (pending, processing, stopping,
@@ -406,6 +410,7 @@ def queue_gauges(jobs: LeaseQuerySet[Any], *, near_expiry: float) -> QueueGauges
         running_long=per_kind(running_long(jobs)),
         oldest_due=oldest_due(jobs),
         fleet=fleet(registered_workers(jobs.db)),
+        horizon=oldest_pin(jobs.db),
     )
 
 
@@ -417,8 +422,8 @@ def overview(
     minutes: int = RECENT_MINUTES,
     stuck_sample: int = 10,
 ) -> Overview:
-    """Read the queue overview in seventeen queries, whatever the number of jobs (and one
-    estimate per final status beyond `DJANGO_LEASES["ADMIN_EXACT_COUNT_LIMIT"]`)."""
+    """Read the queue overview in seventeen queries (and the horizon's), whatever the number
+    of jobs (and one estimate per final status beyond ADMIN_EXACT_COUNT_LIMIT)."""
     chart, finished = throughput(jobs, minutes=minutes)
     live = fleet(workers)
     long_runners = with_lease_clock(running_long(jobs))
@@ -435,4 +440,5 @@ def overview(
         stuck_jobs=list(with_lease_clock(jobs.expired()).order_by("lease_until")[:stuck_sample]),
         running_long=long_runners.count(),
         long_runners=list(long_runners.order_by("-running_for", "pk")[:stuck_sample]),
+        horizon=oldest_pin(jobs.db),
     )

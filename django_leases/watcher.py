@@ -30,6 +30,7 @@ from django_leases.conf import leases_settings
 from django_leases.db import harden
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
+from django_leases.horizon import HorizonLog
 from django_leases.outages import check_tables, outage_or_raise
 from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.workers import Role
@@ -134,6 +135,7 @@ class StuckWatcher:
         self._cursor: int | None = None
         self._abandoned: list[threading.Thread] = []
         self._instance = secrets.token_hex(8)
+        self._horizon = HorizonLog()
 
     def _jobs(self) -> LeaseQuerySet[Any]:
         return leased_jobs(self.model, self.using)
@@ -248,6 +250,8 @@ class StuckWatcher:
         actions += self._rescue(orphaned=True)
         actions += self._end_expired_stops()
         actions += self._reconcile_reviews()
+        # What keeps vacuum from removing the rows this queue leaves behind, told early.
+        self._horizon.look(self.using)
         return actions
 
     @staticmethod

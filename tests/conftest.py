@@ -53,6 +53,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: not item.get_closest_marker("slow"))
 
 
+HORIZON_READS = 0 if connection.vendor == "sqlite" else 1
+"""Queries `horizon.oldest_pin()` makes: none on SQLite, which has no vacuum horizon."""
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a child process that must use this test run's database."""
     env = {

@@ -29,6 +29,7 @@ from django_leases.limits import (
     MAX_DURATION,
     MIN_SECONDS,
     PAYLOAD_BYTES,
+    XIDS,
     duration_range,
     in_duration_range,
     shown,
@@ -49,6 +50,7 @@ DURATIONS = (
     "WORKER_GONE_AFTER",
     "LONG_RUNNING",
     "METRICS_MAX_AGE",
+    "HORIZON_WARN_AFTER",
 )
 COUNTS = {
     "CONCURRENCY": CONCURRENCY,
@@ -56,6 +58,7 @@ COUNTS = {
     "PRUNE_BATCH_SIZE": BATCH_SIZE,
     "ADMIN_EXACT_COUNT_LIMIT": EXACT_COUNT_LIMIT,
     "MAX_PAYLOAD_BYTES": PAYLOAD_BYTES,
+    "HORIZON_WARN_XIDS": XIDS,
 }
 BOOLEANS = ("PRUNE_LEDGER", "USE_NOTIFY", "LOCK_BY_PAYMENT")
 POLICIES = tuple(StuckPolicy.values)

@@ -12,6 +12,7 @@ from django.db import DatabaseError, connections
 
 from django_leases.dialects import dialect_of
 from django_leases.handlers import registered_kinds
+from django_leases.horizon import oldest_pin
 from django_leases.limits import shown
 from django_leases.tables import leased_jobs
 
@@ -154,6 +155,29 @@ def check_pending_kinds(
                     + "Register a @job_handler for the kind, or cancel its jobs in the admin "
                     "(the queue overview lists the kinds no live worker serves).",
                     id="django_leases.W014",
+                )
+            )
+    return messages
+
+
+def check_horizon(
+    app_configs: Any = None, databases: Iterable[str] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Warn of a transaction, replication slot or prepared transaction holding the removal of
+    dead rows back past HORIZON_WARN_AFTER (`check --database ALIAS`)."""
+    messages: list[CheckMessage] = []
+    for alias in databases or ():
+        pin = oldest_pin(alias)
+        if pin is not None and pin.pinned:
+            messages.append(
+                Warning(
+                    f"database {alias!r}: the removal of dead rows is held back by "
+                    f"{pin.describe()}; claims slow down with every job completed while it "
+                    "lasts.",
+                    hint="End it, and bound such sessions on the server "
+                    "(idle_in_transaction_session_timeout, statement timeouts; drop an unused "
+                    "replication slot); see 'What holds vacuum back' in docs/operations.md.",
+                    id="django_leases.W015",
                 )
             )
     return messages

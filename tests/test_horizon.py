@@ -1,0 +1,153 @@
+"""What holds the vacuum horizon (InnoDB's purge) back: read, logged by the watcher, counted by
+the gauges, shown on the overview and reported by `check --database`, with a real session left
+idle in a transaction."""
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from django.core import checks
+from django.db import connection, connections
+from django.test import Client, override_settings
+from django.urls import path, reverse
+
+from django_leases import metrics
+from django_leases.horizon import HorizonPin, oldest_pin
+from django_leases.models import PaymentJob
+
+from .conftest import Processes, subprocess_env, wait_for
+
+# Serial: on MariaDB/MySQL the oldest transaction is the server's (InnoDB's purge is shared by
+# every database), and the other test processes' transactions would hide this test's own.
+pytestmark = pytest.mark.serial
+
+SOON = {"HORIZON_WARN_AFTER": 0.5}
+"""A bound the test's own pin passes within a second."""
+
+urlpatterns = [path("metrics/", metrics.queue_metrics)]
+
+
+@contextmanager
+def idle_in_transaction() -> Iterator[str]:
+    """A session of its own on the test database, idle in a transaction that holds a
+    snapshot and a transaction id, as a `psql` left at `BEGIN` does; yields its id (PostgreSQL's
+    backend pid, MariaDB/MySQL's connection id) as `HorizonPin.name` gives it."""
+    session = connections.create_connection("default")
+    session.settings_dict = {**connection.settings_dict}
+    try:
+        session.set_autocommit(False)
+        with session.cursor() as cursor:
+            table = PaymentJob._meta.db_table
+            if session.vendor == "postgresql":
+                cursor.execute("SELECT pg_backend_pid(), txid_current()")
+            else:
+                cursor.execute("SELECT CONNECTION_ID()")
+            (name, *_) = cursor.fetchone()
+            cursor.execute(f"SELECT COUNT(*) FROM {session.ops.quote_name(table)}")  # noqa: S608
+        yield str(name)
+    finally:
+        session.close()
+
+
+def pinned_by(name: str) -> HorizonPin | None:
+    pin = oldest_pin(connection.alias)
+    return pin if pin is not None and pin.name == name and pin.pinned else None
+
+
+@pytest.fixture
+def relational() -> None:
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite has no vacuum horizon: one writer, no row versions kept for readers")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_oldest_pin__names_a_session_idle_in_transaction(relational: None) -> None:
+    with override_settings(DJANGO_LEASES=SOON), idle_in_transaction() as name:
+        pin = wait_for(lambda: pinned_by(name))
+        assert isinstance(pin, HorizonPin)
+        assert pin.source in {"session", "transaction"} and pin.seconds is not None
+        assert pin.seconds >= 0.5 and f" {name} " in f" {pin.describe()} "
+        if connection.vendor == "postgresql":
+            assert pin.xids is not None and pin.xids >= 1 and "idle in transaction" in pin.detail
+    # Ended (MariaDB/MySQL drop a closed session's transaction a moment later): the horizon
+    # moves on, whatever else the server runs.
+    wait_for(lambda: (pin := oldest_pin(connection.alias)) is None or pin.name != name)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_oldest_pin__not_past_its_bound_until_horizon_warn_after(relational: None) -> None:
+    with (
+        override_settings(DJANGO_LEASES={"HORIZON_WARN_AFTER": 3600}),
+        idle_in_transaction() as name,
+    ):
+        pin = wait_for(
+            lambda: (p := oldest_pin(connection.alias)) is not None and p.name == name and p
+        )
+        assert isinstance(pin, HorizonPin) and not pin.pinned
+
+
+@pytest.mark.django_db
+def test_oldest_pin__sqlite_has_none() -> None:
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's")
+    with connection.cursor():
+        assert oldest_pin(connection.alias) is None
+
+
+def test_horizon_pin__bounds_by_time_else_by_transactions() -> None:
+    with override_settings(DJANGO_LEASES={"HORIZON_WARN_AFTER": 60, "HORIZON_WARN_XIDS": 1000}):
+        assert HorizonPin("session", "1", "", 61.0, 5).pinned
+        assert not HorizonPin("session", "1", "", 59.0, 10**6).pinned
+        assert HorizonPin("replication slot", "s", "", None, 1000).pinned
+        assert not HorizonPin("replication slot", "s", "", None, 999).pinned
+        assert not HorizonPin("transaction", "7", "", None, None).pinned
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_watcher__warns_of_the_session_that_pins_the_horizon(
+    processes: Processes, relational: None
+) -> None:
+    env = subprocess_env(LEASES_TEST_SETTINGS=json.dumps(SOON))
+    with idle_in_transaction() as name:
+        with override_settings(DJANGO_LEASES=SOON):
+            wait_for(lambda: pinned_by(name))
+        watcher = processes.manage("watch_stuck_jobs", "--once", "-v", "2", env=env)
+        out, _ = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0, out
+    assert "vacuum horizon of database 'default' is pinned by" in out, out
+    assert f" {name} " in out, out
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.urls(__name__)
+def test_gauges_and_check__report_the_pin(client: Client, relational: None) -> None:
+    with override_settings(DJANGO_LEASES=SOON), idle_in_transaction() as name:
+        wait_for(lambda: pinned_by(name))
+        metrics.GAUGES.clear()
+        text = client.get("/metrics/").content.decode()
+        warnings = [
+            message
+            for message in checks.run_checks(databases=[connection.alias])
+            if message.id == "django_leases.W015"
+        ]
+    ages: dict[str, Any] = {
+        line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("django_leases_horizon_pin_age_seconds{")
+    }
+    [(label, seconds)] = ages.items()
+    assert label in {'source="session"', 'source="transaction"'} and seconds >= 0.5, text
+    assert len(warnings) == 1 and f" {name} " in warnings[0].msg, warnings
+
+
+@pytest.mark.django_db(transaction=True)
+def test_overview__says_what_pins_the_horizon(admin_client: Client, relational: None) -> None:
+    with override_settings(DJANGO_LEASES=SOON), idle_in_transaction() as name:
+        wait_for(lambda: pinned_by(name))
+        page = admin_client.get(reverse("admin:django_leases_paymentjob_overview")).content.decode()
+    assert 'id="dl-horizon"' in page and f" {name} " in page, page
+    page = admin_client.get(reverse("admin:django_leases_paymentjob_overview")).content.decode()
+    assert 'id="dl-horizon"' not in page
