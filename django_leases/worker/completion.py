@@ -102,16 +102,9 @@ class Grouped:
     """Complete and claim each slot's next job in one group write; `Direct` once stopping."""
 
     def __init__(
-        self,
-        outcomes: Outcomes,
-        jobs: LeaseQuerySet[Any],
-        *,
-        kinds: list[str],
-        stopping: threading.Event,
-        direct: Direct,
+        self, outcomes: Outcomes, *, kinds: list[str], stopping: threading.Event, direct: Direct
     ) -> None:
         self.outcomes = outcomes
-        self.jobs = jobs
         self.kinds = kinds
         self.stopping = stopping
         self.direct = direct
@@ -214,7 +207,6 @@ class ClaimsAhead:
 
 def choose(
     outcomes: Outcomes,
-    jobs: LeaseQuerySet[Any],
     *,
     pool: SlotPool,
     acks: AckBuffer,
@@ -228,7 +220,7 @@ def choose(
     direct = Direct(outcomes, acks)
     if counts_claims:
         return direct
-    grouped = Grouped(outcomes, jobs, kinds=kinds, stopping=stopping, direct=direct)
+    grouped = Grouped(outcomes, kinds=kinds, stopping=stopping, direct=direct)
     return ClaimsAhead(pool, acks, grouped) if claims_ahead else grouped
 
 

@@ -198,7 +198,6 @@ class LeaseWorker:
         )
         completer = choose(
             outcomes,
-            self._jobs,
             pool=self._pool,
             acks=self._acks,
             kinds=self.kinds,
