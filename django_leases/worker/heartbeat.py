@@ -26,7 +26,7 @@ from django_leases.redaction import error_text
 from django_leases.status import AttemptOutcome
 from django_leases.tables import registered_workers
 from django_leases.worker.counters import WorkerStats
-from django_leases.worker.owners import Owner
+from django_leases.worker.owners import Owner, part_lock, under
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -148,7 +148,7 @@ class Heartbeat:
         self.using = jobs.db
         self._loop = loop or Owner("loop")
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = part_lock()
         self._reported_lost: set[tuple[int, int]] = set()
 
     def ensure_running(self) -> None:
@@ -227,6 +227,7 @@ class Heartbeat:
                 live.append(lease)
                 continue
             with self._lock:
+                under(self._lock, "Heartbeat._reported_lost")
                 first = lease.key not in self._reported_lost
                 self._reported_lost.add(lease.key)
             if first:

@@ -42,7 +42,7 @@ from django_leases.worker.completion import AckBuffer, AckWriter, choose
 from django_leases.worker.counters import Recorder, WorkerStats
 from django_leases.worker.heartbeat import Heartbeat, RegistryRow, default_worker_id
 from django_leases.worker.outcomes import Outcomes
-from django_leases.worker.owners import Owner
+from django_leases.worker.owners import Owner, part_lock, under
 from django_leases.worker.slots import Slot, SlotPool
 
 logger = logging.getLogger("django_leases.worker")
@@ -142,7 +142,7 @@ class LeaseWorker:
         self.presence = Presence(gone_after)
         """When the watcher may take this worker for gone: its leases end then too."""
         self._failure: str | None = None
-        self._failure_lock = threading.Lock()
+        self._failure_lock = part_lock()
         self._instance = secrets.token_hex(8)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -350,6 +350,7 @@ class LeaseWorker:
     def _taken(self, why: str) -> None:
         """On the heartbeat: another live process took the registry row; stop."""
         with self._failure_lock:
+            under(self._failure_lock, "LeaseWorker._failure")
             self._failure = why
         self.stop()
 
@@ -422,6 +423,7 @@ class LeaseWorker:
             with self._failure_lock:
                 first = self._failure is None
                 if first:
+                    under(self._failure_lock, "LeaseWorker._failure")
                     self._failure = why
             if first:
                 logger.error("%s", why)
