@@ -61,6 +61,12 @@ class Kind:
         return f"{module}.{qualname}"
 
     @property
+    def stuck_policy(self) -> str:
+        """What the watcher makes of an expired job of the kind past a checkpoint: "retry" or
+        "review" (DJANGO_LEASES["STUCK_POLICY_BY_KIND"], else "STUCK_POLICY")."""
+        return leases_settings.stuck_policy(self.kind)
+
+    @property
     def is_async(self) -> bool:
         """Whether the handler is an `async def` function (the worker can cancel it)."""
         return inspect.iscoroutinefunction(self.func)

@@ -62,3 +62,13 @@ def test_job_handler__timeout_in_seconds_or_timedelta(kind) -> None:
 def test_job_handler__refuses_a_reconcile_hook_that_is_not_callable(kind) -> None:
     with pytest.raises(HandlerError, match="reconcile hook"):
         job_handler(kind, reconcile="ask_the_psp")
+
+
+def test_kind__its_stuck_policy_is_the_settings_for_it(kind, settings) -> None:
+    job_handler(kind)(plain)
+    settings.DJANGO_LEASES = {"STUCK_POLICY": "retry", "STUCK_POLICY_BY_KIND": {kind: "review"}}
+    assert get_handler(kind).stuck_policy == "review"
+    settings.DJANGO_LEASES = {"STUCK_POLICY": "review"}
+    assert get_handler(kind).stuck_policy == "review"
+    settings.DJANGO_LEASES = {"STUCK_POLICY": "retry"}
+    assert get_handler(kind).stuck_policy == "retry"
