@@ -58,7 +58,9 @@ OPERATION_LAYERS = {
     **dict.fromkeys(("_heartbeat_loop", "_lease_clock", "renew", "beat"), "heartbeat thread"),
     **dict.fromkeys(("claim", "_claim", "_claim_postgresql"), "claim (statement, rows to models)"),
     **dict.fromkeys(("complete", "_complete_postgresql"), "completion (statement)"),
-    **dict.fromkeys(("execute", "run_attempt", "_run_handler", "run"), "handler dispatch (slot)"),
+    **dict.fromkeys(
+        ("execute", "run_attempt", "run_handler", "_run_handler", "run"), "handler dispatch (slot)"
+    ),
     **dict.fromkeys(
         (
             "run_once",

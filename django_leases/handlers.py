@@ -1,35 +1,28 @@
-"""The registry of job handlers, filled by `@job_handler` in each installed app's `jobs.py`."""
+"""The kind registry: each job kind's `Kind` spec (its handler, reconcile hook, timeout, ack
+mode, `limit=` and `rate=`, lease length, attempt budget), filled by `@job_handler` in each
+installed app's `jobs.py`.
 
-import asyncio
+Everything reads it (the query layer, the watcher, the admin, the checks, the worker), so it
+imports nothing above it; running a handler is the worker's (`worker/attempt.py`)."""
+
 import inspect
-import time
-from collections.abc import Awaitable, Callable, Iterable
-from contextlib import suppress
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
-
-from asgiref.sync import async_to_sync
+from typing import Any
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.exceptions import (
-    Cancelled,
-    HandlerError,
-    HandlerTimeout,
-    InvalidArgument,
-    InvalidDuration,
-)
+from django_leases.exceptions import HandlerError, InvalidArgument, InvalidDuration
 from django_leases.limits import MAX_ATTEMPTS, MIN_TTL, check_int, check_kind
 from django_leases.status import Verdict
 from django_leases.throttles import Throttle, throttle
 
-if TYPE_CHECKING:
-    from django_leases.lease import Lease
-
-# A handler is a function of (job, lease): plain, `async def`, or a plain one that returns an
-# awaitable. Whatever it returns that is awaitable is awaited before the job counts as done.
-HandlerFunc = Callable[[Any, "Lease"], object]
+# A handler is a function of (job, lease), the lease a `django_leases.lease.Lease` (not imported:
+# the registry sits below everything that runs handlers): plain, `async def`, or a plain one
+# that returns an awaitable. Whatever it returns that is awaitable is awaited before the job
+# counts as done (`django_leases.worker.attempt.run_handler()`).
+HandlerFunc = Callable[[Any, Any], object]
 # A reconcile hook is given an expired job and says what became of it: "completed", "retry" or
 # "failed" (see watch_stuck_jobs). It typically asks the PSP about the job's idempotency key.
 ReconcileFunc = Callable[[Any], str]
@@ -43,7 +36,9 @@ ACK_MODES = (ACK_EACH, ACK_BATCH)
 
 
 @dataclass(frozen=True)
-class Handler:
+class Kind:
+    """What the registry knows of one job kind, as `@job_handler` declared it."""
+
     kind: str
     func: HandlerFunc
     reconcile: ReconcileFunc | None = None
@@ -66,25 +61,18 @@ class Handler:
         return f"{module}.{qualname}"
 
     @property
+    def stuck_policy(self) -> str:
+        """What the watcher makes of an expired job of the kind past a checkpoint: "retry" or
+        "review" (DJANGO_LEASES["STUCK_POLICY_BY_KIND"], else "STUCK_POLICY")."""
+        return leases_settings.stuck_policy(self.kind)
+
+    @property
     def is_async(self) -> bool:
         """Whether the handler is an `async def` function (the worker can cancel it)."""
         return inspect.iscoroutinefunction(self.func)
 
-    def run(self, job: Any, lease: "Lease", *, deadline: float | None = None) -> None:
-        """Call the handler; if it returns an awaitable, await it on an event loop of its own.
 
-        The calling thread (a worker slot) stays the loop's "sync thread": the coroutine's
-        thread-sensitive `sync_to_async` calls (Django's async ORM, `lease.acheckpoint()`, ...)
-        run back on it, with its database connection and inside its transactions. A coroutine
-        still running at `deadline` (monotonic seconds) is cancelled: `HandlerTimeout`; one
-        whose job an operator cancels is cancelled as soon as the lease learns it: `Cancelled`.
-        """
-        result = self.func(job, lease)
-        if inspect.isawaitable(result):
-            async_to_sync(_await_until)(result, deadline, self.timeout, lease)
-
-
-_registry: dict[str, Handler] = {}
+_registry: dict[str, Kind] = {}
 # The throttles and lease lengths of the registered kinds that have them, kept beside the
 # registry: every claim and renewal reads them.
 _throttles: dict[str, Throttle] = {}
@@ -146,7 +134,7 @@ def job_handler(
 
     def register(func: HandlerFunc) -> HandlerFunc:
         _check_callable(kind, func)
-        handler = Handler(kind, func, reconcile, seconds, ack, throttled, length, max_attempts)
+        handler = Kind(kind, func, reconcile, seconds, ack, throttled, length, max_attempts)
         existing = _registry.get(kind)
         # Re-importing the same module (autoreload, tests) registers the same function again.
         if existing is not None and existing.name != handler.name:
@@ -171,40 +159,6 @@ def _keep(table: dict[str, Any], kind: str, value: object) -> None:
         table[kind] = value
 
 
-async def _await_until(
-    awaitable: Awaitable[object],
-    deadline: float | None,
-    timeout: float | None,
-    lease: "Lease | None",
-) -> None:
-    limit = asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    task = asyncio.ensure_future(awaitable)
-    if lease is not None:
-        loop = asyncio.get_running_loop()
-
-        def cancel() -> None:
-            with suppress(RuntimeError):  # the loop is closed: the handler is done anyway
-                loop.call_soon_threadsafe(task.cancel)
-
-        lease.on_cancel(cancel)
-    try:
-        async with limit:
-            await task
-    except TimeoutError:
-        if not limit.expired():
-            raise  # the handler's own TimeoutError (an HTTP client's, say): a failed attempt
-        raise HandlerTimeout(f"the handler ran past its timeout of {timeout:g}s") from None
-    except asyncio.CancelledError:
-        if lease is None or not lease.cancelled:
-            raise
-        raise Cancelled(
-            f"job {lease.pk}: {lease.lost_reason}; its coroutine was cancelled"
-        ) from None
-    finally:
-        if lease is not None:
-            lease.on_cancel(None)
-
-
 def _timeout(kind: str, timeout: float | timedelta | None) -> float | None:
     if timeout is None:
         return None
@@ -227,7 +181,7 @@ def _check_callable(kind: str, func: object) -> None:
         )
 
 
-def get_handler(kind: str) -> Handler:
+def get_handler(kind: str) -> Kind:
     """Return the handler of `kind`, or raise `HandlerError`."""
     try:
         return _registry[kind]

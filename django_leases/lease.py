@@ -64,11 +64,16 @@ class Lease:
     gone to the watcher (`Presence`): after that, someone else may own the job whatever happened
     to the network. `lost` reads the worker's monotonic clock, never the wall clock.
 
-    Who writes its state in a worker: `finished` and `outcome`, the thread whose outcome write
-    the database accepted (a slot, the loop at a time-out, or the acknowledgement writer; one
-    per lease, as only one write of a lease's outcome can win); `ending`, the slot thread;
-    `_renewed_until`, the heartbeat and the handler's own `heartbeat()` (each only raises it);
-    the lost state, any thread through `mark_lost()`, under `_marking`.
+    Who writes its state in a worker (docs/architecture.md, the thread table):
+    `finished` and `outcome`, the thread whose outcome write the database accepted (a slot, the
+    loop at a time-out, or the acknowledgement writer): several threads may try, but the
+    database lets one write of a lease's outcome win, and only the winner sets them, each a
+    single assignment of a value that never changes back; `ending`, the thread writing an
+    outcome (set before its write, never cleared: it only makes the heartbeat and the lease
+    clock leave the lease to that write); `_renewed_until`, the heartbeat and the handler's
+    own `heartbeat()`, under `_marking` (`renewed()` only raises it); the lost state and
+    `_on_cancel` (the event-loop thread of an `async def` handler sets and removes it), under
+    `_marking` too.
     """
 
     def __init__(
@@ -163,20 +168,31 @@ class Lease:
             self._lost_reason = reason
             self._cancelled = cancelled
             self._lost = True
-        hook = self._on_cancel
-        if cancelled and hook is not None:
+            hook = self._on_cancel if cancelled else None
+        if hook is not None:
             hook()
 
     def on_cancel(self, hook: Callable[[], None] | None) -> None:
         """Call `hook` (on whichever thread learns it) once the job is found cancelled, at once
-        if it already was; None removes it. The worker cancels an `async def` handler so."""
-        self._on_cancel = hook
-        if hook is not None and self._cancelled:
+        if it already was; None removes it. The worker cancels an `async def` handler so.
+
+        Set under `_marking`, as `mark_lost()` reads it: a cancel that races the hook's setting
+        calls it exactly once, from one side or the other."""
+        with self._marking:
+            self._on_cancel = hook
+            now = hook is not None and self._cancelled
+        if now and hook is not None:
             hook()
 
     def renewed(self, started_at: float) -> None:
-        """Note a renewal the database confirmed, sent at `started_at` (monotonic)."""
-        self._renewed_until = max(self._renewed_until, started_at + self.ttl)
+        """Note a renewal the database confirmed, sent at `started_at` (monotonic).
+
+        The heartbeat and the handler's own `heartbeat()` both renew: under `_marking`, the
+        later of their deadlines stays, where an unlocked read-max-write could lower it."""
+        until = started_at + self.ttl
+        with self._marking:
+            if until > self._renewed_until:
+                self._renewed_until = until
 
     def check(self) -> None:
         """Raise `LeaseLost` if the lease is known to be lost, `Cancelled` if by a cancel."""

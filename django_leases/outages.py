@@ -19,7 +19,7 @@ import re
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from django.db import (
     DatabaseError,
@@ -34,7 +34,6 @@ from django_leases.dialects import dialect_of
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.redaction import error_text
 from django_leases.sql import MIGRATE
-from django_leases.worker_stats import WorkerStats
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -125,13 +124,19 @@ STILL_DOWN_EVERY = 60.0
 """Seconds between two "still unavailable" lines of one outage."""
 
 
+class Counts(Protocol):
+    """Where `Outages` counts each failed try (a worker's `WorkerStats`)."""
+
+    def add(self, name: str, count: int = 1, *, kind: str | None = None) -> None: ...
+
+
 class Outages:
     """Log a database outage once, drop the broken connection and back off: exponentially,
     with jitter, up to `OUTAGE_BACKOFF_MAX` seconds; "still unavailable" once a minute
     (`STILL_DOWN_EVERY`), each retry at DEBUG, and the end of the outage once."""
 
     def __init__(
-        self, stats: WorkerStats, using: str, poll_interval: float, stopping: threading.Event
+        self, stats: Counts, using: str, poll_interval: float, stopping: threading.Event
     ) -> None:
         self.stats = stats
         self.using = using

@@ -29,6 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 ON_SQLITE = (os.environ.get("DATABASE_URL") or "sqlite").startswith("sqlite")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def owners_checked() -> None:
+    """Assert the worker's thread owners in every in-process worker of the suite."""
+    # Imported here: the worker package loads the models, which needs Django set up first.
+    from django_leases.worker.owners import check_owners
+
+    check_owners(True)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--serial-tests",

@@ -11,10 +11,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from django_leases.exceptions import InvalidArgument
-from django_leases.group_commit import GroupCommit
 from django_leases.models import JobAttempt, PaymentJob
 from django_leases.querysets import LeaseQuerySet
 from django_leases.worker import LeaseWorker
+from django_leases.worker.group_commit import GroupCommit
 
 from .conftest import wait_for
 from .leasing import expire, ledger, statements, token_of

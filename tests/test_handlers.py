@@ -1,13 +1,11 @@
-"""`@job_handler`: what it refuses at import time, and how a handler is run."""
+"""`@job_handler`: what it refuses at import time and what the registry keeps of a kind."""
 
-import asyncio
-import time
 from datetime import timedelta
 
 import pytest
 
 from django_leases import job_handler
-from django_leases.exceptions import HandlerError, HandlerTimeout
+from django_leases.exceptions import HandlerError
 from django_leases.handlers import get_handler, unregister
 
 
@@ -66,41 +64,11 @@ def test_job_handler__refuses_a_reconcile_hook_that_is_not_callable(kind) -> Non
         job_handler(kind, reconcile="ask_the_psp")
 
 
-def test_handler_run__awaits_a_coroutine_and_what_a_plain_function_returns(kind) -> None:
-    ran: list[str] = []
-
-    async def body(job, lease):
-        await asyncio.sleep(0)
-        ran.append(job)
-
-    job_handler(kind)(body)
-    assert get_handler(kind).is_async
-    get_handler(kind).run("async def", None)
-    unregister(kind)
-    job_handler(kind)(lambda job, lease: body(job, lease))
-    get_handler(kind).run("returned coroutine", None)
-    assert ran == ["async def", "returned coroutine"]
-
-
-def test_handler_run__cancels_a_coroutine_at_its_deadline(kind) -> None:
-    reached: list[str] = []
-
-    async def slow(job, lease):
-        await asyncio.sleep(30)
-        reached.append("after the sleep")
-
-    job_handler(kind, timeout=0.2)(slow)
-    started = time.monotonic()
-    with pytest.raises(HandlerTimeout, match="ran past its timeout of 0.2s"):
-        get_handler(kind).run(None, None, deadline=started + 0.2)
-    assert reached == []
-
-
-def test_handler_run__the_handlers_own_timeout_error_is_not_the_run_time_limit(kind) -> None:
-    async def client_timeout(job, lease):
-        raise TimeoutError("the PSP did not answer")
-
-    job_handler(kind, timeout=30)(client_timeout)
-    with pytest.raises(TimeoutError, match="the PSP did not answer") as caught:
-        get_handler(kind).run(None, None, deadline=time.monotonic() + 30)
-    assert not isinstance(caught.value, HandlerTimeout)
+def test_kind__its_stuck_policy_is_the_settings_for_it(kind, settings) -> None:
+    job_handler(kind)(plain)
+    settings.DJANGO_LEASES = {"STUCK_POLICY": "retry", "STUCK_POLICY_BY_KIND": {kind: "review"}}
+    assert get_handler(kind).stuck_policy == "review"
+    settings.DJANGO_LEASES = {"STUCK_POLICY": "review"}
+    assert get_handler(kind).stuck_policy == "review"
+    settings.DJANGO_LEASES = {"STUCK_POLICY": "retry"}
+    assert get_handler(kind).stuck_policy == "retry"

@@ -15,6 +15,7 @@ from tests.testapp.models import Charge, LockRun
 
 from .conftest import ON_SQLITE, Processes, finish, subprocess_env, wait_for
 from .leasing import token_of
+from .owner_rules import check
 from .proxy import Proxy
 from .test_db import NEEDS_NETWORK, Output, default_port, proxied_url
 
@@ -159,3 +160,7 @@ def test_heartbeat__a_renewal_that_raced_a_completion_is_not_a_lost_lease(
     assert proc.returncode == 0, out[-3000:]
     assert "completed=1000" in out and "lost=0" in out, out[-3000:]
     assert "lease lost" not in out, [line for line in out.splitlines() if "lease lost" in line]
+
+
+def test_heartbeat__the_leases_it_reported_lost_are_written_under_its_lock_only() -> None:
+    assert check("Heartbeat._reported_lost") == []

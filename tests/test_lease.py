@@ -10,10 +10,12 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from django_leases.exceptions import LeaseError, LeaseLost
-from django_leases.heartbeat import Heartbeat, RegistryRow
 from django_leases.lease import Lease, Presence
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.worker_stats import WorkerStats
+from django_leases.worker.counters import WorkerStats
+from django_leases.worker.heartbeat import Heartbeat, RegistryRow
+
+from .owner_rules import check
 
 pytestmark = pytest.mark.django_db
 
@@ -205,3 +207,47 @@ def _presence(clock: FakeClock) -> Presence:
     presence = Presence(gone_after=3600, clock=clock)
     presence.confirmed(clock.now)
     return presence
+
+
+@pytest.mark.parametrize("rule", ["Lease", "Lease lost", "Lease.ending"])
+def test_lease__its_state_is_written_by_its_own_methods_under_its_lock(rule: str) -> None:
+    assert check(rule) == []
+
+
+class SlowSum(float):
+    """A monotonic time whose sum with the TTL takes `delay` seconds: the thread computing the
+    new deadline lets the other run meanwhile, as the scheduler may at any bytecode."""
+
+    delay = 0.0
+
+    def __add__(self, other: object) -> float:
+        time.sleep(self.delay)
+        return float(self) + float(other)  # type: ignore[arg-type]
+
+
+def at(seconds: float, delay: float) -> SlowSum:
+    started = SlowSum(seconds)
+    started.delay = delay
+    return started
+
+
+@pytest.mark.django_db(transaction=False)
+def test_lease__two_threads_renewing_never_lower_its_deadline() -> None:
+    """The heartbeat and the handler's own `heartbeat()` renew one lease on two threads: the
+    earlier renewal, its deadline computed more slowly, must not overwrite the later one."""
+    job = PaymentJob(pk=1, lease_owner="w", lease_token=1, attempts=1)
+    for round_ in range(5):
+        lease = Lease(job, ttl=30, renewed_at=0.0)
+        early, late = at(100.0 + round_, 0.05), at(200.0 + round_, 0.0)
+        start = threading.Barrier(2)
+
+        def renew(started: SlowSum, lease: Lease = lease, start: threading.Barrier = start) -> None:
+            start.wait()
+            lease.renewed(started)
+
+        threads = [threading.Thread(target=renew, args=(t,)) for t in (early, late)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert lease._renewed_until == 230.0 + round_

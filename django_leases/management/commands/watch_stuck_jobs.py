@@ -8,7 +8,6 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_leases.conf import leases_settings
 from django_leases.exceptions import DatabaseMisconfigured
-from django_leases.heartbeat import default_worker_id
 from django_leases.limits import BATCH_SIZE
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
@@ -25,6 +24,7 @@ from django_leases.management.commands._options import (
     worker_id,
 )
 from django_leases.watcher import Action, StuckWatcher
+from django_leases.worker.heartbeat import default_worker_id
 
 
 class Command(OneLineErrorsMixin, BaseCommand):

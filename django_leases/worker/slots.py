@@ -20,8 +20,11 @@ slot), the heartbeat and its lease clock, and the acknowledgement writer ("acks"
 "clock" is the heartbeat's lease clock thread.
 
 A lease is only ever held by a slot whose thread is alive, or queued in `_ready`; the heartbeat
-renews just those (`held()`). What the pool decides to give back or count lost it hands, after
-letting go of the lock, to the callables it was built with: no database write runs under it.
+renews just those (`held()`). What the pool decides to give back, count lost or abandon it
+hands, after letting go of the lock, to the callables it was built with: no database write and
+no logging runs under it (`tests/test_slots.py` runs a worker and watches for both). The
+fields only the loop writes are asserted so (`owners.Owner`), and a slot's fields are asserted
+written under the lock (`owners.under()`), while the test suite runs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from collections.abc import Callable
 
 from django_leases.handlers import get_handler
 from django_leases.lease import Lease
+from django_leases.worker.owners import Owner, part_lock, under
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -47,6 +51,7 @@ class Slot:
 
     def __init__(self, number: int, lock: threading.Lock) -> None:
         self.number = number
+        self._lock = lock
         self.wake = threading.Condition(lock)
         """Notified when this slot gets a lease, a new thread, or the worker closes."""
         self.thread: threading.Thread | None = None
@@ -61,6 +66,7 @@ class Slot:
         return self.lease is not None and self.started is not None
 
     def clear(self) -> None:
+        under(self._lock, "Slot.lease")
         self.lease, self.started, self.deadline = None, None, None
 
 
@@ -89,13 +95,16 @@ class SlotPool:
         slot_free: threading.Event,
         release: Callable[[Lease], None],
         lost: Callable[[list[Lease]], None],
+        loop: Owner | None = None,
     ) -> None:
         self.concurrency = concurrency
         self._stopping = stopping
         self._slot_free = slot_free
         self._release = release
         self._lost = lost
-        self._lock = threading.Lock()
+        self._loop = loop or Owner("loop")
+        """The thread that alone writes `Slot.thread`, `_closing` and `_abandoned`."""
+        self._lock = part_lock()
         self._slots = [Slot(n, self._lock) for n in range(concurrency)]
         self._ready: deque[Lease] = deque()
         """Jobs claimed ahead, for the slots to start as they finish their own (oldest first)."""
@@ -160,6 +169,7 @@ class SlotPool:
         """Under the lock: the oldest job in `_ready`. One whose lease ran out while it waited
         goes to `lost`, never started: its job is taken over once the lease expires in the
         database. The caller, its slot no longer idle, wakes a slot for the next."""
+        under(self._lock, "SlotPool._ready")
         while self._ready:
             lease = self._ready.popleft()
             self._queued_at.pop(lease.key, None)
@@ -275,17 +285,22 @@ class SlotPool:
     # ---- the loop's supervision ---------------------------------------------------------------
 
     def reap(self, abandon: Callable[[Lease, str], None]) -> list[tuple[Slot, Lease]]:
-        """Free the slots whose thread died (`abandon` their leases); return the running slots
-        past their time limit, with their leases."""
+        """On the loop: free the slots whose thread died and `abandon` their leases (after
+        letting go of the lock); return the running slots past their time limit, with their
+        leases."""
         now = time.monotonic()
+        dead: list[tuple[Slot, Lease | None]] = []
         with self._lock:
             for slot in self._slots:
                 if slot.thread is not None and not slot.thread.is_alive():
-                    if self._closing and slot.lease is None:
-                        slot.thread = None  # it ended on its own: the worker is closing
-                    else:
-                        self._replace_dead_slot(slot, abandon)
-            return [
+                    self._loop.writes("Slot.thread")
+                    if not (self._closing and slot.lease is None):
+                        # The slot's code catches everything a job raises, so this is a bug of
+                        # ours: never keep (or renew) a lease whose handler nobody runs.
+                        dead.append((slot, slot.lease))
+                        slot.clear()
+                    slot.thread = None  # a new one starts unless the worker is closing
+            late = [
                 (slot, slot.lease)
                 for slot in self._slots
                 if slot.lease is not None
@@ -293,17 +308,13 @@ class SlotPool:
                 and slot.deadline is not None
                 and now >= slot.deadline
             ]
-
-    def _replace_dead_slot(self, slot: Slot, abandon: Callable[[Lease, str], None]) -> None:
-        # Called under the lock. The slot's code catches everything a job raises, so this is a
-        # bug of ours: never keep (or renew) a lease whose handler nobody runs.
-        lease = slot.lease
-        logger.error("slot thread %s died; starting a new one", slot.number)
-        if lease is not None:
-            abandon(lease, "its slot thread died")
-        slot.thread = None
-        slot.clear()
-        self._slot_free.set()
+        for slot, lease in dead:
+            logger.error("slot thread %s died; starting a new one", slot.number)
+            if lease is not None:
+                abandon(lease, "its slot thread died")
+        if dead:
+            self._slot_free.set()
+        return late
 
     def abandon_timed_out(self, slot: Slot, lease: Lease, reason: str) -> bool:
         """Take `lease` lost at its time limit and its slot from the handler's thread, which runs
@@ -311,6 +322,7 @@ class SlotPool:
         with self._lock:
             if slot.lease is not lease or slot.thread is None:
                 return False
+            self._loop.writes("Slot.thread")
             lease.mark_lost(reason)
             self._abandoned.append(slot.thread)
             slot.thread = None
@@ -322,6 +334,7 @@ class SlotPool:
         """Give each slot without a thread a new one running `target(slot)`, unless closing;
         return how many abandoned threads still run."""
         with self._lock:
+            self._loop.writes("Slot.thread")
             for slot in self._slots:
                 if slot.thread is None and not self._closing:
                     slot.thread = threading.Thread(
@@ -342,6 +355,7 @@ class SlotPool:
             for slot in self._slots:
                 if slot.started is None:
                     slot.lease = None
+            self._loop.writes("SlotPool._closing")
             self._closing = True
             self._wake_slots()
         for lease in unstarted:

@@ -1,10 +1,11 @@
 """What comes of each lease a worker holds, written, counted and logged in one place.
 
-`Outcomes` writes an attempt's outcome to the job and its ledger row (retrying while the
-database is down and the lease may still be live), counts it in `WorkerStats` (and so in the
-metrics), and notes a refused holder write in the ledger ("fenced") where the queryset did not
-already (the back-off while the database is away is `outages.Outages`). Any thread may call
-it: it holds no state of its own beyond the counters' lock.
+`Outcomes` writes an attempt's outcome to the job and its ledger row (`answered()`: the one
+retry while the database is away and a lease may still be live, for a single outcome and a
+batch of acks alike), counts it in `WorkerStats` (and so in the metrics), and notes a refused
+holder write in the ledger ("fenced") where the queryset did not already (the back-off while
+the database is away is `outages.Outages`). Any thread may call it: it holds no state of its
+own beyond the counters' lock.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import (
     DatabaseError,
@@ -32,7 +33,7 @@ from django_leases.querysets.base import LeaseKey
 from django_leases.querysets.claims import PartFailed, failures_of
 from django_leases.redaction import error_text
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
-from django_leases.worker_stats import WorkerStats
+from django_leases.worker.counters import WorkerStats
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -41,6 +42,8 @@ logger = logging.getLogger("django_leases.worker")
 NOTES_FENCED = frozenset({AttemptOutcome.COMPLETED, TIMED_OUT})
 
 UNRECORDABLE = "failed-unrecordable"
+
+R = TypeVar("R")
 
 
 class Outcomes:
@@ -159,39 +162,69 @@ class Outcomes:
         *,
         maybe_written: bool = False,
     ) -> None:
-        """Write a job's outcome, retrying while the database is down and the lease may be live.
+        """Write a job's outcome (`answered()`), count and log it.
 
         `maybe_written`: an earlier write of it failed, and may have committed.
         """
-        had_outage = maybe_written
+
+        def attempt() -> object:
+            try:
+                return write()
+            except LeaseLost as exc:
+                return exc
+
+        try:
+            answer = self.answered({lease.key: lease}, f"{outcome} of job {lease.pk}", attempt)
+        except Exception as exc:  # noqa: BLE001 - refused, or a value the database cannot store
+            self._unrecordable(lease, outcome, exc)
+            return
+        if answer is None:
+            return
+        result, had_outage = answer
+        if isinstance(result, LeaseLost):
+            if not (
+                (had_outage or maybe_written)
+                and self.jobs.finished_by(lease.pk, lease.owner, lease.token)
+            ):
+                self.fenced_out(lease, str(result), recorded=outcome in NOTES_FENCED)
+                return
+            result = "unknown"  # our earlier attempt committed; only its acknowledgement was lost
+        self.count(lease, outcome, result, error)
+
+    def answered(
+        self,
+        leases: dict[LeaseKey, Lease],
+        what: str,
+        write: Callable[[], R],
+        *,
+        wait: threading.Event | None = None,
+    ) -> tuple[R, bool] | None:
+        """Make `write`, the outcome of `leases`, until the database answers it: retry while it
+        is away (backing off until `wait`, default the stop request, is set) and a lease may
+        still be live; a lease taken as lost meanwhile leaves `leases`, fenced out.
+
+        Return its result and whether the database was away before it answered; None once no
+        lease is left or the worker stopped. A statement the database refused is raised.
+        """
+        had_outage = False
         while True:
             try:
                 result = write()
-                break
-            except LeaseLost as exc:
-                if had_outage and self.jobs.finished_by(lease.pk, lease.owner, lease.token):
-                    # Our earlier attempt committed; only its acknowledgement was lost.
-                    result = "unknown"
-                    break
-                self.fenced_out(lease, str(exc), recorded=outcome in NOTES_FENCED)
-                return
             except DatabaseError as exc:
                 if not self.outages.away(exc):
-                    # The database answered, and refused this statement: not an outage.
-                    self._unrecordable(lease, outcome, exc)
-                    return
+                    raise
                 had_outage = True
-                if lease.lost:
+                for lease in [lease for lease in leases.values() if lease.lost]:
+                    del leases[lease.key]
                     self.fenced_out(lease, "database unreachable for longer than the TTL")
-                    return
-                self.outages.pause(f"{outcome} of job {lease.pk}", exc)
+                if not leases:
+                    return None
+                self.outages.pause(what, exc, wait=wait)
                 if self.stopped.is_set():
-                    return
-            except Exception as exc:  # noqa: BLE001 - e.g. a value the database cannot store
-                self._unrecordable(lease, outcome, exc)
-                return
-        self.outages.over()
-        self.count(lease, outcome, result, error)
+                    return None
+                continue
+            self.outages.over()
+            return result, had_outage
 
     def count(
         self, lease: Lease, outcome: str, result: object, error: BaseException | None

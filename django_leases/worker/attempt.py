@@ -1,26 +1,39 @@
-"""One attempt of a job on a slot thread: run the handler, then end the attempt.
+"""One attempt of a job on a slot thread: run the handler, sync or async, then end the attempt.
 
-Whatever the handler raises ends the attempt here. What comes of it is written and counted by
+Whatever the handler raises ends the attempt here (`Attempts.execute()`). A coroutine runs on
+an event loop of its own (`run_handler()`). What comes of the attempt is written and counted by
 `Outcomes`; a successful handler's completion, and the slot's next job, come from the worker's
 `Completer`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import time
+from collections.abc import Awaitable
+from contextlib import suppress
 from functools import partial
+from typing import Any
 
+from asgiref.sync import async_to_sync
 from django.db import DatabaseError, connections
 
 from django_leases.backoff import retry_delay
-from django_leases.completers import Completer
 from django_leases.db import keep_usable
-from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
-from django_leases.handlers import get_handler
+from django_leases.exceptions import (
+    Cancelled,
+    HandlerError,
+    HandlerTimeout,
+    LeaseLost,
+    PermanentError,
+)
+from django_leases.handlers import Kind, get_handler
 from django_leases.lease import Lease
-from django_leases.outcomes import Outcomes
 from django_leases.status import TIMED_OUT, AttemptOutcome
+from django_leases.worker.completion import Completer
+from django_leases.worker.outcomes import Outcomes
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -50,7 +63,7 @@ class Attempts:
                 started = time.monotonic()
                 logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
                 deadline = None if handler.timeout is None else started + handler.timeout
-                handler.run(job, lease, deadline=deadline)
+                run_handler(handler, job, lease, deadline=deadline)
         except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
             error = exc
         outcomes = self.outcomes
@@ -123,3 +136,57 @@ def restore_connections() -> str:
         f"the handler returned with a transaction open on database(s) "
         f"{', '.join(problems)}; its uncommitted writes were rolled back"
     )
+
+
+def run_handler(
+    kind: Kind, job: Any, lease: Lease | None, *, deadline: float | None = None
+) -> None:
+    """Call `kind`'s handler; if it returns an awaitable, await it on an event loop of its own.
+
+    The calling thread (a worker slot) stays the loop's "sync thread": the coroutine's
+    thread-sensitive `sync_to_async` calls (Django's async ORM, `lease.acheckpoint()`, ...) run
+    back on it, with its database connection and inside its transactions; the event loop runs
+    on a thread of its own (asgiref's). A coroutine still running at `deadline` (monotonic
+    seconds) is cancelled: `HandlerTimeout`; one whose job an operator cancels is cancelled as
+    soon as the lease learns it: `Cancelled`.
+    """
+    result = kind.func(job, lease)
+    if inspect.isawaitable(result):
+        async_to_sync(_await_until)(result, deadline, kind.timeout, lease)
+
+
+async def _await_until(
+    awaitable: Awaitable[object],
+    deadline: float | None,
+    timeout: float | None,
+    lease: Lease | None,
+) -> None:
+    """On the event loop's thread: await `awaitable` until `deadline`, or until `lease` is found
+    cancelled (`Lease.on_cancel()`: the hook is set and removed on this thread, called on the
+    thread that learns the cancel, and only schedules the task's cancel on this loop)."""
+    limit = asyncio.timeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    task = asyncio.ensure_future(awaitable)
+    if lease is not None:
+        loop = asyncio.get_running_loop()
+
+        def cancel() -> None:
+            with suppress(RuntimeError):  # the loop is closed: the handler is done anyway
+                loop.call_soon_threadsafe(task.cancel)
+
+        lease.on_cancel(cancel)
+    try:
+        async with limit:
+            await task
+    except TimeoutError:
+        if not limit.expired():
+            raise  # the handler's own TimeoutError (an HTTP client's, say): a failed attempt
+        raise HandlerTimeout(f"the handler ran past its timeout of {timeout:g}s") from None
+    except asyncio.CancelledError:
+        if lease is None or not lease.cancelled:
+            raise
+        raise Cancelled(
+            f"job {lease.pk}: {lease.lost_reason}; its coroutine was cancelled"
+        ) from None
+    finally:
+        if lease is not None:
+            lease.on_cancel(None)

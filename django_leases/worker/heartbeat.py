@@ -25,7 +25,8 @@ from django_leases.querysets.workers import Role
 from django_leases.redaction import error_text
 from django_leases.status import AttemptOutcome
 from django_leases.tables import registered_workers
-from django_leases.worker_stats import WorkerStats
+from django_leases.worker.counters import WorkerStats
+from django_leases.worker.owners import Owner, part_lock, under
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -133,6 +134,7 @@ class Heartbeat:
         ttl: float,
         interval: float,
         stopped: threading.Event,
+        loop: Owner | None = None,
     ) -> None:
         self.jobs = jobs
         self.row = row
@@ -144,8 +146,9 @@ class Heartbeat:
         self.interval = interval
         self.stopped = stopped
         self.using = jobs.db
+        self._loop = loop or Owner("loop")
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = part_lock()
         self._reported_lost: set[tuple[int, int]] = set()
 
     def ensure_running(self) -> None:
@@ -154,6 +157,7 @@ class Heartbeat:
             return
         if self._thread is not None:
             logger.error("the heartbeat thread died; starting a new one")
+        self._loop.writes("Heartbeat._thread")
         self._thread = threading.Thread(
             target=self._heartbeat_loop, name="lease-heartbeat", daemon=True
         )
@@ -162,7 +166,10 @@ class Heartbeat:
     def _heartbeat_loop(self) -> None:
         harden(connections[self.using], min_lease(self.row.kinds, self.ttl))
         clock = threading.Thread(
-            target=self._lease_clock, args=(threading.current_thread(),), daemon=True
+            target=self._lease_clock,
+            args=(threading.current_thread(),),
+            name="lease-clock",
+            daemon=True,
         )
         clock.start()
         try:
@@ -220,6 +227,7 @@ class Heartbeat:
                 live.append(lease)
                 continue
             with self._lock:
+                under(self._lock, "Heartbeat._reported_lost")
                 first = lease.key not in self._reported_lost
                 self._reported_lost.add(lease.key)
             if first:

@@ -4,19 +4,9 @@ It parses no arguments, prints nothing and installs no signal handlers: `run_lea
 drives it, and tests or other programs can embed it. Every lease write goes through
 `LeaseQuerySet`.
 
-The parts, each chosen or built once here, each owning its thread's fields:
-
-- `SlotPool` (`slots.py`): the slots, the jobs claimed for them, and the one lock over both.
-  Each slot runs one job at a time on its own thread (and database connection); the claim
-  loop queues claimed leases and wakes one idle slot, which wakes the next as it takes one.
-- `Attempts` (`attempts.py`): a slot thread's attempt of a job; whatever a handler raises ends
-  that attempt, never the thread.
-- a `Completer` (`completers.py`): how a finished job is completed and where the slot's next
-  job comes from (claimed with the completion, or ahead).
-- `Outcomes` (`outcomes.py`): what is written, counted and logged of each lease's end.
-- `Heartbeat` (`heartbeat.py`): renews the leases of live slots within their time limit and
-  those queued, beats the registry row, and runs the lease clock.
-- `AckWriter` (`ack_buffer.py`): writes the buffered completions of `ack="batch"` kinds.
+The parts (`django_leases/worker/`), each chosen or built once here, each owning its thread's
+fields: `SlotPool` (`slots.py`), `Attempts` (`attempt.py`), a `Completer` and the `AckWriter`
+(`completion.py`), `Outcomes` (`outcomes.py`) and `Heartbeat` (`heartbeat.py`).
 
 The loop supervises every turn: a slot thread that died (a bug of ours) is replaced and its
 lease abandoned; a handler past its kind's `timeout` is timed out and its thread abandoned to
@@ -35,25 +25,25 @@ from typing import Any
 
 from django.db import DatabaseError, connections
 
-from django_leases.ack_buffer import AckBuffer, AckWriter
-from django_leases.attempts import Attempts
 from django_leases.checks.databases import database_clock_problems
-from django_leases.completers import choose
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.db import harden, keep_usable
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import ACK_BATCH, get_handler, lease_length, min_lease, registered_kinds
-from django_leases.heartbeat import Heartbeat, RegistryRow, default_worker_id
 from django_leases.lease import Lease, Presence
 from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, check_kind, check_owner
 from django_leases.listener import Listener
 from django_leases.outages import Outages, check_tables, outage_or_raise
-from django_leases.outcomes import Outcomes
 from django_leases.querysets.claims import failures_of
 from django_leases.schedules import Ticker
-from django_leases.slots import Slot, SlotPool
 from django_leases.tables import leased_jobs, queue_models
-from django_leases.worker_stats import Recorder, WorkerStats
+from django_leases.worker.attempt import Attempts
+from django_leases.worker.completion import AckBuffer, AckWriter, choose
+from django_leases.worker.counters import Recorder, WorkerStats
+from django_leases.worker.heartbeat import Heartbeat, RegistryRow, default_worker_id
+from django_leases.worker.outcomes import Outcomes
+from django_leases.worker.owners import Owner, part_lock, under
+from django_leases.worker.slots import Slot, SlotPool
 
 logger = logging.getLogger("django_leases.worker")
 
@@ -152,12 +142,14 @@ class LeaseWorker:
         self.presence = Presence(gone_after)
         """When the watcher may take this worker for gone: its leases end then too."""
         self._failure: str | None = None
-        self._failure_lock = threading.Lock()
+        self._failure_lock = part_lock()
         self._instance = secrets.token_hex(8)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._slot_free = threading.Event()
         self._ticker = Ticker(model=self.model, using=self.using)
+        self._loop = Owner("loop")
+        """The thread that calls `run()`: it alone starts and replaces the parts' threads."""
         self._checked_at = time.monotonic()
         self._build(ack_batch_size, ack_flush_interval)
 
@@ -180,6 +172,7 @@ class LeaseWorker:
             slot_free=self._slot_free,
             release=outcomes.release_unstarted,
             lost=outcomes.lost_unstarted,
+            loop=self._loop,
         )
         # A buffered completion's lease is no longer renewed: it is written at the latest one
         # heartbeat interval before the worker would have to take that lease as lost.
@@ -201,10 +194,10 @@ class LeaseWorker:
             kinds=self.kinds,
             ahead=self._ahead,
             slot_free=self._slot_free,
+            loop=self._loop,
         )
         completer = choose(
             outcomes,
-            self._jobs,
             pool=self._pool,
             acks=self._acks,
             kinds=self.kinds,
@@ -232,6 +225,7 @@ class LeaseWorker:
             ttl=self.ttl,
             interval=self.heartbeat_interval,
             stopped=self._stopped,
+            loop=self._loop,
         )
 
     @property
@@ -250,6 +244,7 @@ class LeaseWorker:
         database refuses the connection settings, lacks the tables or has a session clock
         that is not UTC.
         """
+        self._loop.bind()
         harden(connections[self.using], self.min_lease)
         self._wait_until_ready()
         logger.info(
@@ -355,6 +350,7 @@ class LeaseWorker:
     def _taken(self, why: str) -> None:
         """On the heartbeat: another live process took the registry row; stop."""
         with self._failure_lock:
+            under(self._failure_lock, "LeaseWorker._failure")
             self._failure = why
         self.stop()
 
@@ -427,6 +423,7 @@ class LeaseWorker:
             with self._failure_lock:
                 first = self._failure is None
                 if first:
+                    under(self._failure_lock, "LeaseWorker._failure")
                     self._failure = why
             if first:
                 logger.error("%s", why)
