@@ -15,10 +15,10 @@ from typing import Any
 from django.db import DatabaseError, connections
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.db import harden
 from django_leases.handlers import ACK_BATCH, get_handler, min_lease
 from django_leases.lease import Lease
 from django_leases.limits import ACK_BATCH_SIZE
+from django_leases.network import harden
 from django_leases.outages import is_outage
 from django_leases.outcomes import Outcomes
 from django_leases.querysets import LeaseQuerySet

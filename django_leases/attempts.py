@@ -15,10 +15,10 @@ from django.db import DatabaseError, connections
 
 from django_leases.backoff import retry_delay
 from django_leases.completers import Completer
-from django_leases.db import keep_usable
 from django_leases.exceptions import HandlerError, HandlerTimeout, LeaseLost, PermanentError
 from django_leases.handlers import get_handler
 from django_leases.lease import Lease
+from django_leases.network import keep_usable
 from django_leases.outcomes import Outcomes
 from django_leases.status import TIMED_OUT, AttemptOutcome
 

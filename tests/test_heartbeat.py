@@ -16,7 +16,7 @@ from tests.testapp.models import Charge, LockRun
 from .conftest import ON_SQLITE, Processes, finish, subprocess_env, wait_for
 from .leasing import token_of
 from .proxy import Proxy
-from .test_db import NEEDS_NETWORK, Output, default_port, proxied_url
+from .test_network import NEEDS_NETWORK, Output, default_port, proxied_url
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
