@@ -39,7 +39,7 @@ Groups = list[dict[int, int]]
 """Leases as `querysets.base.key_groups()` splits them: {job id: token} a statement each."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Jobs(Generic[R]):
     """What the query layer hands a dialect for one claim or batched completion on one job
     table: where it is, and the ORM's own code (the specification) for what the dialect has no
