@@ -75,6 +75,22 @@ def test_architecture__the_backend_is_named_only_where_its_dialect_is_chosen() -
     assert found == []
 
 
+BACKENDS = ("postgresql", "sqlite", "mysql", "orm")
+"""The backends' names, and the ORM's: the words a path string would branch on."""
+
+
+def test_architecture__no_path_strings_outside_the_dialects() -> None:
+    # The query layer calls its dialect (`Dialect.claim()`, `Dialect.complete_many()`), which
+    # runs its own statements or the ORM's: no string names a backend or a path to branch on.
+    found = [
+        f"{where(path, node)} {node.value!r}"
+        for path in modules(outside=("dialects",))
+        for node in strings(path)
+        if node.value.split("+")[0] in BACKENDS
+    ]
+    assert found == []
+
+
 def strings(path: Path) -> list[ast.Constant]:
     """The string constants of a module, docstrings (which may describe SQL) left out."""
     tree = ast.parse(path.read_text())

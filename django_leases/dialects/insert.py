@@ -1,5 +1,6 @@
 """The enqueue's INSERT of one row or many, in each database's words for skipping a conflicting
-row (Django's, as `bulk_create(ignore_conflicts=True)` writes them) and for "now + a delay"
+row (Django's, as `bulk_create(ignore_conflicts=True)` writes them, where they mean the same:
+`Dialect.insert_skipping()`) and for "now + a delay"
 (`InsertDialect`, one in each database's module)."""
 
 from collections.abc import Callable, Sequence

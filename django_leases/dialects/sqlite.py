@@ -10,6 +10,7 @@ from typing import Any
 from django.db.backends.utils import CursorWrapper
 
 from django_leases.dialects.base import (
+    DB,
     Dialect,
     Groups,
     Jobs,
@@ -90,16 +91,20 @@ def close_completed(
     return sql, {**params, "owner": owner}
 
 
+SKIP_CONFLICTS = "ON CONFLICT DO NOTHING"
+"""The clause after an INSERT's values that leaves out the rows a unique index refuses."""
+
 INSERT = InsertDialect(
     now_plus="STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %(delay)s)",
     delay=_modifier,
     parameters=999,
 )
 """The enqueue's INSERT (`insert.insert_jobs`): the upsert clause skips unique conflicts
-only, unlike INSERT OR IGNORE; RETURNING needs SQLite 3.35+. At most 999 parameters (SQLite's
-limit before 3.32, Django 5.2's), whatever the limit is now: SQLite finds a named parameter by a
-search of those before it, so a statement of n of them takes ~n² steps (20,000 jobs in
-statements of 40,000 parameters: 3,600 jobs/s; of 999: 32,000)."""
+only, unlike INSERT OR IGNORE (`SQLite.insert_skipping()`); RETURNING needs SQLite 3.35+. At
+most 999 parameters (SQLite's limit before 3.32, Django 5.2's), whatever the limit is now:
+SQLite finds a named parameter by a search of those before it, so a statement of n of them
+takes ~n² steps (20,000 jobs in statements of 40,000 parameters: 3,600 jobs/s; of 999:
+32,000)."""
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
@@ -223,6 +228,11 @@ class SQLite(Dialect):
 
     def share_lock_holder(self, table: str, lock: str) -> Statement:
         return share_lock_holder(table, lock=lock)
+
+    def insert_skipping(self, connection: DB) -> tuple[str, str]:
+        # Not Django's INSERT OR IGNORE, which skips a row that breaks any constraint (NOT
+        # NULL, CHECK) as well: only a unique conflict may leave a row out.
+        return "INSERT INTO", SKIP_CONFLICTS
 
     def gate_busy(self, exc: BaseException) -> bool:
         return LOCKED.search(str(exc)) is not None
