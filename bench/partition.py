@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from bench import _common as common
-from django_leases.db import auto_timeout
+from django_leases.network import auto_timeout
 from tests.proxy import Proxy
 
 HOUR = 3600.0

@@ -109,7 +109,7 @@ LIBRARY_LAYERS = (
 
 def unprefixed(sql: str) -> str:
     """`sql` without the statement timeout the worker sends in front of a transaction's first
-    statement (`db.StatementTimeout`)."""
+    statement (`dialects.postgresql.StatementTimeout`)."""
     return re.sub(r"^\s*SET LOCAL statement_timeout = \d+; ", "", sql)
 
 

@@ -36,8 +36,8 @@ def drain(variant: str, jobs: int, ttl: float, warmup: int) -> dict[str, Any]:
     from django.db import connection
     from django.test import override_settings
 
-    from django_leases.db import harden, network_timeout
     from django_leases.models import PaymentJob
+    from django_leases.network import harden, network_timeout
 
     leases = {**settings.DJANGO_LEASES, "TTL": ttl}
     if variant == "none":

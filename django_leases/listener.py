@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from django.db import connections
 
 from django_leases.backoff import reconnect_delay
-from django_leases.db import CLIENT_SLACK, network_timeout, watchdog
+from django_leases.dialects import dialect_of
+from django_leases.network import CLIENT_SLACK, network_timeout, watchdog
 from django_leases.outages import one_line
 from django_leases.querysets.notices import notifies, notify_channel
 from django_leases.redaction import error_text
-from django_leases.sql import postgresql as statements
 
 logger = logging.getLogger("django_leases.worker")
 
-# Connection parameters Django adds for its own cursors; a plain listening connection needs none.
-DJANGO_ONLY_PARAMS = {"context", "cursor_factory", "prepare_threshold", "server_side_binding"}
 # Reconnects of a failed listening connection: the first after RETRY_FIRST seconds, each later
 # one after twice as long, up to RETRY_MAX (jittered). The worker polls meanwhile, so a slow
 # return costs wake-up latency only, and a long outage costs few connection attempts.
@@ -33,19 +33,17 @@ STILL_DOWN_EVERY = 300.0
 
 
 class Listener:
-    """A dedicated autocommit connection that LISTENs on the enqueue channel of one table.
+    """A dedicated connection that LISTENs on the enqueue channel of one table (the dialect's,
+    `Dialect.listening()`), connected again after a failure with a growing delay.
 
     Every wait on it is bounded: the connection by the `connect_timeout` of its (hardened)
-    parameters, the LISTEN by `deadline` seconds of the watchdog, the wait for a notification
+    parameters, the LISTEN by the watchdog (`watchdog_guard()`), the wait for a notification
     by its own timeout. A path that swallows packets (a proxy or a firewall that still
     acknowledges them) would otherwise keep the worker's loop waiting for a reply forever.
     """
 
-    def __init__(self, params: dict[str, Any], channel: str, *, deadline: float | None) -> None:
-        self._params = params
-        self._channel = channel
-        self._deadline = deadline
-        self._conn: Any = None
+    def __init__(self, listening: Any) -> None:
+        self._listening = listening
         self._failures = 0
         self._failing_since = 0.0
         self._retry_at = 0.0
@@ -58,30 +56,23 @@ class Listener:
         connection = connections[using]
         if not notifies(connection):
             return None
-        params = {
-            key: value
-            for key, value in connection.get_connection_params().items()
-            if key not in DJANGO_ONLY_PARAMS
-        }
         timeout = network_timeout(ttl)
-        deadline = None if timeout is None else timeout + CLIENT_SLACK
-        return cls(params, notify_channel(model), deadline=deadline)
+        guard = watchdog_guard(None if timeout is None else timeout + CLIENT_SLACK)
+        params = connection.get_connection_params()
+        return cls(dialect_of(connection).listening(params, notify_channel(model), guard))
 
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for an enqueue notification; return whether one came."""
-        import psycopg
-
-        if self._conn is None and time.monotonic() < self._retry_at:
+        listening = self._listening
+        if not listening.connected and time.monotonic() < self._retry_at:
             time.sleep(min(timeout, self._retry_at - time.monotonic()))
             return False
         try:
-            if self._conn is None:
-                self._conn = psycopg.connect(autocommit=True, **self._params)
-                self._listen(self._conn)
+            if not listening.connected:
+                listening.connect()
                 self._back()
-            for _ in self._conn.notifies(timeout=timeout, stop_after=1):
-                return True
-        except psycopg.Error as exc:
+            return bool(listening.wait(timeout))
+        except listening.error as exc:
             self.close()
             self._failed(exc)
             time.sleep(min(timeout, max(0.0, self._retry_at - time.monotonic())))
@@ -118,17 +109,13 @@ class Listener:
             )
         self._failures = 0
 
-    def _listen(self, conn: Any) -> None:
-        """LISTEN on `conn`, its socket shut down by the watchdog past the deadline."""
-        if self._deadline is None:
-            conn.execute(statements.listen(self._channel))
-            return
-        with watchdog.guard(conn.fileno(), self._deadline):
-            conn.execute(statements.listen(self._channel))
-
     def close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            finally:
-                self._conn = None
+        self._listening.close()
+
+
+def watchdog_guard(deadline: float | None) -> Callable[[int], AbstractContextManager[Any]]:
+    """What bounds a call on a socket by the watchdog: it shuts the socket down `deadline`
+    seconds after the call began (None: unbounded)."""
+    if deadline is None:
+        return lambda fd: nullcontext()
+    return lambda fd: watchdog.guard(fd, deadline)

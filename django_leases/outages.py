@@ -31,9 +31,9 @@ from django.db import (
 
 from django_leases.backoff import reconnect_delay
 from django_leases.dialects import dialect_of
+from django_leases.dialects.statements import MIGRATE
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.redaction import error_text
-from django_leases.sql import MIGRATE
 
 logger = logging.getLogger("django_leases.worker")
 

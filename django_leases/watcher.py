@@ -27,10 +27,10 @@ from django.db.models.functions import Now
 
 from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings
-from django_leases.db import harden
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import RECONCILE_VERDICTS, get_handler, registered_kinds
 from django_leases.horizon import HorizonLog
+from django_leases.network import harden
 from django_leases.outages import check_tables, outage_or_raise
 from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.workers import Role

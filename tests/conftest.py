@@ -17,7 +17,7 @@ from weakref import WeakKeyDictionary
 import pytest
 from django.db import connection, connections
 
-from django_leases.db import UNWRAPPED_CALLS
+from django_leases.network import UNWRAPPED_CALLS
 
 from . import forkserver
 from .pgbouncer import EXECUTABLE as PGBOUNCER
@@ -237,7 +237,7 @@ class Processes:
 @pytest.fixture(autouse=True)
 def unhardened() -> Iterator[None]:
     """Give back this thread's connections as the test found them. A test that runs a watcher
-    pass or a worker loop in-process hardens them (`db.harden()`), and every later test of the
+    pass or a worker loop in-process hardens them (`network.harden()`), and every later test of the
     process would see its statement timeout in front of the SQL it captures."""
     saved = [
         (

@@ -8,8 +8,9 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from django_leases import sql, stats
+from django_leases import stats
 from django_leases.admin.counts import tally_html
+from django_leases.dialects import mysql_statements
 from django_leases.models import PaymentJob
 from django_leases.stats import ESTIMATED, EXACT, MORE_THAN, Tally
 
@@ -154,11 +155,11 @@ def test_estimated_count__none_without_statistics_else_the_planners() -> None:
 
 def test_mysql_status_estimate__the_table_less_the_others_past_innodbs_half_table_cap() -> None:
     # As MariaDB 10.11 estimated 1M completed jobs beside 2,000 live ones: half the table.
-    assert sql.mysql.status_estimate(497_062, 2_100, 994_125) == 992_025
-    assert sql.mysql.status_estimate(497_063, 2_100, 994_125) == 992_025
+    assert mysql_statements.status_estimate(497_062, 2_100, 994_125) == 992_025
+    assert mysql_statements.status_estimate(497_063, 2_100, 994_125) == 992_025
     # A minority status is estimated directly; its complement is the capped one.
-    assert sql.mysql.status_estimate(1_000, 497_062, 994_125) == 1_000
-    assert sql.mysql.status_estimate(0, 0, 0) == 0
+    assert mysql_statements.status_estimate(1_000, 497_062, 994_125) == 1_000
+    assert mysql_statements.status_estimate(0, 0, 0) == 0
 
 
 def test_tally__sum_is_as_uncertain_as_its_least_certain_part() -> None:

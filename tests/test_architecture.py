@@ -1,10 +1,10 @@
 """The rules of the package's layout (docs/architecture.md), checked on its source.
 
-- `sql/` imports nothing from the app but `status.py`: its builders take names and values, and
-  write the status words in as literals.
-- The database backend is named only where its dialect is chosen (`dialects.py`).
-- SQL text (any statement, and the vendor words of the claim) is written only in `sql/` (and in
-  migrations).
+- `dialects/` imports nothing from the app but `status.py`: its builders take names and values,
+  and write the status words in as literals; the query layer hands it the ORM's code.
+- The database backend is named only where its dialect is chosen (`dialects/`).
+- SQL text (any statement, and the vendor words of the claim) is written only in `dialects/`
+  (and in migrations).
 - Status, outcome and verdict words are spelled out only in `status.py` (and in migrations).
 - Lease fields are written only by `querysets/`.
 - No module is over 500 lines; the imports form no circle (those in functions included).
@@ -44,9 +44,9 @@ def where(path: Path, node: ast.AST) -> str:
     return f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', '?')}"
 
 
-def test_architecture__sql_imports_nothing_from_the_app() -> None:
+def test_architecture__dialects_import_nothing_from_the_app() -> None:
     found = []
-    for path in sorted((PACKAGE / "sql").glob("*.py")):
+    for path in sorted((PACKAGE / "dialects").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -57,20 +57,36 @@ def test_architecture__sql_imports_nothing_from_the_app() -> None:
                 where(path, node)
                 for name in names
                 if name.startswith("django_leases")
-                and not name.startswith("django_leases.sql")
+                and not name.startswith("django_leases.dialects")
                 and name != "django_leases.status"
             ]
     assert found == []
 
 
 def test_architecture__the_backend_is_named_only_where_its_dialect_is_chosen() -> None:
-    # `connection.vendor` (any `.vendor`) outside `dialects.py`: a vendor switch of its own.
+    # `connection.vendor` (any `.vendor`) outside `dialects/`: a vendor switch of its own.
     # Migrations are frozen history and keep theirs.
     found = [
         where(path, node)
         for path in modules(outside=("dialects",))
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Attribute) and node.attr == "vendor"
+    ]
+    assert found == []
+
+
+BACKENDS = ("postgresql", "sqlite", "mysql", "orm")
+"""The backends' names, and the ORM's: the words a path string would branch on."""
+
+
+def test_architecture__no_path_strings_outside_the_dialects() -> None:
+    # The query layer calls its dialect (`Dialect.claim()`, `Dialect.complete_many()`), which
+    # runs its own statements or the ORM's: no string names a backend or a path to branch on.
+    found = [
+        f"{where(path, node)} {node.value!r}"
+        for path in modules(outside=("dialects",))
+        for node in strings(path)
+        if node.value.split("+")[0] in BACKENDS
     ]
     assert found == []
 
@@ -90,10 +106,10 @@ def strings(path: Path) -> list[ast.Constant]:
     ]
 
 
-def test_architecture__sql_text_only_in_sql() -> None:
+def test_architecture__sql_text_only_in_dialects() -> None:
     found = [
         f"{where(path, node)} {text}"
-        for path in modules(outside=("sql",))
+        for path in modules(outside=("dialects",))
         for node in strings(path)
         for text in SQL_TEXT
         if text in node.value
@@ -101,7 +117,7 @@ def test_architecture__sql_text_only_in_sql() -> None:
     # Any other statement: a string that starts like one.
     found += [
         f"{where(path, node)} {node.value.split()[0]}"
-        for path in modules(outside=("sql",))
+        for path in modules(outside=("dialects",))
         for node in strings(path)
         if node.value.lstrip().startswith(STATEMENTS)
     ]
@@ -109,7 +125,7 @@ def test_architecture__sql_text_only_in_sql() -> None:
 
 
 def test_architecture__status_words_only_in_status() -> None:
-    # The sql/ builders write the words in from status.py (`sql.literal()`).
+    # The dialects' builders write the words in from status.py (`statements.literal()`).
     found = [
         f"{where(path, node)} {node.value!r}"
         for path in modules(outside=("status",))
@@ -120,7 +136,7 @@ def test_architecture__status_words_only_in_status() -> None:
 
 
 @pytest.mark.parametrize(
-    "path", modules(outside=("querysets", "sql", "models")), ids=lambda p: p.name
+    "path", modules(outside=("querysets", "dialects", "models")), ids=lambda p: p.name
 )
 def test_architecture__lease_fields_written_only_by_querysets(path: Path) -> None:
     # An update(...) or create(...) call naming a lease field outside querysets/.

@@ -15,9 +15,10 @@ from django.db import connection, transaction
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 
+from django_leases.dialects import Dialect
+from django_leases.dialects.merge import CANDIDATE_SLACK
 from django_leases.models import PaymentJob
-from django_leases.querysets.claims import claim_by_path
-from django_leases.sql.merge import CANDIDATE_SLACK
+from django_leases.querysets.claims import claim_by_dialect
 
 from .conftest import ON_SQLITE, Processes
 from .rows import copy_row
@@ -51,7 +52,9 @@ def claim_by(request: pytest.FixtureRequest) -> Claim:
 
     def claim(owner: str, limit: int, kinds: list[str]) -> list[PaymentJob]:
         if request.param == "orm":
-            return claim_by_path(PaymentJob.objects.all(), owner, 60.0, limit, kinds, "orm")
+            return claim_by_dialect(
+                PaymentJob.objects.all(), owner, 60.0, limit, kinds, dialect=Dialect()
+            )
         return PaymentJob.objects.claim(owner, ttl=60, limit=limit, kinds=kinds)
 
     return claim

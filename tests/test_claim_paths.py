@@ -1,7 +1,8 @@
 """Every claim path against the ORM path, its readable specification, on generated job sets.
 
 The ORM path (`SELECT ... FOR UPDATE SKIP LOCKED`, then the conditional `filter(...).update(...)`)
-is the specification; PostgreSQL, SQLite and MariaDB/MySQL run raw statements from `sql/`. On the
+is the specification (the base `Dialect`); PostgreSQL's, SQLite's and MariaDB/MySQL's dialects
+run statements of their own (`dialects/`). On the
 same rows each path must claim the same jobs, in the same order, with the same ledger rows: the
 attempts it opens and the expired holders' rows it closes.
 """
@@ -16,15 +17,15 @@ from django.core.exceptions import FieldDoesNotExist
 from django.db import connection, transaction
 from django.db.models.functions import Now
 
-from django_leases import sql
-from django_leases.dialects import ClaimPath
+from django_leases.dialects import Dialect, named
+from django_leases.dialects import postgresql_prepared as prepared_sql
+from django_leases.dialects import postgresql_statements as postgresql
+from django_leases.dialects import statements as sql
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets.acks import complete_many_by_path
+from django_leases.querysets.acks import complete_many_by_dialect
 from django_leases.querysets.base import LOADERS, raw_rows
-from django_leases.querysets.claims import claim_by_path
+from django_leases.querysets.claims import claim_by_dialect
 from django_leases.querysets.ledger import ledger_names
-from django_leases.sql import postgresql
-from django_leases.sql import prepared as prepared_sql
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
 pytestmark = pytest.mark.django_db
@@ -33,15 +34,21 @@ KINDS = ("capture", "refund", "webhook")
 SEEDS = range(12)
 
 
-def paths() -> list[ClaimPath]:
-    """The fast paths this database runs besides the ORM path."""
-    if connection.vendor == "postgresql":
-        return ["postgresql+ledger", "postgresql"]
-    if connection.vendor == "sqlite":
-        return ["sqlite"]
-    if connection.vendor == "mysql":
-        return ["mysql+ledger", "mysql"]
-    return []
+Path = tuple[Dialect, bool]
+"""A claim's dialect, and whether its statements write the stock ledger's rows (else the ORM
+writes them after the claim)."""
+
+ORM: Path = (Dialect(), False)
+"""The specification: the base dialect, the ORM's statements."""
+
+
+def paths() -> list[Path]:
+    """The fast paths this database runs besides the ORM path: its dialect with the stock
+    ledger's rows in its own statements, and (where they can leave them out) without."""
+    own = named(connection.vendor)
+    if connection.vendor in ("postgresql", "mysql"):
+        return [(own, True), (own, False)]
+    return [(own, True)]
 
 
 def generate(seed: int) -> None:
@@ -75,11 +82,15 @@ def generate(seed: int) -> None:
             PaymentJob.objects.filter(pk=job.pk).update(run_at=Now() + offset)
 
 
-def outcome_of(path: ClaimPath, owner: str, limit: int, kinds: list[str] | None) -> Any:
+def outcome_of(path: Path, owner: str, limit: int, kinds: list[str] | None) -> Any:
     """Claim with `path`, return what it did, and roll every write back."""
+    dialect, stock_ledger = path
     with transaction.atomic():
         before = dict(PaymentJob.objects.values_list("pk", "lease_token"))
-        jobs = claim_by_path(PaymentJob.objects.all(), owner, 60.0, limit, kinds, path)
+        qs = PaymentJob.objects.all()
+        jobs = claim_by_dialect(
+            qs, owner, 60.0, limit, kinds, dialect=dialect, stock_ledger=stock_ledger
+        )
         outcome = claim_outcome(jobs, before)
         transaction.set_rollback(True)
     return outcome
@@ -123,22 +134,18 @@ def test_claim_paths__claim_what_the_orm_path_claims(seed: int, settings: Any) -
     }
     generate(seed)
     for limit, kinds in [(1, None), (3, None), (50, None), (4, ["capture", "webhook"])]:
-        expected = outcome_of("orm", "w", limit, kinds)
+        expected = outcome_of(ORM, "w", limit, kinds)
         assert kinds or expected[0], "a due job is always claimable"
         for path in paths():
             assert outcome_of(path, "w", limit, kinds) == expected, (path, limit, kinds)
     waiting = set(PaymentJob.objects.waiting().values_list("pk", flat=True))
-    assert not waiting & {pk for pk, *_ in outcome_of("orm", "w", 50, None)[0]}
+    assert not waiting & {pk for pk, *_ in outcome_of(ORM, "w", 50, None)[0]}
 
 
-def completion_paths() -> list[ClaimPath]:
-    """The fast paths of `complete_many()` on this database besides the ORM path."""
-    paths: dict[str, list[ClaimPath]] = {
-        "postgresql": ["postgresql+ledger"],
-        "sqlite": ["sqlite"],
-        "mysql": ["mysql+ledger"],
-    }
-    return paths.get(connection.vendor, [])
+def completion_paths() -> list[Dialect]:
+    """The fast paths of `complete_many()` on this database besides the ORM path: its
+    dialect's own statements."""
+    return [named(connection.vendor)]
 
 
 def held_and_lost(seed: int) -> dict[int, int]:
@@ -168,10 +175,11 @@ def held_and_lost(seed: int) -> dict[int, int]:
     return acks
 
 
-def completion_of(path: ClaimPath, owner: str, acks: dict[int, int]) -> Any:
-    """Complete `acks` with `path`, return what it did, and roll every write back."""
+def completion_of(dialect: Dialect, owner: str, acks: dict[int, int]) -> Any:
+    """Complete `acks` with `dialect`, return what it did, and roll every write back."""
     with transaction.atomic():
-        won = complete_many_by_path(PaymentJob.objects.all(), owner, list(acks.items()), path)
+        qs = PaymentJob.objects.all()
+        won = complete_many_by_dialect(qs, owner, list(acks.items()), dialect)
         states = sorted(
             (*row[:-1], row[-1] is None)
             for row in PaymentJob.objects.values_list(
@@ -196,7 +204,7 @@ def test_complete_many_paths__complete_what_the_orm_path_completes(seed: int) ->
         pytest.skip(f"{connection.vendor} completes batches through the ORM path only")
     generate(seed)
     acks = held_and_lost(seed)
-    expected = completion_of("orm", "w", acks)
+    expected = completion_of(ORM[0], "w", acks)
     assert expected[0], "some acks are valid"
     assert expected[0] != set(acks), "some acks are refused"
     for path in completion_paths():

@@ -17,7 +17,7 @@ from .conftest import ON_SQLITE, Processes, finish, subprocess_env, wait_for
 from .leasing import token_of
 from .owner_rules import check
 from .proxy import Proxy
-from .test_db import NEEDS_NETWORK, Output, default_port, proxied_url
+from .test_network import NEEDS_NETWORK, Output, default_port, proxied_url
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 

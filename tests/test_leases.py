@@ -8,10 +8,11 @@ from django.db.models.functions import Now
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
+from django_leases.dialects import Dialect
 from django_leases.exceptions import InvalidArgument, InvalidDuration, LeaseLost
 from django_leases.limits import CONCURRENCY
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets.claims import claim_by_path
+from django_leases.querysets.claims import claim_by_dialect
 from tests.leasing import claim_one, database_micros, expire, ledger, statements, token_of
 from tests.testapp.models import BareJob
 
@@ -56,7 +57,7 @@ def claim_by(path: str, pk: int) -> PaymentJob:
     (job,) = (
         jobs.claim("w", ttl=60)
         if path == "claim"
-        else claim_by_path(jobs, "w", 60.0, 1, None, "orm")
+        else claim_by_dialect(jobs, "w", 60.0, 1, None, dialect=Dialect())
     )
     assert job.pk == pk
     return job

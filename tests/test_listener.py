@@ -7,7 +7,8 @@ import time
 import pytest
 from django.db import connection
 
-from django_leases.listener import DJANGO_ONLY_PARAMS, Listener
+from django_leases.dialects.postgresql import Listening
+from django_leases.listener import Listener, watchdog_guard
 from django_leases.models import PaymentJob
 
 from .ports import free_port
@@ -52,22 +53,18 @@ def test_listener__a_listen_the_network_swallows_is_cut_off_at_its_deadline() ->
     and a partitioned worker never claimed again once the path was back)."""
     import psycopg  # PostgreSQL's driver: not installed where the suite runs on SQLite alone
 
-    params = {
-        key: value
-        for key, value in connection.get_connection_params().items()
-        if key not in DJANGO_ONLY_PARAMS
-    }
+    params = connection.get_connection_params()
     with Proxy(int(params.get("port") or 5432)) as proxy:
         proxied = {**params, "host": "127.0.0.1", "port": proxy.port}
-        listener = Listener(proxied, "leases_test_channel", deadline=1.0)
-        conn = psycopg.connect(autocommit=True, **proxied)
+        listening = Listening(proxied, "leases_test_channel", watchdog_guard(1.0))
+        listening.connect()
         try:
             proxy.blackhole()
             with pytest.raises(psycopg.OperationalError):
-                listener._listen(conn)
+                listening.listen()
             assert proxy.dropped > 0  # the LISTEN went into the black hole
         finally:
-            conn.close()
+            listening.close()
 
 
 @needs_postgresql
@@ -77,12 +74,8 @@ def test_listener__a_listening_connection_that_fails_backs_off_and_says_so_once(
     """A server that is away (here a port nothing listens on): the worker polls meanwhile, and
     the listener tries again after longer and longer waits (it reconnected at every wait, each
     time with a warning: 77 in a 30 s restart), saying so once."""
-    params = {
-        key: value
-        for key, value in connection.get_connection_params().items()
-        if key not in DJANGO_ONLY_PARAMS
-    }
-    listener = Listener({**params, "port": free_port()}, "leases_test_channel", deadline=1.0)
+    params = {**connection.get_connection_params(), "port": free_port()}
+    listener = Listener(Listening(params, "leases_test_channel", watchdog_guard(1.0)))
     with caplog.at_level(logging.DEBUG, "django_leases.worker"):
         deadline = time.monotonic() + 4
         while time.monotonic() < deadline:

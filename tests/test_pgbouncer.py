@@ -12,14 +12,14 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.functions import Now
 from django.test import override_settings
 
-from django_leases.db import harden, watchdog
+from django_leases.dialects.statements import sqlstate
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.sql import sqlstate
+from django_leases.network import harden, watchdog
 from tests.testapp.models import Charge, LockRun
 
 from .conftest import Processes, database_url, finish, subprocess_env
 from .pgbouncer import PgBouncer
-from .test_db import STATEMENT_TIMEOUT, server_timeout
+from .test_network import STATEMENT_TIMEOUT, server_timeout
 
 # PgBouncer pools PostgreSQL: without psycopg (a SQLite-only install) there is nothing to test.
 psycopg = pytest.importorskip("psycopg")

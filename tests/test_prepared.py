@@ -1,4 +1,4 @@
-"""The claim as a named prepared statement (PostgreSQL, the prepared claims of `dialects.py`): one
+"""The claim as a named prepared statement (PostgreSQL, `dialects.postgresql`): one
 statement per read window, sent whole inside a transaction, prepared again when the session lost
 it or the job table's columns changed, planned anew as it ages, left alone where sessions keep
 losing it, its generic plan off other kinds' backlog, and the very claims of the statement sent
@@ -13,13 +13,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 
-from django_leases import sessions as prepared_module
+from django_leases.dialects import dialect_of
+from django_leases.dialects import postgresql_prepared as prepared_module
+from django_leases.dialects import postgresql_prepared as prepared_sql
+from django_leases.dialects.postgresql_prepared import PREPARED_PREFIX
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets.base import literal_cursor
-from django_leases.sql import prepared as prepared_sql
-from django_leases.sql.prepared import PREPARED_PREFIX
 
 from .test_claim_kinds import (
     SERVED,
@@ -30,7 +30,14 @@ from .test_claim_kinds import (
     lockable_while_held,
     rows_examined,
 )
-from .test_claim_paths import claim_outcome, generate, outcome_of
+from .test_claim_paths import ORM, claim_outcome, generate, outcome_of
+
+
+def literal_cursor() -> Any:
+    """The cursor the prepared claim's EXECUTE runs on (`PostgreSQL.literal_cursor()`)."""
+    conn = connections[connection.alias]
+    return dialect_of(conn).literal_cursor(conn)
+
 
 pytestmark = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="prepared claims are PostgreSQL's"
@@ -217,7 +224,7 @@ def test_prepared_claims__claim_what_the_orm_path_claims(seed: int) -> None:
     generate(seed)
     rng = random.Random(seed)
     for limit, kinds in [(1, None), (3, None), (3, None), (4, ["capture", "webhook"]), (50, None)]:
-        expected = outcome_of("orm", "w", limit, kinds)
+        expected = outcome_of(ORM, "w", limit, kinds)
         before = prepared_claims()
         tokens = dict(PaymentJob.objects.values_list("pk", "lease_token"))
         jobs = PaymentJob.objects.claim("w", ttl=60, limit=limit, kinds=kinds)
@@ -241,7 +248,12 @@ def test_prepared_claim__its_generic_plan_reads_none_of_another_kinds_backlog(
         cursor.execute(f"ANALYZE {PaymentJob._meta.db_table}")
     statement, *_ = claim_statements(kinds, limit=2)
     prepared, params = prepared_sql.prepared_claim(statement)
-    with transaction.atomic(), literal_cursor(connection.alias) as cursor:
+    with (
+        transaction.atomic(),
+        dialect_of(connections[connection.alias]).literal_cursor(
+            connections[connection.alias]
+        ) as cursor,
+    ):
         cursor.execute(prepared.prepare)
         # The plan a kept prepared statement runs, made without the parameters' values.
         cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
@@ -272,7 +284,9 @@ def test_prepared_claim__locks_no_more_than_limit_rows_with_a_wider_window(
     assert "LIMIT 4" in prepared.prepare  # the window is wider than the limit
 
     def claim() -> int:
-        with literal_cursor(connection.alias) as cursor:
+        with dialect_of(connections[connection.alias]).literal_cursor(
+            connections[connection.alias]
+        ) as cursor:
             cursor.execute(prepared.prepare)
             cursor.execute(prepared.execute, params)
             return len(cursor.fetchall())

@@ -29,7 +29,7 @@ from .conftest import (
     wait_for,
 )
 from .leasing import token_of
-from .test_db import Output
+from .test_network import Output
 from .testapp.models import Charge
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]

@@ -16,10 +16,10 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases import job_handler, stats
-from django_leases.db import CLIENT_SLACK, Deadline, auto_timeout
 from django_leases.exceptions import InvalidArgument
 from django_leases.handlers import unregister
 from django_leases.models import JobAttempt, PaymentJob, Worker
+from django_leases.network import CLIENT_SLACK, Deadline, auto_timeout
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge, LockRun
 

@@ -16,7 +16,6 @@ from django.utils.module_loading import import_string
 
 from django_leases.conf import DEFAULTS
 from django_leases.constraints import is_unique
-from django_leases.db import AUTO, TIMEOUT_RANGE
 from django_leases.handlers import lease_lengths, registered_kinds
 from django_leases.jobs import BACKEND_PATH, lease_task_queues, tasks_framework_missing
 from django_leases.limits import (
@@ -34,6 +33,7 @@ from django_leases.limits import (
     in_duration_range,
     shown,
 )
+from django_leases.network import AUTO, TIMEOUT_RANGE
 from django_leases.status import FINAL_STATUSES, StuckPolicy
 from django_leases.tables import job_model, leased_job_models, ledger_model
 

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.db import DatabaseError, connections
 
-from django_leases.dialects import dialect_of
+from django_leases.dialects import dialect_of, dialect_of_engine
 from django_leases.handlers import registered_kinds
 from django_leases.horizon import oldest_pin
 from django_leases.limits import shown
@@ -102,13 +102,14 @@ def check_autovacuum(
 
 
 def sqlite_without_immediate(databases: dict[str, Any]) -> list[str]:
-    """Return the aliases of SQLite databases in `databases` (a DATABASES setting) whose
-    transactions do not take the write lock when they start."""
+    """Return the aliases of databases in `databases` (a DATABASES setting) whose transactions
+    do not take the write lock when they start (SQLite without "IMMEDIATE":
+    `Dialect.lazy_write_lock()`)."""
     return [
         alias
         for alias, config in databases.items()
-        if str(config.get("ENGINE", "")).endswith("sqlite3")
-        and str((config.get("OPTIONS") or {}).get("transaction_mode", "")).upper() != "IMMEDIATE"
+        for dialect in [dialect_of_engine(str(config.get("ENGINE", "")))]
+        if dialect is not None and dialect.lazy_write_lock(config.get("OPTIONS") or {})
     ]
 
 

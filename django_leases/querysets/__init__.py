@@ -5,7 +5,7 @@ transition, its own holder writes and, bound as methods, the functions of `claim
 `operators`, `enqueue` and `prune`, which share the ledger writes (`ledger`), the lock queue
 (`locks`) and the throttles (`throttles`). `payments` is `PaymentJob`'s enqueue with a payment
 id; `workers` the worker registry; `schedules` the schedules' state rows. Their raw SQL is in
-`sql/`, chosen per database by `dialects.py`. The models are built on this package, which never
+`dialects/`, run by each database's dialect. The models are built on this package, which never
 imports them; `django_leases.tables` finds a queue's tables.
 """
 

@@ -8,16 +8,16 @@ exactly the rows that won are closed in the same statement or transaction.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING
 
 from django.db import connections, transaction
 from django.db.models.functions import Now
 
-from django_leases.dialects import ClaimPath, dialect_of
+from django_leases.dialects import Dialect, Jobs, dialect_of
 from django_leases.limits import check_owner
 from django_leases.querysets.base import (
     LeaseKey,
-    bound_cursor,
     key_groups,
     keys_filter,
     lease_keys,
@@ -50,43 +50,31 @@ def complete_many(
     keys = lease_keys(leases)
     if not keys:
         return set()
-    won = complete_many_by_path(qs, owner, keys, complete_many_path(qs))
+    won = complete_many_by_dialect(qs, owner, keys)
     lost = [key for key in keys if key not in won]
     if lost:
         record_fenced_many(qs, lost)
     return won
 
 
-def complete_many_path(qs: LeaseQuerySet[J]) -> ClaimPath:
-    """The raw statements need the stock ledger (for their ledger UPDATE); else the ORM."""
-    return dialect_of(connections[qs.db]).complete_many_path(ledger_of(qs))
-
-
-def complete_many_by_path(
-    qs: LeaseQuerySet[J], owner: str, keys: list[LeaseKey], path: ClaimPath
+def complete_many_by_dialect(
+    qs: LeaseQuerySet[J], owner: str, keys: list[LeaseKey], dialect: Dialect | None = None
 ) -> set[LeaseKey]:
-    """`complete_many()` by `path`: the jobs without a lock by the path's statements, then
-    (in a second transaction on PostgreSQL, only if some were left) the jobs of a lock."""
-    ledger = ledger_of(qs)
-    dialect = dialect_of(connections[qs.db])
-    groups = list(key_groups(keys))
-    if path == "postgresql+ledger" and ledger is not None:
-        # One statement: atomic without a transaction block.
-        with bound_cursor(qs.db) as cursor:
-            done = dialect.complete_many(
-                cursor, quoted_table(qs.model, qs.db), ledger, owner, groups
-            )
-        left = [key for key in keys if key not in done]
-        return done | (complete_locked(qs, owner, left) if left else set())
-    # One transaction: the jobs' completions and their ledger rows commit together.
-    with transaction.atomic(using=qs.db):
-        if path != "orm" and ledger is not None:
-            with connections[qs.db].cursor() as cursor:
-                done = dialect.complete_many(
-                    cursor, quoted_table(qs.model, qs.db), ledger, owner, groups
-                )
-        else:
-            done = complete_unlocked(qs, owner, groups)
+    """`complete_many()` by the database's dialect (`Dialect.complete_many()`: its own
+    statements for the jobs without a lock, with the stock ledger, else the ORM's), then the
+    jobs of a lock, in the dialect's `completion_block()` (a transaction, or on PostgreSQL one
+    statement, the jobs of a lock in a transaction of their own only if some were left).
+    `dialect`: another one (tests hold each database's to the base `Dialect()`)."""
+    connection = connections[qs.db]
+    dialect = dialect or dialect_of(connection)
+    jobs: Jobs[J] = Jobs(
+        connection,
+        quoted_table(qs.model, qs.db),
+        ledger_of(qs),
+        complete_unlocked=partial(complete_unlocked, qs, owner),
+    )
+    with dialect.completion_block(jobs):
+        done = dialect.complete_many(jobs, owner, list(key_groups(keys)))
         left = [key for key in keys if key not in done]
         return done | (complete_locked(qs, owner, left) if left else set())
 

@@ -43,22 +43,12 @@ QS = TypeVar("QS", bound=models.QuerySet[Any])
 
 
 def bound_cursor(using: str) -> CursorWrapper:
-    """Return a cursor of `using` that sends parameters apart from the statement's text where
-    that is what prepares it.
-
-    On PostgreSQL with psycopg 3 the text is then the same at every call, so psycopg prepares
-    it once the project allows prepared statements (`"prepare_threshold"` in the database's
-    OPTIONS, Django's switch, off by default for connection poolers): the server then parses
-    and plans the lease layer's statements once per connection, not once per job. Without that
-    option, Django's client-binding cursor, which can carry the worker's statement timeout
-    (`db.StatementTimeout`); elsewhere, or with psycopg 2, Django's usual cursor. Either way
-    through Django's cursor wrapper, so the execute wrappers (the outage watchdog) and query
-    logging apply.
-    """
+    """Return a cursor of `using` for the lease layer's own statements, as its dialect chooses
+    (`Dialect.bound_cursor()`: on PostgreSQL one that lets the driver prepare them where the
+    project allows it), through Django's cursor wrapper: the execute wrappers (the outage
+    watchdog) and query logging apply."""
     connection = connections[using]
-    options = connection.settings_dict.get("OPTIONS") or {}
-    prepares = options.get("prepare_threshold") is not None
-    return dialect_of(connection).cursor(connection, server_binding=prepares)
+    return dialect_of(connection).bound_cursor(connection)
 
 
 @cache
@@ -66,17 +56,6 @@ def quoted_table(model: type[models.Model], alias: str) -> str:
     """Return `model`'s table name quoted for `alias`'s database, built once per process: the
     raw statements of claims and completions need it every time."""
     return connections[alias].ops.quote_name(model._meta.db_table)
-
-
-def literal_cursor(using: str) -> CursorWrapper:
-    """Return a cursor of `using` that writes the parameters into the statement as literals.
-
-    What an EXECUTE of a prepared statement needs on PostgreSQL, which takes no bind parameters
-    there, whatever Django's `server_side_binding` option says. Through Django's cursor wrapper,
-    as `bound_cursor()`.
-    """
-    connection = connections[using]
-    return dialect_of(connection).cursor(connection, server_binding=False)
 
 
 def raw_rows(
@@ -92,8 +71,9 @@ def raw_rows(
         cursor.execute(sql, params)
         rows = cursor.fetchall()
         if not rows:
-            # A claim that found nothing: psycopg builds the description (an object for each
-            # of ~25 columns) anew at every call, a sixth of such a claim's Python.
+            # A claim that found nothing: the driver may build the description (psycopg: an
+            # object for each of ~25 columns) anew at every call, a sixth of such a claim's
+            # Python.
             return []
         columns = tuple(column[0] for column in cursor.description)
     connection = connections[db]

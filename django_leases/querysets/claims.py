@@ -4,21 +4,21 @@
 queryset first, bound there as methods. Every claim is one conditional UPDATE (PostgreSQL: one
 statement with the ledger's rows; SQLite: UPDATE ... RETURNING passes; MariaDB/MySQL: rows
 locked with SKIP LOCKED (for several kinds, chosen first by an unlocked read of each kind's
-range: `lock_merged()`), then the UPDATE, in `sql.mysql`'s statements; `Dialect.claim_path()`
-picks) that gives each row a new fencing token, `attempts + 1` and a lease from the database
-clock, and opens its ledger row in the same transaction.
+range: `lock_merged()`), then the UPDATE, in `dialects.mysql`'s statements; the connection's
+dialect runs its own, `Dialect.claim()`) that gives each row a new fencing token,
+`attempts + 1` and a lease from the database clock, and opens its ledger row in the same
+transaction.
 
 A claim on PostgreSQL reads in a few jumps (tests/test_architecture.py counts them): `claim()`,
-`claim_by_path()` (retried on deadlock), `raw_claim()` (the dialect, table and ledger of
-`claim_route()`, looked up once per process), `dialects.PostgreSQL.claim()` (the statement of
-`sql.postgresql.claim()`, run as a prepared statement of the session), `base.raw_rows()` (rows
-to models) and `in_claim_order()`.
+`claim_by_dialect()` (retried on deadlock; the dialect, table and ledger of `claim_route()`,
+looked up once per process), `handed_to_dialect()`, `dialects.postgresql.PostgreSQL.claim()` (the
+statement of `postgresql_statements.claim()`, run as a prepared statement of the session),
+`base.raw_rows()` (rows to models) and `in_claim_order()`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
-from contextlib import nullcontext
 from datetime import timedelta
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -27,13 +27,13 @@ from django.db import DatabaseError, connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.dialects import ClaimPath, Dialect, dialect_of
+from django_leases.dialects import Dialect, Jobs, dialect_of, merge
+from django_leases.dialects import statements as sql
+from django_leases.dialects.statements import LedgerNames
 from django_leases.exceptions import GateBusy, InvalidArgument
 from django_leases.handlers import Lengths, lease_lengths_of, throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind, check_owner
-from django_leases.passes import in_passes
 from django_leases.querysets.acks import complete_locked
 from django_leases.querysets.base import (
     LeaseKey,
@@ -47,8 +47,6 @@ from django_leases.querysets.base import (
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
 from django_leases.querysets.reads import takeover_guard_of
 from django_leases.querysets.throttles import claim_throttled, kind_gates
-from django_leases.sql import merge
-from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import PROCESSING, StuckPolicy
 from django_leases.throttles import Throttle
 
@@ -105,16 +103,15 @@ def claim(
     if kinds == []:
         return []
     throttled = throttles_of(kinds) if throttles() else {}
-    path = claim_route(qs.model, qs.db).path
     if not throttled:
-        return claim_by_path(qs, owner, seconds, limit, kinds, path)
+        return claim_by_dialect(qs, owner, seconds, limit, kinds)
     claimed: Claimed[J] = Claimed()
     for kind, throttle in throttled.items():
-        take = partial(claim_by_path, qs, owner, seconds, kinds=[kind], path=path, atomic=False)
+        take = partial(claim_by_dialect, qs, owner, seconds, kinds=[kind], atomic=False)
         claimed.part(qs, kind, limit, partial(claim_throttled, qs, kind, throttle, take=take))
     rest: Wanted = AllBut(throttled) if kinds is None else [k for k in kinds if k not in throttled]
     if rest != []:
-        take_rest = partial(claim_by_path, qs, owner, seconds, kinds=rest, path=path)
+        take_rest = partial(claim_by_dialect, qs, owner, seconds, kinds=rest)
         claimed.part(qs, None, limit, take_rest)
     return claimed.handed_out()
 
@@ -204,7 +201,9 @@ def complete_and_claim(
     short. Elsewhere it is those two transactions, the completions committed first.
     """
     seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
-    if claim_path(qs) != "postgresql+ledger" or kinds == [] or throttles_of(kinds):
+    route = claim_route(qs.model, qs.db)
+    fused = route.dialect.fuses_completion_and_claim(route.ledger)
+    if not fused or kinds == [] or throttles_of(kinds):
         return qs.complete_many(owner, leases), qs.claim(
             owner, ttl=seconds, limit=limit, kinds=kinds
         )
@@ -230,7 +229,8 @@ def complete_and_claim_at_once(
     kinds: list[str] | None,
 ) -> tuple[set[LeaseKey], list[J]]:
     completing = ([pk for pk, _ in keys], [token for _, token in keys])
-    rows = raw_claim(qs, owner, seconds, limit, kinds, ledger=True, completing=completing)
+    jobs, request = handed_to_dialect(qs, owner, seconds, limit, kinds, completing=completing)
+    rows = claim_route(qs.model, qs.db).dialect.claim(jobs, request)
     first: Any = rows[0]
     won = set(zip(first.completed_ids, first.completed_tokens, strict=True))
     return won, in_claim_order([job for job in rows if job.pk is not None])
@@ -266,18 +266,10 @@ def claim_args(
     return seconds, [check_kind(kind, "kinds") for kind in kinds]
 
 
-def claim_path(qs: LeaseQuerySet[J]) -> ClaimPath:
-    """Pick the claim's path (`Dialect.claim_path()`). Every path claims the same jobs in
-    the same order with the same ledger rows (tests/test_claim_paths.py holds them to the
-    ORM path, which is the readable specification)."""
-    return claim_route(qs.model, qs.db).path
-
-
 class Route(NamedTuple):
-    """How the claims of a job model on a database run: their path, the database's dialect,
-    the quoted job table and the stock ledger's names (None: no ledger, or its own)."""
+    """Where the claims of a job model on a database go: the database's dialect, the quoted
+    job table and the stock ledger's names (None: no ledger, or its own)."""
 
-    path: ClaimPath
     dialect: Dialect
     table: str
     ledger: LedgerNames | None
@@ -288,53 +280,55 @@ def claim_route(model: type[AbstractLeasedJob], alias: str) -> Route:
     """Return the `Route` of `model`'s claims on `alias`, looked up once per process: the
     dialect (`dialect_of()`; a database alias keeps its backend), the table
     (`quoted_table()`) and the ledger names (`ledger_names()`), which are cached the same way."""
-    dialect = dialect_of(connections[alias])
     ledger = ledger_names(model, alias)
-    return Route(dialect.claim_path(ledger), dialect, quoted_table(model, alias), ledger)
+    return Route(dialect_of(connections[alias]), quoted_table(model, alias), ledger)
 
 
 @retry_deadlocks
-def claim_by_path(
+def claim_by_dialect(
     qs: LeaseQuerySet[J],
     owner: str,
     seconds: float,
     limit: int,
     kinds: Wanted,
-    path: ClaimPath,
     *,
     atomic: bool = True,
+    dialect: Dialect | None = None,
+    stock_ledger: bool = True,
 ) -> list[J]:
-    """Claim by `path`, with the ledger's rows, in a transaction of its own or (not
-    `atomic`) in the caller's."""
-    if path == "postgresql+ledger":
-        # One statement claims and writes the ledger: atomic without a transaction block.
-        jobs = raw_claim(qs, owner, seconds, limit, kinds, ledger=True)
-    else:
-        # A path named "+ledger" writes the ledger's rows itself, else the ORM writes them.
-        ledger = path.endswith("+ledger")
-        with transaction.atomic(using=qs.db) if atomic else nullcontext():
-            if path == "orm":
-                jobs = orm_claim(qs, owner, seconds, limit, kinds)
-            else:
-                jobs = raw_claim(qs, owner, seconds, limit, kinds, ledger=ledger)
-            if not ledger:
-                open_attempts(qs, jobs, owner)
-    return in_claim_order(jobs)
+    """Claim with the database's dialect (`Dialect.claim()`: its own statements, or the ORM's),
+    with the ledger's rows, in a transaction of its own or (not `atomic`) in the caller's.
+
+    `dialect`: another one (tests hold each database's statements to the base `Dialect()`, the
+    ORM's specification); not `stock_ledger`: the ORM writes the stock ledger's rows."""
+    route = claim_route(qs.model, qs.db)
+    jobs, request = handed_to_dialect(qs, owner, seconds, limit, kinds, stock_ledger=stock_ledger)
+    return in_claim_order((dialect or route.dialect).claim(jobs, request, atomic=atomic))
 
 
-def raw_claim(
+def handed_to_dialect(
     qs: LeaseQuerySet[J],
     owner: str,
     seconds: float,
     limit: int,
     kinds: Wanted,
     *,
-    ledger: bool,
     completing: tuple[list[int], list[int]] | None = None,
-) -> list[J]:
-    """Claim with the database's own statements (`Dialect.claim()`), with the stock ledger's
-    rows if `ledger`, each statement run as a prepared statement where it can be."""
+    stock_ledger: bool = True,
+) -> tuple[Jobs[J], sql.Claim]:
+    """What a claim hands its dialect: the job table (`dialects.Jobs`: where it is, how its
+    rows become models, the ORM's own claim pass and ledger rows) and the request
+    (`statements.Claim`: the kinds' and the takeover guard's fragments, each kind's own lease
+    length; with `completing`, the jobs to complete in the same statement)."""
     route = claim_route(qs.model, qs.db)
+    jobs = Jobs(
+        connections[qs.db],  # this thread's: a connection is never shared between threads
+        route.table,
+        route.ledger if stock_ledger else None,
+        rows=partial(raw_rows, qs),
+        claim_pass=partial(claim_pass_locking, qs, owner, seconds, kinds=kinds),
+        open_attempts=partial(open_attempts, qs, owner=owner),
+    )
     # The takeover guard (`reads.takeover_guard()`'s fragment) and `kinds`' fragment; every
     # kind has none.
     by_kind: dict[str, str] = leases_settings.STUCK_POLICY_BY_KIND
@@ -348,21 +342,7 @@ def raw_claim(
     else:
         wanted, lengths = kinds_filter(kinds), lengths_of(seconds, kinds)
     guard = (fragment, dict(params))
-    request = sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths)
-    names = route.ledger if ledger else None
-    return route.dialect.claim(
-        partial(raw_rows, qs), route.table, request, names, connections[qs.db]
-    )
-
-
-def orm_claim(
-    qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, kinds: Wanted
-) -> list[J]:
-    """The ORM's claim: the specification, which MariaDB/MySQL's statements write out."""
-    return in_passes(
-        limit,
-        lambda limit, takeover: claim_pass_locking(qs, owner, seconds, limit, kinds, takeover),
-    )
+    return jobs, sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths)
 
 
 TAKEOVER_ORDER: tuple[str, ...] = ("lease_until",)
@@ -372,8 +352,10 @@ DUE_ORDER: tuple[str, ...] = ("-priority", "run_at", "id")
 
 
 def claim_pass_locking(
-    qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, kinds: Wanted, takeover: bool
+    qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, takeover: bool, *, kinds: Wanted
 ) -> list[J]:
+    """One pass of the ORM's claim (`dialects.base.in_passes()` runs two): the specification,
+    which MariaDB/MySQL's statements write out (`dialects.mysql.locking_passes()`)."""
     # MariaDB/MySQL have no UPDATE ... RETURNING and refuse a LIMIT in an IN subquery on
     # the table being updated. So: lock candidates with FOR UPDATE SKIP LOCKED (MariaDB
     # 10.6+, MySQL 8+), then the conditional UPDATE restating the predicate decides, then
@@ -413,7 +395,7 @@ def lock_merged(
     locks (`merged_candidates()`), then locked by primary key in their order, as many at a time
     as are still wanted, each lock restating `base`'s whole predicate with SKIP LOCKED: a row
     another transaction holds, or that changed since the read, is passed over, never waited
-    for (`sql.merge.lock_in_order()`, which MariaDB/MySQL's own statements share). Tested on
+    for (`dialects.merge.lock_in_order()`, which MariaDB/MySQL's own statements share). Tested on
     MariaDB 10.11, PostgreSQL 15 and SQLite.
     """
 

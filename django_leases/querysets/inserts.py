@@ -5,7 +5,7 @@ inserted job built from RETURNING."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -15,8 +15,8 @@ from django.db.models.base import DEFERRED, ModelState
 from django.db.models.signals import post_init, pre_init
 
 from django_leases.dialects import dialect_of
+from django_leases.dialects.insert import AS_JSON, InsertDialect, insert_arrays, insert_jobs
 from django_leases.querysets.ledger import J
-from django_leases.sql.insert import AS_JSON, InsertDialect, insert_arrays, insert_jobs
 
 MAX_PARAMETERS = 65535
 """PostgreSQL's limit of parameters in one statement; SQLite's is the backend's own."""
@@ -82,7 +82,9 @@ def _plan(
         returning.append(by_name["run_at"])
     if by_key:
         returning.append(by_name["idempotency_key"])
-    dialect = dialect_of(connection).insert
+    # The words that skip a conflicting row are Django's (`connection.ops`), as in bulk_create().
+    chosen = dialect_of(connection)
+    dialect = replace(chosen.insert, skip=chosen.insert_skipping(connection))
     limit = dialect.parameters or connection.features.max_query_params or MAX_PARAMETERS
     names = [field.attname for field in meta.concrete_fields]
     return _Plan(

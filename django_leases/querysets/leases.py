@@ -20,6 +20,7 @@ from django.db.models.functions import Now
 
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import dialect_of
+from django_leases.dialects.postgresql_statements import LedgerNames
 from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
 from django_leases.handlers import lease_lengths_of
 from django_leases.limits import (
@@ -53,7 +54,6 @@ from django_leases.querysets.ledger import (
 )
 from django_leases.querysets.locks import pass_lock
 from django_leases.querysets.reads import LeaseReads, takeover_guard
-from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import (
     COMPLETED,
     FAILED,
@@ -75,7 +75,7 @@ class LeaseQuerySet(LeaseReads[J]):
     completions (`acks`), throttled claims (`throttles`), the watcher's rescue and the operator
     actions (`operators`), the end of a stopped execution (`endings`), enqueueing (`enqueue`),
     pruning (`prune`); they share the ledger writes (`ledger`) and the lock queue (`locks`).
-    The database's own statements are chosen by its dialect (`dialects.py`). Every transition
+    The database's own statements are chosen by its dialect (`dialects/`). Every transition
     runs on the database the routers send the model's writes to, unless the queryset names one
     (`writes()`): never on a replica.
     """

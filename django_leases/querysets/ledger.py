@@ -16,11 +16,11 @@ from django.db import connections, models
 from django.db.models import F, OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
+from django_leases.dialects.postgresql_statements import LedgerNames
 from django_leases.limits import MAX_ERROR_LENGTH
 from django_leases.querysets.base import LEDGER_KEY, LeaseKey, key_groups, keys_filter
 from django_leases.querysets.reads import J
 from django_leases.redaction import error_text
-from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import HOLDER_OUTCOMES, AttemptOutcome
 
 if TYPE_CHECKING:

@@ -22,9 +22,9 @@ from django.db.models import (
 )
 from django.db.models.functions import Now
 
-from django_leases import sql
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.dialects import dialect_of
+from django_leases.dialects import statements as sql
 from django_leases.handlers import lease_lengths_of, near_window
 from django_leases.querysets.base import after, ago
 from django_leases.status import (

@@ -21,7 +21,6 @@ from asgiref.sync import async_to_sync
 from django.db import DatabaseError, connections
 
 from django_leases.backoff import retry_delay
-from django_leases.db import keep_usable
 from django_leases.exceptions import (
     Cancelled,
     HandlerError,
@@ -31,6 +30,7 @@ from django_leases.exceptions import (
 )
 from django_leases.handlers import Kind, get_handler
 from django_leases.lease import Lease
+from django_leases.network import keep_usable
 from django_leases.status import TIMED_OUT, AttemptOutcome
 from django_leases.worker.completion import Completer
 from django_leases.worker.outcomes import Outcomes

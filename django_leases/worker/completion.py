@@ -36,10 +36,10 @@ from typing import Any, Protocol
 from django.db import DatabaseError, connections
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.db import harden
 from django_leases.handlers import ACK_BATCH, get_handler, min_lease
 from django_leases.lease import Lease
 from django_leases.limits import ACK_BATCH_SIZE
+from django_leases.network import harden
 from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.base import LeaseKey
 from django_leases.worker.group_commit import GroupCommit

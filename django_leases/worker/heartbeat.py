@@ -15,10 +15,10 @@ from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connections
 
-from django_leases.db import harden, keep_usable
 from django_leases.exceptions import WorkerIdTaken
 from django_leases.handlers import min_lease
 from django_leases.lease import Lease, Presence
+from django_leases.network import harden, keep_usable
 from django_leases.outages import Outages, is_outage, outage_or_raise
 from django_leases.querysets import LeaseQuerySet
 from django_leases.querysets.workers import Role

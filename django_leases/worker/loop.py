@@ -27,12 +27,12 @@ from django.db import DatabaseError, connections
 
 from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.db import harden, keep_usable
 from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import ACK_BATCH, get_handler, lease_length, min_lease, registered_kinds
 from django_leases.lease import Lease, Presence
 from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, check_kind, check_owner
 from django_leases.listener import Listener
+from django_leases.network import harden, keep_usable
 from django_leases.outages import Outages, check_tables, outage_or_raise
 from django_leases.querysets.claims import failures_of
 from django_leases.schedules import Ticker

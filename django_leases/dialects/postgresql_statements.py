@@ -4,13 +4,19 @@ enqueue's share lock on a lock holder, and NOTIFY. Tested on 15."""
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, lease_length, literal
-from django_leases.sql.insert import InsertDialect
-from django_leases.sql.merge import CANDIDATE_SLACK, merge_keys
+from django_leases.dialects.insert import InsertDialect
+from django_leases.dialects.merge import CANDIDATE_SLACK, merge_keys
+from django_leases.dialects.statements import (
+    LEDGER_INSERT,
+    MIGRATE,
+    Claim,
+    LedgerNames,
+    lease_length,
+    literal,
+)
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
 Params = dict[str, Any]
@@ -24,29 +30,6 @@ READ_ONLY_SQLSTATES = ("25006",)
 
 FENCING_CLOCK = "(EXTRACT(EPOCH FROM STATEMENT_TIMESTAMP()) * 1000000)::bigint"
 """The database clock in microseconds since the epoch: the floor of every new fencing token."""
-
-
-@dataclass(frozen=True, eq=False)
-class LedgerNames:
-    """Quoted names of the attempt ledger's table and columns, for statements that write it.
-
-    Built once per job model and database (`querysets.ledger.ledger_names`), so compared, and
-    hashed as a cache key, by identity."""
-
-    table: str
-    columns: dict[str, str]
-
-    def __getattr__(self, name: str) -> str:
-        try:
-            return self.columns[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-LEDGER_INSERT = ("job", "job_ref", "attempt", "token", "owner", "claimed_at", "last_heartbeat_at",
-                 "lease_until", "checkpoint", "outcome", "ended_by", "error_class",
-                 "error_message", "resolution", "resolved_by")  # fmt: skip
-"""The ledger columns an opening row sets; every other column keeps its default."""
 
 
 DUE = f"status = {literal(PENDING)} AND run_at <= STATEMENT_TIMESTAMP() AND attempts < max_attempts"
@@ -365,13 +348,12 @@ def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
 
 
 INSERT = InsertDialect(
-    skip_suffix="ON CONFLICT DO NOTHING",
     now_plus="STATEMENT_TIMESTAMP() + make_interval(secs => %(delay)s)",
     delay=float,
     arrays=True,
     notify="pg_notify(%(channel)s, %(message)s)",
 )
-"""The enqueue's INSERT (`sql.insert.insert_jobs`): a row that a unique index refuses is left
+"""The enqueue's INSERT (`insert.insert_jobs`): a row that a unique index refuses is left
 out (after waiting for the transaction of a conflicting row not yet committed). Many rows come
 as one array per column: a few parameters, however many rows (psycopg's client-side binding of
 one parameter per value took half of a 2,000-row INSERT's time)."""

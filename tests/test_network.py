@@ -16,7 +16,10 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.test import override_settings
 
 from django_leases.checks import check_network_timeout
-from django_leases.db import (
+from django_leases.dialects import dialect_of
+from django_leases.dialects.statements import sqlstate
+from django_leases.models import JobAttempt, PaymentJob
+from django_leases.network import (
     CLIENT_SLACK,
     Deadline,
     Watchdog,
@@ -28,9 +31,7 @@ from django_leases.db import (
     statement_timeout,
     watchdog,
 )
-from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets.base import bound_cursor, literal_cursor
-from django_leases.sql import sqlstate
+from django_leases.querysets.base import bound_cursor
 from tests.testapp.models import Charge
 
 from .conftest import ON_SQLITE, Processes, subprocess_env, wait_for
@@ -203,7 +204,7 @@ def cursors(conn: BaseDatabaseWrapper) -> dict[str, Callable[[], Any]]:
     return {
         "django": conn.cursor,
         "bound": lambda: bound_cursor("spare"),
-        "literal": lambda: literal_cursor("spare"),
+        "literal": lambda: dialect_of(conn).literal_cursor(conn),
     }
 
 

@@ -1,5 +1,7 @@
 """The enqueue's INSERT of one row or many, in each database's words for skipping a conflicting
-row and for "now + a delay" (`InsertDialect`, one in each database's module)."""
+row (Django's, as `bulk_create(ignore_conflicts=True)` writes them, where they mean the same:
+`Dialect.insert_skipping()`) and for "now + a delay"
+(`InsertDialect`, one in each database's module)."""
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,8 +21,10 @@ that reads it (psycopg dumps a list of them element by element in Python, `json`
 
 @dataclass(frozen=True)
 class InsertDialect:
-    """How a database skips the rows a unique index refuses (a verb, or a clause after the
-    values), and computes its clock plus `%(delay)s` (the parameter `delay(seconds)`).
+    """How a database skips the rows a unique index refuses (`skip`: the INSERT's words before
+    the table and after the values, as Django writes them for `ignore_conflicts`:
+    `Dialect.insert_skipping()`), and computes its clock plus `%(delay)s` (the parameter
+    `delay(seconds)`).
     `arrays`: the rows can come as one array per column, `unnest()`ed (PostgreSQL).
     `parameters`: the most parameters one statement should take (0: the database's limit).
     `notify`: an expression of `%(channel)s` and `%(message)s` that announces the rows inserted
@@ -28,8 +32,7 @@ class InsertDialect:
 
     now_plus: str
     delay: Callable[[float], Any]
-    skip_verb: str = "INSERT"
-    skip_suffix: str = ""
+    skip: tuple[str, str] = ("INSERT INTO", "")
     arrays: bool = False
     parameters: int = 0
     notify: str = ""
@@ -137,10 +140,10 @@ def _text(
         source = "VALUES " + ", ".join(
             f"({', '.join([*values, *(f'%(v{i}_{j})s' for j in own), *tail])})" for i in range(rows)
         )
-    verb, suffix = (dialect.skip_verb, dialect.skip_suffix) if skip_conflicts else ("INSERT", "")
+    verb, suffix = dialect.skip if skip_conflicts else ("INSERT INTO", "")
     targets = ", ".join([*columns, *([delayed] if delayed else [])])
     return (
-        f"{verb} INTO {table} ({targets}) {source}"  # noqa: S608 - names quoted by the caller, values are parameters
+        f"{verb} {table} ({targets}) {source}"  # noqa: S608 - names quoted by the caller, values are parameters
         f" {suffix} RETURNING {', '.join([*returning, *([dialect.notify] if notify else [])])}"
     )
 

@@ -1,4 +1,5 @@
-"""Network timeouts on the worker's and the watcher's database connections.
+"""Network timeouts on the worker's and the watcher's database connections, the watchdog that
+enforces them, and the worker's keeping of its connections (`keep_usable()`).
 
 A partition that drops packets without a reset leaves a database call waiting forever for an
 answer that never comes: the thread that made it can neither renew nor give up its leases, and
@@ -7,13 +8,8 @@ connection by `DJANGO_LEASES["NETWORK_TIMEOUT"]`:
 
 - at the TCP level (PostgreSQL: connect timeout, keepalives, `tcp_user_timeout`; MariaDB/MySQL:
   connect, read and write timeouts), which catches a path that dies between us and the server;
-- on the server, a `statement_timeout` (PostgreSQL), so a statement stuck on a live server ends
-  with a clean error. It is set with `SET LOCAL` at the start of each transaction, in the same
-  round trip as the transaction's first statement, not as the `options` startup parameter, which
-  a connection pooler may refuse (PgBouncer's default configuration does) or drop; a transaction
-  pooler runs each transaction on one server session, so the bound goes wherever it goes.
-  Statements sent apart from their parameters (a project's `prepare_threshold`) cannot carry
-  it: the watchdog alone bounds them;
+- on the server, a `statement_timeout` (PostgreSQL: `dialects.postgresql.StatementTimeout`), so
+  a statement stuck on a live server ends with a clean error;
 - on the client, a watchdog that shuts the socket of a call (a statement, a commit, a health
   check) still unanswered a second after the timeout. TCP options cannot see a path that dies
   beyond the first hop (a proxy or a NAT still acknowledges our packets), and a blocked socket
@@ -42,7 +38,6 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_leases.conf import leases_settings
 from django_leases.dialects import dialect_of, named
 from django_leases.limits import DAY
-from django_leases.sql import postgresql
 
 # NETWORK_TIMEOUT = "auto": a third of the TTL, within these bounds (seconds). A third leaves
 # a blocked heartbeat time to fail and one more to be retried before the lease runs out.
@@ -204,45 +199,6 @@ class Deadline:
         return guarded_call
 
 
-class StatementTimeout:
-    """An execute wrapper that bounds each transaction of a PostgreSQL connection on the server.
-
-    The first statement of a transaction (any statement in autocommit), when a client-binding
-    cursor sends it (Django's default with psycopg 3), goes as `SET LOCAL statement_timeout =
-    <ms>; <statement>`: one simple query, so one implicit transaction in autocommit, in which
-    PostgreSQL bounds the statement after the SET. A later statement of a transaction keeps the
-    bound, or whatever the transaction set itself since; an aborted transaction gets nothing, so
-    that its ROLLBACK TO SAVEPOINT still runs.
-    """
-
-    def __init__(self, connection: BaseDatabaseWrapper, milliseconds: int) -> None:
-        self.prefix = postgresql.statement_timeout(milliseconds)
-        driver: Any = connection.Database  # type: ignore[attr-defined]
-        self.client_cursor: type[Any] = driver.ClientCursor
-        self.idle = driver.pq.TransactionStatus.IDLE  # between transactions
-
-    def __call__(
-        self,
-        execute: Callable[..., Any],
-        sql: str,
-        params: Any,
-        many: bool,
-        context: dict[str, Any],
-    ) -> Any:
-        cursor = context["cursor"].cursor
-        if (
-            many
-            or not isinstance(sql, str)
-            or not isinstance(cursor, self.client_cursor)
-            or cursor.connection.info.transaction_status != self.idle
-            or postgresql.OUTSIDE_TRANSACTIONS.match(sql)
-        ):
-            return execute(sql, params, many, context)
-        result = execute(self.prefix + sql, params, many, context)
-        cursor.nextset()  # from the SET's result to the statement's own
-        return result
-
-
 UNWRAPPED_CALLS = ("_commit", "_rollback", "is_usable", "init_connection_state")
 """The methods of a connection that talk to the server without going through the execute
 wrappers: COMMIT, ROLLBACK, the health check (CONN_HEALTH_CHECKS, and the worker's own after an
@@ -269,10 +225,8 @@ def harden(connection: BaseDatabaseWrapper, ttl: float | None = None) -> None:
     deadline = Deadline(connection, timeout + CLIENT_SLACK)
     connection.execute_wrappers.append(deadline)
     milliseconds = dialect.statement_timeout(timeout, user)
-    driver = connection.Database  # type: ignore[attr-defined]
-    # psycopg 3's client-binding cursors carry it; psycopg 2 has the watchdog alone.
-    if milliseconds is not None and hasattr(driver, "ClientCursor"):
-        connection.execute_wrappers.append(StatementTimeout(connection, milliseconds))
+    if milliseconds is not None:
+        dialect.bound_transactions(connection, milliseconds)
     for name in UNWRAPPED_CALLS:
         setattr(connection, name, deadline.wrap(getattr(connection, name)))
     if connection.connection is not None and not connection.in_atomic_block:

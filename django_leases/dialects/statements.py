@@ -1,26 +1,47 @@
-"""Raw SQL of django-leases, one module per database; nothing else in the package holds SQL text.
+"""What the statements of every database share: the claim's request, the ledger's names, the
+claim's fragments, and the status words written in as literals.
 
-Each builder takes quoted names (tables, columns) and plain values and returns `(sql, params)`
-with named parameters (`%(owner)s`). This package imports nothing from the app, so a statement
-can be read, and tested, without models: the querysets decide what to run and with what. The
-status words are written in from `status.py` (`literal()`), the one module of the app imported.
+Raw SQL lives only in the dialects' modules. Each builder takes quoted names (tables, columns)
+and plain values and returns `(sql, params)` with named parameters (`%(owner)s`). The statement
+modules import nothing from the app but `status.py`, whose words they write in (`literal()`), so
+a statement can be read, and tested, without models: the querysets decide what to run.
 """
 
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django_leases.status import AttemptOutcome
-
-if TYPE_CHECKING:
-    from django_leases.sql.postgresql import LedgerNames
 
 Params = dict[str, Any]
 
 MIGRATE = "migrate"
 """What a database's error says when its tables (or columns) are missing: run migrate."""
+
+
+@dataclass(frozen=True, eq=False)
+class LedgerNames:
+    """Quoted names of the attempt ledger's table and columns, for statements that write it.
+
+    Built once per job model and database (`querysets.ledger.ledger_names`), so compared, and
+    hashed as a cache key, by identity."""
+
+    table: str
+    columns: dict[str, str]
+
+    def __getattr__(self, name: str) -> str:
+        try:
+            return self.columns[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+LEDGER_INSERT = ("job", "job_ref", "attempt", "token", "owner", "claimed_at", "last_heartbeat_at",
+                 "lease_until", "checkpoint", "outcome", "ended_by", "error_class",
+                 "error_message", "resolution", "resolved_by")  # fmt: skip
+"""The ledger columns an opening row sets; every other column keeps its default."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +137,7 @@ def takeover_guard(*, review_by_default: bool, exceptions: Sequence[str]) -> tup
     return f"AND ({kinds} OR checkpoint = '')", params
 
 
-def completed_attempts(table: str, ledger: "LedgerNames", now: str) -> str:
+def completed_attempts(table: str, ledger: LedgerNames, now: str) -> str:
     """Return the SET clause closing ledger rows as completed at `now` (the database clock's
     SQL) by %(owner)s, each keeping its job's checkpoint (SQLite's and MariaDB's batched
     completion)."""

@@ -1,14 +1,36 @@
-"""SQLite statements: one pass of the claim, the batched completion, the enqueue's read of a
-lock holder. Needs SQLite 3.35+ for RETURNING."""
+"""SQLite's dialect and its statements: one pass of the claim, the batched completion, the
+enqueue's read of a lock holder, its errors. Needs SQLite 3.35+ for RETURNING."""
+
+from __future__ import annotations
 
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, completed_attempts, lease_length, literal
-from django_leases.sql.insert import InsertDialect
-from django_leases.sql.merge import merge_keys
-from django_leases.sql.postgresql import LedgerNames
+from django.db.backends.utils import CursorWrapper
+
+from django_leases.dialects.base import (
+    DB,
+    Dialect,
+    Groups,
+    Jobs,
+    Key,
+    R,
+    Statement,
+    in_passes,
+    in_transaction,
+    match,
+)
+from django_leases.dialects.insert import InsertDialect
+from django_leases.dialects.merge import merge_keys
+from django_leases.dialects.statements import (
+    MIGRATE,
+    Claim,
+    LedgerNames,
+    completed_attempts,
+    lease_length,
+    literal,
+)
 from django_leases.status import COMPLETED, PENDING, PROCESSING
 
 Params = dict[str, Any]
@@ -69,17 +91,20 @@ def close_completed(
     return sql, {**params, "owner": owner}
 
 
+SKIP_CONFLICTS = "ON CONFLICT DO NOTHING"
+"""The clause after an INSERT's values that leaves out the rows a unique index refuses."""
+
 INSERT = InsertDialect(
-    skip_suffix="ON CONFLICT DO NOTHING",
     now_plus="STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW', %(delay)s)",
     delay=_modifier,
     parameters=999,
 )
-"""The enqueue's INSERT (`sql.insert.insert_jobs`): the upsert clause skips unique conflicts
-only, unlike INSERT OR IGNORE; RETURNING needs SQLite 3.35+. At most 999 parameters (SQLite's
-limit before 3.32, Django 5.2's), whatever the limit is now: SQLite finds a named parameter by a
-search of those before it, so a statement of n of them takes ~n² steps (20,000 jobs in
-statements of 40,000 parameters: 3,600 jobs/s; of 999: 32,000)."""
+"""The enqueue's INSERT (`insert.insert_jobs`): the upsert clause skips unique conflicts
+only, unlike INSERT OR IGNORE (`SQLite.insert_skipping()`); RETURNING needs SQLite 3.35+. At
+most 999 parameters (SQLite's limit before 3.32, Django 5.2's), whatever the limit is now:
+SQLite finds a named parameter by a search of those before it, so a statement of n of them
+takes ~n² steps (20,000 jobs in statements of 40,000 parameters: 3,600 jobs/s; of 999:
+32,000)."""
 
 
 def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
@@ -166,3 +191,56 @@ MISCONFIGURED_MESSAGES = (
     (re.compile(r"no such (table|column)"), MIGRATE),
     (re.compile(r"unable to open database file"), "NAME"),
 )
+
+
+class SQLite(Dialect):
+    name = "sqlite"
+    fencing_clock = FENCING_CLOCK
+    insert = INSERT
+
+    def claim(self, jobs: Jobs[R], request: Claim, *, atomic: bool = True) -> list[R]:
+        # Each pass one UPDATE ... RETURNING; the ledger's rows by the ORM, in one transaction.
+        run = jobs.rows
+        with in_transaction(jobs, atomic):
+            claimed: list[R] = in_passes(
+                request.limit,
+                lambda limit, takeover: run(claim_pass(jobs.table, request, limit, takeover), None),
+            )
+            jobs.open_attempts(claimed)
+        return claimed
+
+    def complete_many(self, jobs: Jobs[Any], owner: str, groups: Groups) -> set[Key]:
+        if jobs.ledger is None:
+            return super().complete_many(jobs, owner, groups)
+        # In `completion_block()`: each group's completions, then their ledger rows.
+        done: set[Key] = set()
+        cursor: CursorWrapper
+        with jobs.connection.cursor() as cursor:
+            for group in groups:
+                cursor.execute(*complete_many(jobs.table, owner=owner, pairs=list(group.items())))
+                won = [(pk, token) for pk, token in cursor.fetchall()]
+                if won:
+                    cursor.execute(
+                        *close_completed(jobs.table, jobs.ledger, owner=owner, pairs=won)
+                    )
+                done.update(won)
+        return done
+
+    def share_lock_holder(self, table: str, lock: str) -> Statement:
+        return share_lock_holder(table, lock=lock)
+
+    def insert_skipping(self, connection: DB) -> tuple[str, str]:
+        # Not Django's INSERT OR IGNORE, which skips a row that breaks any constraint (NOT
+        # NULL, CHECK) as well: only a unique conflict may leave a row out.
+        return "INSERT INTO", SKIP_CONFLICTS
+
+    def gate_busy(self, exc: BaseException) -> bool:
+        return LOCKED.search(str(exc)) is not None
+
+    def lazy_write_lock(self, options: dict[str, Any]) -> bool:
+        return str(options.get("transaction_mode", "")).upper() != "IMMEDIATE"
+
+    def misconfiguration(
+        self, exc: BaseException, text: str, *, connecting: bool = False
+    ) -> str | None:
+        return match(MISCONFIGURED_MESSAGES, text)

@@ -17,9 +17,16 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, completed_attempts, lease_length, literal
-from django_leases.sql.insert import InsertDialect
-from django_leases.sql.postgresql import LEDGER_INSERT, LedgerNames
+from django_leases.dialects.insert import InsertDialect
+from django_leases.dialects.statements import (
+    LEDGER_INSERT,
+    MIGRATE,
+    Claim,
+    LedgerNames,
+    completed_attempts,
+    lease_length,
+    literal,
+)
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
 Params = dict[str, Any]
@@ -96,7 +103,7 @@ def merge_candidates(
     """Return the unlocked read of each of `kinds`' first `count` claimable jobs in claim order,
     from its own range of the index led by `kind`, in one UNION ALL of ordered, limited arms:
     (id, lease_until) rows, or (id, priority, run_at), merged by the caller
-    (`sql.merge.in_claim_order()`)."""
+    (`merge.in_claim_order()`)."""
     where, params = pass_where(claim, takeover)
     params = {**params, **keyed("merge_kind", kinds), "count": count}
     return _merge_candidates(table, where, len(kinds), takeover), params
@@ -282,11 +289,10 @@ def share_lock_holder(table: str, *, lock: str) -> tuple[str, Params]:
 
 
 INSERT = InsertDialect(
-    skip_verb="INSERT IGNORE",
     now_plus="CURRENT_TIMESTAMP(6) + INTERVAL %(delay)s MICROSECOND",
     delay=lambda seconds: round(seconds * 1e6),
 )
-"""The enqueue's INSERT (`sql.insert.insert_jobs`): INSERT IGNORE leaves out the rows a unique
+"""The enqueue's INSERT (`insert.insert_jobs`): INSERT IGNORE leaves out the rows a unique
 index refuses, and RETURNING (MariaDB 10.5+, not MySQL) returns only the rows inserted (tested
 on MariaDB 10.11). IGNORE would also turn a bad value into a warning: the enqueue has checked
 every value before."""
