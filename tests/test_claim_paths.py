@@ -19,9 +19,9 @@ from django.db.models.functions import Now
 from django_leases import sql
 from django_leases.dialects import ClaimPath
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets.acks import complete_many_by_path
 from django_leases.querysets.base import LOADERS, raw_rows
 from django_leases.querysets.claims import claim_by_path
+from django_leases.querysets.endings import complete_many_by_path
 from django_leases.querysets.ledger import ledger_names
 from django_leases.sql import postgresql
 from django_leases.sql import prepared as prepared_sql

@@ -28,13 +28,13 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from django_leases import sql
-from django_leases.conf import leases_settings, to_seconds
+from django_leases.conf import to_seconds
 from django_leases.dialects import ClaimPath, Dialect, dialect_of
 from django_leases.exceptions import GateBusy, InvalidArgument
 from django_leases.handlers import Lengths, lease_lengths_of, throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind, check_owner
 from django_leases.passes import in_passes
-from django_leases.querysets.acks import complete_locked
+from django_leases.querysets.acks import complete_many
 from django_leases.querysets.base import (
     LeaseKey,
     lease_keys,
@@ -44,17 +44,17 @@ from django_leases.querysets.base import (
     raw_rows,
     retry_deadlocks,
 )
+from django_leases.querysets.endings import complete_many_by_path
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
-from django_leases.querysets.reads import takeover_guard_of
+from django_leases.querysets.reads import LeaseReads, takeover_guard
 from django_leases.querysets.throttles import claim_throttled, kind_gates
 from django_leases.sql import merge
 from django_leases.sql.postgresql import LedgerNames
-from django_leases.status import PROCESSING, StuckPolicy
+from django_leases.status import PROCESSING
 from django_leases.throttles import Throttle
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
-    from django_leases.querysets.leases import LeaseQuerySet
 
 
 class AllBut(tuple[str, ...]):
@@ -82,7 +82,7 @@ def lengths_of(seconds: float, kinds: Wanted) -> Lengths:
 
 
 def claim(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     *,
     ttl: float | timedelta,
@@ -144,7 +144,7 @@ class Claimed(list[J]):
         self.answered = 0
 
     def part(
-        self, qs: LeaseQuerySet[J], kind: str | None, limit: int, take: Callable[[int], list[J]]
+        self, qs: LeaseReads[J], kind: str | None, limit: int, take: Callable[[int], list[J]]
     ) -> None:
         """Claim the room left of `limit` with `take(room)`, the part of `kind`."""
         room = limit - len(self)
@@ -186,7 +186,7 @@ def throttles_of(kinds: list[str] | None) -> dict[str, Throttle]:
 
 
 def complete_and_claim(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     leases: Iterable[LeaseKey] | Mapping[int, int],
     *,
@@ -205,24 +205,31 @@ def complete_and_claim(
     """
     seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
     if claim_path(qs) != "postgresql+ledger" or kinds == [] or throttles_of(kinds):
-        return qs.complete_many(owner, leases), qs.claim(
-            owner, ttl=seconds, limit=limit, kinds=kinds
+        return complete_many(qs, owner, leases), claim(
+            qs, owner, ttl=seconds, limit=limit, kinds=kinds
         )
     keys = lease_keys(leases)
-    won, jobs = complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds)
-    left = [key for key in keys if key not in won]
-    passed = complete_locked(qs, owner, left) if left else set()
-    if passed and len(jobs) < limit:
-        jobs += qs.claim(owner, ttl=seconds, limit=limit - len(jobs), kinds=kinds)
-    lost = [key for key in left if key not in passed]
+    fused: list[tuple[set[LeaseKey], list[J]]] = []
+
+    def at_once(keys: list[LeaseKey]) -> set[LeaseKey]:
+        fused.append(complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds))
+        return fused[0][0]
+
+    # The completions end where every execution ends; the fused statement completes the
+    # jobs without a lock, the seam the others (`endings.complete_many_by_path()`).
+    done = complete_many_by_path(qs, owner, keys, "postgresql+ledger", at_once)
+    won, jobs = fused[0]
+    if done - won and len(jobs) < limit:
+        jobs += claim(qs, owner, ttl=seconds, limit=limit - len(jobs), kinds=kinds)
+    lost = [key for key in keys if key not in done]
     if lost:
         record_fenced_many(qs, lost)
-    return won | passed, jobs
+    return done, jobs
 
 
 @retry_deadlocks
 def complete_and_claim_at_once(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     keys: list[LeaseKey],
     seconds: float,
@@ -243,7 +250,7 @@ def in_claim_order(jobs: list[J]) -> list[J]:
 
 
 def claim_args(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     ttl: float | timedelta,
     limit: int,
@@ -266,7 +273,7 @@ def claim_args(
     return seconds, [check_kind(kind, "kinds") for kind in kinds]
 
 
-def claim_path(qs: LeaseQuerySet[J]) -> ClaimPath:
+def claim_path(qs: LeaseReads[J]) -> ClaimPath:
     """Pick the claim's path (`Dialect.claim_path()`). Every path claims the same jobs in
     the same order with the same ledger rows (tests/test_claim_paths.py holds them to the
     ORM path, which is the readable specification)."""
@@ -295,7 +302,7 @@ def claim_route(model: type[AbstractLeasedJob], alias: str) -> Route:
 
 @retry_deadlocks
 def claim_by_path(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     seconds: float,
     limit: int,
@@ -323,7 +330,7 @@ def claim_by_path(
 
 
 def raw_claim(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     seconds: float,
     limit: int,
@@ -335,19 +342,13 @@ def raw_claim(
     """Claim with the database's own statements (`Dialect.claim()`), with the stock ledger's
     rows if `ledger`, each statement run as a prepared statement where it can be."""
     route = claim_route(qs.model, qs.db)
-    # The takeover guard (`reads.takeover_guard()`'s fragment) and `kinds`' fragment; every
-    # kind has none.
-    by_kind: dict[str, str] = leases_settings.STUCK_POLICY_BY_KIND
-    review_by_default = leases_settings.STUCK_POLICY == StuckPolicy.REVIEW
-    other = StuckPolicy.RETRY if review_by_default else StuckPolicy.REVIEW
-    exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
-    fragment, params = takeover_guard_of(review_by_default, exceptions)[1]
+    # The takeover guard's fragment and `kinds`' fragment; every kind has none.
+    guard = takeover_guard()[1]
     wanted: tuple[str, sql.Params]
     if kinds is None:  # every kind: no fragment, and every kind's own lease length
         wanted, lengths = ("", {}), lease_lengths_of(seconds, None)
     else:
         wanted, lengths = kinds_filter(kinds), lengths_of(seconds, kinds)
-    guard = (fragment, dict(params))
     request = sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths)
     names = route.ledger if ledger else None
     return route.dialect.claim(
@@ -355,9 +356,7 @@ def raw_claim(
     )
 
 
-def orm_claim(
-    qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, kinds: Wanted
-) -> list[J]:
+def orm_claim(qs: LeaseReads[J], owner: str, seconds: float, limit: int, kinds: Wanted) -> list[J]:
     """The ORM's claim: the specification, which MariaDB/MySQL's statements write out."""
     return in_passes(
         limit,
@@ -372,7 +371,7 @@ DUE_ORDER: tuple[str, ...] = ("-priority", "run_at", "id")
 
 
 def claim_pass_locking(
-    qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, kinds: Wanted, takeover: bool
+    qs: LeaseReads[J], owner: str, seconds: float, limit: int, kinds: Wanted, takeover: bool
 ) -> list[J]:
     # MariaDB/MySQL have no UPDATE ... RETURNING and refuse a LIMIT in an IN subquery on
     # the table being updated. So: lock candidates with FOR UPDATE SKIP LOCKED (MariaDB
@@ -402,7 +401,7 @@ def claim_pass_locking(
 
 
 def lock_merged(
-    qs: LeaseQuerySet[J], base: LeaseQuerySet[J], kinds: list[str], takeover: bool, limit: int
+    qs: LeaseReads[J], base: LeaseReads[J], kinds: list[str], takeover: bool, limit: int
 ) -> list[int]:
     """Lock up to `limit` jobs of `base` (claimable jobs of several `kinds`) in claim order,
     and no other row; return their ids.
@@ -426,9 +425,7 @@ def lock_merged(
     )
 
 
-def merged_candidates(
-    qs: LeaseQuerySet[J], kinds: list[str], takeover: bool, count: int
-) -> list[int]:
+def merged_candidates(qs: LeaseReads[J], kinds: list[str], takeover: bool, count: int) -> list[int]:
     """Return the ids of the first `count` claimable jobs of `kinds` in claim order, read
     without locks: each kind's first `count` from its own range of the index led by `kind` (so
     no other kind's backlog is walked), in one UNION ALL where the database takes ordered,
@@ -456,7 +453,7 @@ def claim_values(owner: str, seconds: float, lengths: Lengths) -> dict[str, Any]
 
 
 @retry_deadlocks
-def claim_job(qs: LeaseQuerySet[J], pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
+def claim_job(qs: LeaseReads[J], pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
     """Claim the job `pk` for `owner` if it is claimable (and its kind's throttle lets it
     start); return it, or None if not."""
     check_int(pk, "pk", JOB_ID)
@@ -475,7 +472,7 @@ def claim_job(qs: LeaseQuerySet[J], pk: int, owner: str, *, ttl: float | timedel
 
 
 def claim_one(
-    qs: LeaseQuerySet[J], pk: int, owner: str, seconds: float, kind: str | None = None
+    qs: LeaseReads[J], pk: int, owner: str, seconds: float, kind: str | None = None
 ) -> list[J]:
     """`claim_job()` in the caller's transaction: `[job]`, or `[]`; with `kind`, only a
     job still of that kind (the one a throttled claim counted)."""
