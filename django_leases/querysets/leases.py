@@ -66,7 +66,9 @@ class LeaseQuerySet(LeaseReads[J]):
     each taking the queryset first, bound here as methods: claims (`claims`), batched
     completions (`acks`), throttled claims (`throttles`), the watcher's rescue and the operator
     actions (`operators`), the end of a stopped execution (`endings`), enqueueing (`enqueue`),
-    pruning (`prune`); they share the ledger writes (`ledger`) and the lock queue (`locks`).
+    pruning (`prune`); they share the ledger writes (`ledger`) and the taking of a lock
+    (`locks`). Every execution, the holder's included, ends through `endings` (`Ending`), which
+    gives back what it held.
     The database's own statements are chosen by its dialect (`dialects.py`). Every transition
     runs on the database the routers send the model's writes to, unless the queryset names one
     (`writes()`): never on a replica.
