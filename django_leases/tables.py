@@ -16,6 +16,7 @@ from django.db import models, router
 
 from django_leases.conf import leases_settings
 from django_leases.querysets import LeaseQuerySet, ScheduleStateQuerySet, WorkerQuerySet
+from django_leases.querysets.reads import attempt_ledger
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
@@ -46,6 +47,15 @@ def installed(label: str, base: type[models.Model]) -> type[Any]:
         model = apps.get_model(label, require_ready=False)
     except LookupError:
         raise ImproperlyConfigured(f"{label!r} is not an installed model") from None
+    return concrete(model, label, base)
+
+
+def concrete(model: type[Any], label: str, base: type[models.Model]) -> type[Any]:
+    """Return `model`, found by `label`, if it is a concrete subclass of `base`.
+
+    Raises:
+        ImproperlyConfigured: saying why not.
+    """
     if not issubclass(model, base) or model._meta.abstract:
         raise ImproperlyConfigured(
             f"{label!r} is not a concrete subclass of django_leases.models.{base.__name__}"
@@ -74,7 +84,13 @@ def ledger_model(model: type[AbstractLeasedJob]) -> type[AbstractJobAttempt] | N
         raise ImproperlyConfigured(f"must be None or 'app_label.ModelName', got {label!r}")
     from django_leases.models import AbstractJobAttempt
 
-    ledger = installed(label, AbstractJobAttempt)
+    try:
+        found: type[Any] | None = attempt_ledger(model)
+    except LookupError:
+        found = None
+    if found is None:
+        raise ImproperlyConfigured(f"{label!r} is not an installed model")
+    ledger = concrete(found, label, AbstractJobAttempt)
     try:
         job = ledger._meta.get_field("job")
     except FieldDoesNotExist:

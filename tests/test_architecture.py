@@ -171,16 +171,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def module_imports(source: str, name: str, known: set[str]) -> set[str]:
+def module_imports(source: str, name: str, known: set[str], *, typing: bool = False) -> set[str]:
     """The modules of `known` that module `name` with `source` imports: at its top or in a
     function (run later, a dependency all the same), not under `if TYPE_CHECKING:` (never
-    run). Importing `a.b.c` runs package `a.b` first, so it counts too, unless it is one of
-    `name`'s own packages (a package's `__init__` may gather what its modules define)."""
+    run) unless `typing`. Importing `a.b.c` runs package `a.b` first, so it counts too, unless
+    it is one of `name`'s own packages (a package's `__init__` may gather what its modules
+    define)."""
     tree = ast.parse(source)
     typing_only = {
         id(inner)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not typing
         for child in node.body
         for inner in ast.walk(child)
     }
@@ -234,6 +235,31 @@ def test_architecture__imports_form_no_circle() -> None:
     known = {module_name(path) for path in paths}
     graph = {module_name(p): module_imports(p.read_text(), module_name(p), known) for p in paths}
     assert circle(graph) == []
+
+
+def test_architecture__the_querysets_form_no_circle_even_in_their_types() -> None:
+    """The rooms of `querysets/` are typed against `LeaseReads` (their common base) or a
+    Protocol, never against the door that binds them (`LeaseQuerySet`), and call each other
+    directly, not through the door: no circle among them, type-only imports counted."""
+    paths = sorted((PACKAGE / "querysets").glob("*.py"))
+    known = {module_name(path) for path in paths}
+    graph = {
+        module_name(p): module_imports(p.read_text(), module_name(p), known, typing=True)
+        for p in paths
+    }
+    assert circle(graph) == []
+    door = "django_leases.querysets.leases"
+    # The door itself, its subclass for PaymentJob and the package that exports it.
+    above = {door, "django_leases.querysets.payments", "django_leases.querysets"}
+    assert (
+        sorted(name for name, imported in graph.items() if door in imported and name not in above)
+        == []
+    )
+    typing = "if TYPE_CHECKING:\n    from django_leases.q.leases import LeaseQuerySet\n"
+    known = {"django_leases.q", "django_leases.q.leases", "django_leases.q.claims"}
+    assert module_imports(typing, "django_leases.q.claims", known, typing=True) == {
+        "django_leases.q.leases"
+    }
 
 
 def test_architecture__the_circle_rule_sees_a_circle() -> None:
@@ -353,3 +379,146 @@ def test_architecture__importing_the_package_reads_no_metadata_until_its_version
     assert (proc.returncode, proc.stdout) == (0, "False\nTrue\nTrue\n"), proc.stderr
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         django_leases.nothing  # type: ignore[attr-defined]  # noqa: B018
+
+
+# ---- one seam where an execution ends ----------------------------------------------------------
+
+SEAM = "querysets/endings.py"
+"""Where every execution ends (docs/architecture.md): the only module that gives a lock back."""
+TAKES_LOCKS = ("querysets/enqueue.py", "querysets/locks.py")
+"""The enqueue, which takes a free lock for its new job (`lock_holder=lock`): not a release."""
+WRITES = {"update", "create", "bulk_create", "get_or_create", "update_or_create"}
+DIALECT_COMPLETIONS = {"complete", "complete_many"}
+
+
+def functions_of(tree: ast.AST) -> dict[int, ast.AST]:
+    """Each node of `tree` mapped to the innermost function it is in (the module: itself)."""
+    owner: dict[int, ast.AST] = {}
+
+    def visit(node: ast.AST, function: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            owner[id(child)] = function
+            inner = child if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            visit(child, inner)
+
+    visit(tree, tree)
+    return owner
+
+
+def sets_status(function: ast.AST, name: str) -> bool:
+    """Whether `name` is given, in `function`, a dict literal with a "status" key."""
+    return any(
+        isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+        and isinstance(node.value, ast.Dict)
+        and any(isinstance(k, ast.Constant) and k.value == "status" for k in node.value.keys)
+        for node in ast.walk(function)
+    )
+
+
+def seam_bypasses(relative: str, source: str) -> list[str]:
+    """The places of module `relative` (its path under the package) that end an execution or
+    give back what it held outside the seam: a lock passed on (`pass_lock`), a `lock_holder`
+    written (other than the enqueue's taking of a free lock, a name's value), a status written
+    by an UPDATE (other than the claim's, into processing: `**claim_values(...)`), a dialect's
+    completion statement run, or the claim with completions ahead of it run other than as the
+    seam's `at_once`."""
+    if relative == SEAM:
+        return []
+    tree = ast.parse(source)
+    owner = functions_of(tree)
+    found = []
+    for node in ast.walk(tree):
+        line = f"{relative}:{getattr(node, 'lineno', '?')}"
+        function = owner.get(id(node), tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "pass_lock":
+            found.append(f"{line} def pass_lock")
+        if not isinstance(node, ast.Call | ast.Dict):
+            continue
+        if isinstance(node, ast.Dict):
+            pairs = [(k.value, v) for k, v in zip(node.keys, node.values, strict=True)
+                     if isinstance(k, ast.Constant)]  # fmt: skip
+        else:
+            pairs = [(k.arg, k.value) for k in node.keywords if k.arg]
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            name = node.func.id if isinstance(node.func, ast.Name) else called
+            if name == "pass_lock":
+                found.append(f"{line} pass_lock()")
+            if called in DIALECT_COMPLETIONS and "dialect" in ast.unparse(node.func.value):
+                found.append(f"{line} dialect.{called}()")
+            if any(k.arg == "completing" for k in node.keywords) and not (
+                isinstance(function, ast.FunctionDef)
+                and function.name == "complete_and_claim_at_once"
+            ):
+                found.append(f"{line} a claim with completions")
+            if name == "complete_and_claim_at_once" and not (
+                isinstance(function, ast.FunctionDef) and function.name == "at_once"
+            ):
+                found.append(f"{line} complete_and_claim_at_once() outside the seam's at_once")
+            if called not in WRITES:
+                pairs = []
+            elif called == "update":
+                for splat in (k.value for k in node.keywords if k.arg is None):
+                    if isinstance(splat, ast.Call) and ast.unparse(splat.func) == "claim_values":
+                        continue
+                    if isinstance(splat, ast.Name) and not sets_status(function, splat.id):
+                        continue
+                    found.append(f"{line} update(**{ast.unparse(splat)})")
+                if any(key == "status" for key, _ in pairs):
+                    found.append(f"{line} update(status=...)")
+        for key, value in pairs:
+            if key != "lock_holder":
+                continue
+            if relative in TAKES_LOCKS and isinstance(value, ast.Name):
+                continue
+            found.append(f"{line} lock_holder={ast.unparse(value)}")
+    return found
+
+
+def test_architecture__an_execution_ends_in_one_seam_only() -> None:
+    """Every way an execution ends goes through `querysets/endings.py`: the lock given back
+    (`lock_holder` cleared, `pass_lock`), the status leaving processing or stopping (which
+    gives back its `limit=` slot), the dialects' completion statements the seam asks for."""
+    found = [
+        place
+        for path in modules()
+        for place in seam_bypasses(path.relative_to(PACKAGE).as_posix(), path.read_text())
+    ]
+    # Raw SQL too: a statement that clears a lock holder.
+    found += [
+        f"{where(path, node)} {node.value[:40]!r}"
+        for path in modules()
+        for node in strings(path)
+        if "lock_holder = NULL" in node.value or "lock_holder=NULL" in node.value
+    ]
+    assert found == []
+    # The claim's own write is the one that moves jobs into processing, never out of it.
+    claims = ast.parse((PACKAGE / "querysets" / "claims.py").read_text())
+    [values] = [n for n in ast.walk(claims) if isinstance(n, ast.FunctionDef)
+                and n.name == "claim_values"]  # fmt: skip
+    assert "'status': PROCESSING" in ast.unparse(values)
+
+
+def test_architecture__the_seam_rule_sees_a_bypass() -> None:
+    room = "querysets/operators.py"
+    bypasses = {
+        "jobs.filter(pk=1).update(lock_holder=None)\n": "lock_holder=None",
+        "values = {'status': FAILED, 'lock_holder': None}\n": "lock_holder=None",
+        "def f(qs):\n    pass_lock(qs, 1)\n": "pass_lock()",
+        "jobs.update(status=FAILED)\n": "update(status=...)",
+        "def f(jobs):\n    values = {'status': FAILED}\n    jobs.update(**values)\n": "update(**",
+        "def f(jobs, ending):\n    jobs.update(**ending.values)\n": "update(**",
+        "def f(d, c):\n    d.complete_many(c, 't', None, 'w', [])\n": "dialect.complete_many()",
+        "jobs.update(lock_holder=Case(When(q, then=None), default=F('lock_holder')))\n":
+            "lock_holder=Case(",
+    }  # fmt: skip
+    for source, seen in bypasses.items():
+        found = seam_bypasses(room, source.replace("d.complete", "dialect.complete"))
+        assert len(found) == 1 and seen in found[0], (source, found)
+    # The enqueue takes a free lock: a name, not a release; a read of lock_holder is no write.
+    taking = "jobs.create(status=PENDING, lock_holder=lock)\njobs.filter(lock_holder=None)\n"
+    assert seam_bypasses("querysets/enqueue.py", taking) == []
+    assert seam_bypasses(room, "jobs.update(**claim_values(owner, 1, ()))\n") == []
+    assert seam_bypasses(SEAM, "jobs.update(lock_holder=None)\npass_lock(qs, 1)\n") == []
+    # Outside the enqueue, even taking a lock is the seam's (pass_lock promotes a waiting job).
+    assert seam_bypasses("querysets/claims.py", "jobs.update(lock_holder=lock)\n") != []

@@ -22,9 +22,9 @@ from django_leases.dialects import postgresql_prepared as prepared_sql
 from django_leases.dialects import postgresql_statements as postgresql
 from django_leases.dialects import statements as sql
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets.acks import complete_many_by_dialect
 from django_leases.querysets.base import LOADERS, raw_rows
 from django_leases.querysets.claims import claim_by_dialect
+from django_leases.querysets.endings import complete_many_by_dialect
 from django_leases.querysets.ledger import ledger_names
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
@@ -179,7 +179,7 @@ def completion_of(dialect: Dialect, owner: str, acks: dict[int, int]) -> Any:
     """Complete `acks` with `dialect`, return what it did, and roll every write back."""
     with transaction.atomic():
         qs = PaymentJob.objects.all()
-        won = complete_many_by_dialect(qs, owner, list(acks.items()), dialect)
+        won = complete_many_by_dialect(qs, owner, list(acks.items()), dialect=dialect)
         states = sorted(
             (*row[:-1], row[-1] is None)
             for row in PaymentJob.objects.values_list(

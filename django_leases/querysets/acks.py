@@ -1,40 +1,24 @@
 """Acknowledgements: completing a batch of held jobs in one round trip (`ack="batch"` kinds).
 
 `LeaseQuerySet.complete_many()`, a function taking the queryset first: each row of a batch is
-still conditional on its own id, `processing`, owner and fencing token, and the ledger rows of
-exactly the rows that won are closed in the same statement or transaction.
+still conditional on its own id, `processing`, owner and fencing token; the completions are
+those of `endings`, where every execution ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from functools import partial
-from typing import TYPE_CHECKING
 
-from django.db import connections, transaction
-from django.db.models.functions import Now
-
-from django_leases.dialects import Dialect, Jobs, dialect_of
 from django_leases.limits import check_owner
-from django_leases.querysets.base import (
-    LeaseKey,
-    key_groups,
-    keys_filter,
-    lease_keys,
-    quoted_table,
-    retry_deadlocks,
-)
-from django_leases.querysets.ledger import J, close_attempts, ledger_of, record_fenced_many
-from django_leases.querysets.locks import pass_lock
-from django_leases.status import COMPLETED, PROCESSING, AttemptOutcome
-
-if TYPE_CHECKING:
-    from django_leases.querysets.leases import LeaseQuerySet
+from django_leases.querysets.base import LeaseKey, lease_keys, retry_deadlocks
+from django_leases.querysets.endings import complete_many_by_dialect
+from django_leases.querysets.ledger import record_fenced_many
+from django_leases.querysets.reads import J, LeaseReads
 
 
 @retry_deadlocks
 def complete_many(
-    qs: LeaseQuerySet[J], owner: str, leases: Iterable[LeaseKey] | Mapping[int, int]
+    qs: LeaseReads[J], owner: str, leases: Iterable[LeaseKey] | Mapping[int, int]
 ) -> set[LeaseKey]:
     """Complete every job of `leases` ((job id, token) pairs) that `owner` still holds under
     that token; return the pairs completed.
@@ -55,73 +39,3 @@ def complete_many(
     if lost:
         record_fenced_many(qs, lost)
     return won
-
-
-def complete_many_by_dialect(
-    qs: LeaseQuerySet[J], owner: str, keys: list[LeaseKey], dialect: Dialect | None = None
-) -> set[LeaseKey]:
-    """`complete_many()` by the database's dialect (`Dialect.complete_many()`: its own
-    statements for the jobs without a lock, with the stock ledger, else the ORM's), then the
-    jobs of a lock, in the dialect's `completion_block()` (a transaction, or on PostgreSQL one
-    statement, the jobs of a lock in a transaction of their own only if some were left).
-    `dialect`: another one (tests hold each database's to the base `Dialect()`)."""
-    connection = connections[qs.db]
-    dialect = dialect or dialect_of(connection)
-    jobs: Jobs[J] = Jobs(
-        connection,
-        quoted_table(qs.model, qs.db),
-        ledger_of(qs),
-        complete_unlocked=partial(complete_unlocked, qs, owner),
-    )
-    with dialect.completion_block(jobs):
-        done = dialect.complete_many(jobs, owner, list(key_groups(keys)))
-        left = [key for key in keys if key not in done]
-        return done | (complete_locked(qs, owner, left) if left else set())
-
-
-def complete_unlocked(
-    qs: LeaseQuerySet[J], owner: str, groups: list[dict[int, int]]
-) -> set[LeaseKey]:
-    """The specification (MariaDB/MySQL's statements write it out) of the batched completion
-    of the jobs without a lock, in the caller's transaction: lock the rows still held, then
-    complete exactly those; the row locks keep the read true until commit."""
-    done: set[LeaseKey] = set()
-    for group in groups:
-        held = qs.filter(keys_filter(group), status=PROCESSING, lease_owner=owner, lock="")
-        locked = dict(held.select_for_update().values_list("pk", "lease_token"))
-        if locked:
-            held.filter(pk__in=locked).update(status=COMPLETED, completed_at=Now(), last_error="")
-            done.update(locked.items())
-    if done:
-        close_attempts(qs, done, AttemptOutcome.COMPLETED, by=owner)
-    return done
-
-
-@retry_deadlocks
-def complete_locked(qs: LeaseQuerySet[J], owner: str, keys: list[LeaseKey]) -> set[LeaseKey]:
-    """Complete the jobs of a lock among `keys` that `owner` still holds, in one
-    transaction (the caller's, if any): release each one's lock in its UPDATE, close its
-    ledger row and pass the lock on, as `complete()` does; return the pairs completed.
-
-    The lock rule lives here, beside the completion, not with the caller: a batch may hold
-    jobs of a lock, and none of them is left holding it or reported lost.
-    """
-    done: set[LeaseKey] = set()
-    with transaction.atomic(using=qs.db, savepoint=False):
-        for group in key_groups(keys):
-            held = qs.filter(keys_filter(group), status=PROCESSING, lease_owner=owner)
-            held = held.exclude(lock="")
-            # In id order: the locks are passed on in the order the rows were locked.
-            rows = held.select_for_update().order_by("pk").values_list("pk", "lease_token")
-            locked = dict(rows)
-            if not locked:
-                continue
-            held.filter(pk__in=locked).update(
-                status=COMPLETED, completed_at=Now(), last_error="", lock_holder=None
-            )
-            done.update(locked.items())
-            for pk in locked:
-                pass_lock(qs, pk)
-        if done:
-            close_attempts(qs, done, AttemptOutcome.COMPLETED, by=owner)
-    return done

@@ -27,14 +27,14 @@ from django.db import DatabaseError, connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from django_leases.conf import leases_settings, to_seconds
+from django_leases.conf import to_seconds
 from django_leases.dialects import Dialect, Jobs, dialect_of, merge
 from django_leases.dialects import statements as sql
 from django_leases.dialects.statements import LedgerNames
 from django_leases.exceptions import GateBusy, InvalidArgument
 from django_leases.handlers import Lengths, lease_lengths_of, throttles
 from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind, check_owner
-from django_leases.querysets.acks import complete_locked
+from django_leases.querysets.acks import complete_many
 from django_leases.querysets.base import (
     LeaseKey,
     lease_keys,
@@ -44,15 +44,15 @@ from django_leases.querysets.base import (
     raw_rows,
     retry_deadlocks,
 )
+from django_leases.querysets.endings import complete_many_by_dialect
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
-from django_leases.querysets.reads import takeover_guard_of
+from django_leases.querysets.reads import LeaseReads, takeover_guard
 from django_leases.querysets.throttles import claim_throttled, kind_gates
-from django_leases.status import PROCESSING, StuckPolicy
+from django_leases.status import PROCESSING
 from django_leases.throttles import Throttle
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
-    from django_leases.querysets.leases import LeaseQuerySet
 
 
 class AllBut(tuple[str, ...]):
@@ -80,7 +80,7 @@ def lengths_of(seconds: float, kinds: Wanted) -> Lengths:
 
 
 def claim(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     *,
     ttl: float | timedelta,
@@ -141,7 +141,7 @@ class Claimed(list[J]):
         self.answered = 0
 
     def part(
-        self, qs: LeaseQuerySet[J], kind: str | None, limit: int, take: Callable[[int], list[J]]
+        self, qs: LeaseReads[J], kind: str | None, limit: int, take: Callable[[int], list[J]]
     ) -> None:
         """Claim the room left of `limit` with `take(room)`, the part of `kind`."""
         room = limit - len(self)
@@ -183,7 +183,7 @@ def throttles_of(kinds: list[str] | None) -> dict[str, Throttle]:
 
 
 def complete_and_claim(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     leases: Iterable[LeaseKey] | Mapping[int, int],
     *,
@@ -202,26 +202,33 @@ def complete_and_claim(
     """
     seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
     route = claim_route(qs.model, qs.db)
-    fused = route.dialect.fuses_completion_and_claim(route.ledger)
-    if not fused or kinds == [] or throttles_of(kinds):
-        return qs.complete_many(owner, leases), qs.claim(
-            owner, ttl=seconds, limit=limit, kinds=kinds
+    fuses = route.dialect.fuses_completion_and_claim(route.ledger)
+    if not fuses or kinds == [] or throttles_of(kinds):
+        return complete_many(qs, owner, leases), claim(
+            qs, owner, ttl=seconds, limit=limit, kinds=kinds
         )
     keys = lease_keys(leases)
-    won, jobs = complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds)
-    left = [key for key in keys if key not in won]
-    passed = complete_locked(qs, owner, left) if left else set()
-    if passed and len(jobs) < limit:
-        jobs += qs.claim(owner, ttl=seconds, limit=limit - len(jobs), kinds=kinds)
-    lost = [key for key in left if key not in passed]
+    fused: list[tuple[set[LeaseKey], list[J]]] = []
+
+    def at_once(keys: list[LeaseKey]) -> set[LeaseKey]:
+        fused.append(complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds))
+        return fused[0][0]
+
+    # The completions end where every execution ends; the fused statement completes the
+    # jobs without a lock, the seam the others (`endings.complete_many_by_dialect()`).
+    done = complete_many_by_dialect(qs, owner, keys, at_once=at_once)
+    won, jobs = fused[0]
+    if done - won and len(jobs) < limit:
+        jobs += claim(qs, owner, ttl=seconds, limit=limit - len(jobs), kinds=kinds)
+    lost = [key for key in keys if key not in done]
     if lost:
         record_fenced_many(qs, lost)
-    return won | passed, jobs
+    return done, jobs
 
 
 @retry_deadlocks
 def complete_and_claim_at_once(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     keys: list[LeaseKey],
     seconds: float,
@@ -243,7 +250,7 @@ def in_claim_order(jobs: list[J]) -> list[J]:
 
 
 def claim_args(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     ttl: float | timedelta,
     limit: int,
@@ -286,7 +293,7 @@ def claim_route(model: type[AbstractLeasedJob], alias: str) -> Route:
 
 @retry_deadlocks
 def claim_by_dialect(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     seconds: float,
     limit: int,
@@ -307,7 +314,7 @@ def claim_by_dialect(
 
 
 def handed_to_dialect(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     owner: str,
     seconds: float,
     limit: int,
@@ -329,19 +336,13 @@ def handed_to_dialect(
         claim_pass=partial(claim_pass_locking, qs, owner, seconds, kinds=kinds),
         open_attempts=partial(open_attempts, qs, owner=owner),
     )
-    # The takeover guard (`reads.takeover_guard()`'s fragment) and `kinds`' fragment; every
-    # kind has none.
-    by_kind: dict[str, str] = leases_settings.STUCK_POLICY_BY_KIND
-    review_by_default = leases_settings.STUCK_POLICY == StuckPolicy.REVIEW
-    other = StuckPolicy.RETRY if review_by_default else StuckPolicy.REVIEW
-    exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
-    fragment, params = takeover_guard_of(review_by_default, exceptions)[1]
+    # The takeover guard's fragment and `kinds`' fragment; every kind has none.
+    guard = takeover_guard()[1]
     wanted: tuple[str, sql.Params]
     if kinds is None:  # every kind: no fragment, and every kind's own lease length
         wanted, lengths = ("", {}), lease_lengths_of(seconds, None)
     else:
         wanted, lengths = kinds_filter(kinds), lengths_of(seconds, kinds)
-    guard = (fragment, dict(params))
     return jobs, sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths)
 
 
@@ -352,7 +353,7 @@ DUE_ORDER: tuple[str, ...] = ("-priority", "run_at", "id")
 
 
 def claim_pass_locking(
-    qs: LeaseQuerySet[J], owner: str, seconds: float, limit: int, takeover: bool, *, kinds: Wanted
+    qs: LeaseReads[J], owner: str, seconds: float, limit: int, takeover: bool, *, kinds: Wanted
 ) -> list[J]:
     """One pass of the ORM's claim (`dialects.base.in_passes()` runs two): the specification,
     which MariaDB/MySQL's statements write out (`dialects.mysql.locking_passes()`)."""
@@ -384,7 +385,7 @@ def claim_pass_locking(
 
 
 def lock_merged(
-    qs: LeaseQuerySet[J], base: LeaseQuerySet[J], kinds: list[str], takeover: bool, limit: int
+    qs: LeaseReads[J], base: LeaseReads[J], kinds: list[str], takeover: bool, limit: int
 ) -> list[int]:
     """Lock up to `limit` jobs of `base` (claimable jobs of several `kinds`) in claim order,
     and no other row; return their ids.
@@ -408,9 +409,7 @@ def lock_merged(
     )
 
 
-def merged_candidates(
-    qs: LeaseQuerySet[J], kinds: list[str], takeover: bool, count: int
-) -> list[int]:
+def merged_candidates(qs: LeaseReads[J], kinds: list[str], takeover: bool, count: int) -> list[int]:
     """Return the ids of the first `count` claimable jobs of `kinds` in claim order, read
     without locks: each kind's first `count` from its own range of the index led by `kind` (so
     no other kind's backlog is walked), in one UNION ALL where the database takes ordered,
@@ -438,7 +437,7 @@ def claim_values(owner: str, seconds: float, lengths: Lengths) -> dict[str, Any]
 
 
 @retry_deadlocks
-def claim_job(qs: LeaseQuerySet[J], pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
+def claim_job(qs: LeaseReads[J], pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
     """Claim the job `pk` for `owner` if it is claimable (and its kind's throttle lets it
     start); return it, or None if not."""
     check_int(pk, "pk", JOB_ID)
@@ -457,7 +456,7 @@ def claim_job(qs: LeaseQuerySet[J], pk: int, owner: str, *, ttl: float | timedel
 
 
 def claim_one(
-    qs: LeaseQuerySet[J], pk: int, owner: str, seconds: float, kind: str | None = None
+    qs: LeaseReads[J], pk: int, owner: str, seconds: float, kind: str | None = None
 ) -> list[J]:
     """`claim_job()` in the caller's transaction: `[job]`, or `[]`; with `kind`, only a
     job still of that kind (the one a throttled claim counted)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import FieldDoesNotExist, ValidationError
@@ -14,7 +14,7 @@ from django.db import IntegrityError, models, transaction
 
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.constraints import is_unique
-from django_leases.exceptions import InvalidArgument, LeaseError
+from django_leases.exceptions import InvalidArgument
 from django_leases.handlers import max_attempts_of
 from django_leases.limits import (
     IDEMPOTENCY_KEY_LENGTH,
@@ -31,25 +31,20 @@ from django_leases.limits import (
     shown,
 )
 from django_leases.querysets import inserts
-from django_leases.querysets.base import after, retry_deadlocks
+from django_leases.querysets.base import after, retry_deadlocks, writing_to
 from django_leases.querysets.keys import check_bound, undo_if_reused
 from django_leases.querysets.ledger import J
-from django_leases.querysets.locks import (
-    ENQUEUE_ROUNDS,
-    enqueue_locked,
-    holder_share_locked,
-    table_jobs,
-)
+from django_leases.querysets.locks import in_lock_rounds, table_jobs
 from django_leases.querysets.notices import announced_by_insert, notify
 from django_leases.status import PENDING, WAITING
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
-    from django_leases.querysets.leases import LeaseQuerySet
+    from django_leases.querysets.reads import LeaseReads
 
 
 def enqueue(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     kind: str,
     payload: Any = None,
     *,
@@ -74,7 +69,7 @@ def enqueue(
     writes nothing, for anything out of bounds.
     """
     return enqueue_one(
-        qs.writing_to(using),
+        writing_to(qs, using),
         kind,
         payload,
         idempotency_key=idempotency_key,
@@ -87,7 +82,7 @@ def enqueue(
 
 
 def enqueue_many(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     kind: str,
     payloads: Iterable[Any],
     *,
@@ -120,17 +115,26 @@ def enqueue_many(
             f"idempotency_keys must have one key (or None) per payload: got {len(keys)} "
             f"for {len(payloads)} payloads"
         )
-    jobs = qs.writing_to(using)
+    jobs = writing_to(qs, using)
     return enqueue_all(jobs, kind, list(zip(payloads, keys, strict=True)), options)
 
 
-async def aenqueue(qs: LeaseQuerySet[J], kind: str, payload: Any = None, **options: Any) -> J:
+class Enqueues(Protocol[J]):
+    """A queryset with `enqueue()` and `enqueue_many()`, which a subclass of `LeaseQuerySet` may
+    extend (`PaymentJobQuerySet`): the awaitable forms call its own."""
+
+    def enqueue(self, kind: str, payload: Any = None, **options: Any) -> J: ...
+
+    def enqueue_many(self, kind: str, payloads: Iterable[Any], **options: Any) -> list[J]: ...
+
+
+async def aenqueue(qs: Enqueues[J], kind: str, payload: Any = None, **options: Any) -> J:
     """`enqueue()`, awaitable: the same arguments, rules and errors."""
     return await sync_to_async(qs.enqueue)(kind, payload, **options)
 
 
 async def aenqueue_many(
-    qs: LeaseQuerySet[J], kind: str, payloads: Iterable[Any], **options: Any
+    qs: Enqueues[J], kind: str, payloads: Iterable[Any], **options: Any
 ) -> list[J]:
     """`enqueue_many()`, awaitable: the same arguments, rules and errors."""
     return await sync_to_async(qs.enqueue_many)(kind, payloads, **options)
@@ -140,7 +144,7 @@ async def aenqueue_many(
 # lock; the whole transaction was rolled back, so it runs again.
 @retry_deadlocks
 def enqueue_all(
-    qs: LeaseQuerySet[J], kind: str, jobs: list[tuple[Any, str | None]], options: dict[str, Any]
+    qs: LeaseReads[J], kind: str, jobs: list[tuple[Any, str | None]], options: dict[str, Any]
 ) -> list[J]:
     if not jobs:
         return []
@@ -178,7 +182,7 @@ def enqueue_all(
 
 @retry_deadlocks
 def enqueue_one(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     kind: str,
     payload: Any,
     *,
@@ -218,7 +222,7 @@ def enqueue_one(
 
 
 def job_values(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     kind: str,
     *,
     run_at: datetime | float | timedelta | None = None,
@@ -245,7 +249,7 @@ def job_row(payload: Any, key: str | None) -> inserts.Row:
 
 
 def insert_all(
-    qs: LeaseQuerySet[J], values: dict[str, Any], rows: list[inserts.Row], delay: float | None
+    qs: LeaseReads[J], values: dict[str, Any], rows: list[inserts.Row], delay: float | None
 ) -> tuple[list[J], bool]:
     """Add a job of the fields `values` per row (payload and key; all of one lock, or of
     none), in enqueue order; return them, the first job of an idempotency key in each place
@@ -284,7 +288,7 @@ def insert_all(
 
 
 def insert_or_existing(
-    qs: LeaseQuerySet[J], values: dict[str, Any], rows: list[inserts.Row], delay: float | None
+    qs: LeaseReads[J], values: dict[str, Any], rows: list[inserts.Row], delay: float | None
 ) -> tuple[list[J], int]:
     """Insert a job of `values` per row (none of them taking a lock); return them, each job
     whose idempotency key exists already replaced by the first job of that key, and how many
@@ -319,38 +323,40 @@ def insert_or_existing(
 
 
 def insert_locked(
-    qs: LeaseQuerySet[J], values: dict[str, Any], row: inserts.Row, delay: float | None
+    qs: LeaseReads[J], values: dict[str, Any], row: inserts.Row, delay: float | None
 ) -> tuple[J, bool]:
-    """Insert the job of `values` and `row` of the lock `values["lock"]`: pending and holding
-    it if it is free, else waiting (see `locks.enqueue_locked()`, whose rounds these are, with
-    conflicts skipped instead of caught in savepoints); return it, or the first job of its
-    key, and whether it is new.
+    """Insert the job of `values` and `row` of the lock `values["lock"]` in the rounds of
+    `locks.in_lock_rounds()`, conflicts skipped: pending and holding it if it is free, else
+    waiting; return it, or the first job of its key, and whether it is new.
     """
     jobs, lock, key = table_jobs(qs), values["lock"], row[1]
-    for _ in range(ENQUEUE_ROUNDS):
-        if holder_share_locked(qs, lock):
-            waiting = {**values, "status": WAITING, "lock_holder": None}
-            [found], added = insert_or_existing(qs, waiting, [row], delay)
-            return found, bool(added)
+
+    def wait() -> tuple[J, bool]:
+        [found], added = insert_or_existing(qs, {**values, "status": WAITING}, [row], delay)
+        return found, bool(added)
+
+    def take() -> tuple[J, bool] | None:
         holding = {**values, "status": PENDING, "lock_holder": lock}
         [job] = inserts.insert(qs.model, qs.db, holding, [row], skip_conflicts=True, delay=delay)
         if job is not None:
-            return job, True
+            return cast("J", job), True
         existing = None if key is None else jobs.filter(idempotency_key=key).first()
         if existing is not None:
             return existing, False
-        if not jobs.filter(lock_holder=lock).exists():
-            # Another unique column refused it: its own error, as in `insert_or_existing`.
-            with transaction.atomic(using=qs.db):
-                [job] = inserts.insert(
-                    qs.model, qs.db, holding, [row], skip_conflicts=False, delay=delay
-                )
-            return cast("J", job), True  # inserted without skipping
-    raise LeaseError(f"lock {lock!r}: no place taken after {ENQUEUE_ROUNDS} rounds")
+        if jobs.filter(lock_holder=lock).exists():
+            return None
+        # Another unique column refused it: its own error, as in `insert_or_existing`.
+        with transaction.atomic(using=qs.db):
+            [job] = inserts.insert(
+                qs.model, qs.db, holding, [row], skip_conflicts=False, delay=delay
+            )
+        return cast("J", job), True  # inserted without skipping
+
+    return in_lock_rounds(qs, lock, wait, take)
 
 
 def enqueue_with_savepoints(
-    qs: LeaseQuerySet[J], values: dict[str, Any], row: inserts.Row, delay: float | None
+    qs: LeaseReads[J], values: dict[str, Any], row: inserts.Row, delay: float | None
 ) -> J:
     """Enqueue the job of `values` and `row` through the ORM, conflicts caught in
     savepoints: for a database that returns no rows from an INSERT (MySQL; MariaDB does)."""
@@ -376,8 +382,24 @@ def enqueue_with_savepoints(
     return job
 
 
-def add_job(qs: LeaseQuerySet[J], values: dict[str, Any]) -> J:
-    return enqueue_locked(qs, values) if values["lock"] else qs.create(**values)
+def add_job(qs: LeaseReads[J], values: dict[str, Any]) -> J:
+    """Insert the job of `values` through the ORM; one of a lock in the rounds of
+    `locks.in_lock_rounds()`, a conflict caught in a savepoint."""
+    lock = values["lock"]
+    if not lock:
+        return qs.create(**values)
+    jobs = table_jobs(qs)
+
+    def take() -> J | None:
+        try:
+            with transaction.atomic(using=qs.db):
+                return jobs.create(status=PENDING, lock_holder=lock, **values)
+        except IntegrityError:
+            if not jobs.filter(lock_holder=lock).exists():
+                raise  # another unique field (the idempotency key) refused the row
+            return None
+
+    return in_lock_rounds(qs, lock, lambda: jobs.create(status=WAITING, **values), take)
 
 
 def _key(job: models.Model) -> str | None:

@@ -12,11 +12,11 @@ from django_leases.querysets.ledger import J
 from django_leases.querysets.locks import table_jobs
 
 if TYPE_CHECKING:
-    from django_leases.querysets.leases import LeaseQuerySet
+    from django_leases.querysets.reads import LeaseReads
 
 
 def undo_if_reused(
-    qs: LeaseQuerySet[J], kind: str, rows: list[inserts.Row], jobs: list[J]
+    qs: LeaseReads[J], kind: str, rows: list[inserts.Row], jobs: list[J]
 ) -> IdempotencyKeyReused | None:
     """Return the error of the first of `jobs` (enqueued for `rows`) whose key names a job of
     another kind or payload, having deleted the jobs the batch added (all or nothing); None if

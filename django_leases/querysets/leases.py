@@ -19,8 +19,6 @@ from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Now
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.dialects import dialect_of
-from django_leases.dialects.postgresql_statements import LedgerNames
 from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
 from django_leases.handlers import lease_lengths_of
 from django_leases.limits import (
@@ -34,28 +32,22 @@ from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
     LeaseKey,
     after,
-    bound_cursor,
     key_groups,
     keys_filter,
     lease_keys,
     lease_until,
-    quoted_table,
     retry_deadlocks,
     writes,
 )
 from django_leases.querysets.ledger import (
     MAX_ERROR_LENGTH,
     J,
-    close_attempt,
     describe_error,
     job_column,
-    ledger_of,
     ledger_update,
 )
-from django_leases.querysets.locks import pass_lock
 from django_leases.querysets.reads import LeaseReads, takeover_guard
 from django_leases.status import (
-    COMPLETED,
     FAILED,
     PENDING,
     PROCESSING,
@@ -74,7 +66,9 @@ class LeaseQuerySet(LeaseReads[J]):
     each taking the queryset first, bound here as methods: claims (`claims`), batched
     completions (`acks`), throttled claims (`throttles`), the watcher's rescue and the operator
     actions (`operators`), the end of a stopped execution (`endings`), enqueueing (`enqueue`),
-    pruning (`prune`); they share the ledger writes (`ledger`) and the lock queue (`locks`).
+    pruning (`prune`); they share the ledger writes (`ledger`) and the taking of a lock
+    (`locks`). Every execution, the holder's included, ends through `endings` (`Ending`), which
+    gives back what it held.
     The database's own statements are chosen by its dialect (`dialects/`). Every transition
     runs on the database the routers send the model's writes to, unless the queryset names one
     (`writes()`): never on a replica.
@@ -112,11 +106,6 @@ class LeaseQuerySet(LeaseReads[J]):
     aenqueue = enqueueing.aenqueue
     aenqueue_many = enqueueing.aenqueue_many
     writing_to = base.writing_to
-
-    def _enqueue_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Return `enqueue()`'s keyword arguments as this table's enqueue takes them; a subclass
-        derives the lock from its own columns (`PaymentJobQuerySet`)."""
-        return options
 
     # ---- retention (prune.py) and the ledger (ledger.py) ----------------------------------------
 
@@ -172,6 +161,7 @@ class LeaseQuerySet(LeaseReads[J]):
         return renewed
 
     @writes
+    @retry_deadlocks
     def checkpoint(self, pk: int, owner: str, token: int, step: str) -> None:
         """Record that the holder reached `step`; the watcher's review policy reads it.
 
@@ -179,7 +169,15 @@ class LeaseQuerySet(LeaseReads[J]):
         watcher may already have decided the job's fate from the checkpoint it read.
         """
         check_text(step, "checkpoint step", CHECKPOINT_LENGTH)
-        self._holder_write(pk, owner, token, None, None, live=True, checkpoint=step)
+        live = self.held(pk, owner, token).filter(lease_until__gte=Now())
+        # One transaction: the job's checkpoint and its ledger row's commit together.
+        with transaction.atomic(using=self.db):
+            won = live.update(checkpoint=step)
+            if won:
+                ledger_update(self, [(pk, token)], checkpoint=step)
+        if not won:
+            self.record_fenced(pk, token)
+            raise self._lost(pk, token, f"{owner} no longer holds token {token}")
 
     @writes
     def complete(self, pk: int, owner: str, token: int, *, result: Any = None) -> None:
@@ -187,32 +185,13 @@ class LeaseQuerySet(LeaseReads[J]):
 
         Raises `LeaseLost` if `owner` no longer holds the job.
         """
-        ledger = ledger_of(self)
-        if result is None and ledger and self._complete_at_once(pk, owner, token, ledger):
+        if result is None:
+            if endings.complete_at_once(self, owner, (pk, token)):
+                return
+            self._end(pk, owner, token, endings.completion(owner))
             return
-        values: dict[str, Any] = {
-            "status": COMPLETED,
-            "completed_at": Now(),
-            "last_error": "",
-            "lock_holder": None,
-        }
-        if result is not None:
-            check_json_size(result, "result", leases_settings.MAX_PAYLOAD_BYTES)
-            values["result"] = result
-        self._holder_write(pk, owner, token, AttemptOutcome.COMPLETED, None, **values)
-
-    @retry_deadlocks
-    def _complete_at_once(self, pk: int, owner: str, token: int, ledger: LedgerNames) -> bool:
-        """Complete a job without a lock in one statement where the database has one
-        (`Dialect.complete()`); False leaves the job (lost, or of a lock, which is passed on in
-        a transaction) to the general path."""
-        dialect = dialect_of(connections[self.db])
-        if not dialect.completes_at_once:
-            return False
-        with bound_cursor(self.db) as cursor:
-            return dialect.complete(
-                cursor, quoted_table(self.model, self.db), ledger, owner, (pk, token)
-            )
+        check_json_size(result, "result", leases_settings.MAX_PAYLOAD_BYTES)
+        self._end(pk, owner, token, endings.completion(owner, result=result))
 
     @writes
     @retry_deadlocks
@@ -229,40 +208,35 @@ class LeaseQuerySet(LeaseReads[J]):
         """Record a failed attempt and return the job's new status.
 
         The job goes back to pending, due in `retry_in` (database clock), while it has attempts
-        left; it fails for good when `permanent` or when it used its last attempt.
+        left; it fails for good when `permanent` or when it used its last attempt. A retry
+        keeps the job's lock: the jobs behind it wait for its last attempt.
         """
         error_class, message = describe_error(error)
         last_error = f"{error_class}: {message}" if error_class else message
         final = Q(attempts__gte=F("max_attempts"))
+        values: dict[str, Any]
         if permanent:
-            status: Any = Value(FAILED)
-            completed_at: Any = Now()
-            run_at: Any = F("run_at")
-            lock_holder: Any = None
+            values = {"status": FAILED, "completed_at": Now()}
         else:
             delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
-            status = Case(When(final, then=Value(FAILED)), default=Value(PENDING))
-            completed_at = Case(When(final, then=Now()), default=None)
-            run_at = Case(When(final, then=F("run_at")), default=after(delay) if delay else Now())
-            # A retry keeps the job's lock: the jobs behind it wait for its last attempt.
-            lock_holder = Case(When(final, then=None), default=F("lock_holder"))
-        with transaction.atomic(using=self.db):
-            won = self.held(pk, owner, token).update(
-                status=status,
-                completed_at=completed_at,
-                run_at=run_at,
-                last_error=last_error,
-                lock_holder=lock_holder,
-            )
-            if not won:
-                raise self._lost(pk, token, "lease lost before its failure could be recorded")
-            # The row is ours until commit; read back which branch the UPDATE took.
-            new_status, lock = self.filter(pk=pk).values_list("status", "lock").get()
-            outcome = AttemptOutcome.FAILED if new_status == FAILED else AttemptOutcome.RETRIED
-            close_attempt(self, pk, token, outcome, by=owner, error=(error_class, message))
-            if new_status == FAILED and lock:
-                pass_lock(self, pk)
-        return new_status
+            values = {
+                "status": Case(When(final, then=Value(FAILED)), default=Value(PENDING)),
+                "completed_at": Case(When(final, then=Now()), default=None),
+                "run_at": Case(
+                    When(final, then=F("run_at")), default=after(delay) if delay else Now()
+                ),
+            }
+        ending = endings.Ending(
+            {**values, "last_error": last_error},
+            releases=True if permanent else final,
+            outcome={FAILED: AttemptOutcome.FAILED, PENDING: AttemptOutcome.RETRIED},
+            by=owner,
+            error=(error_class, message),
+        )
+        status = endings.end_one(self, self.held(pk, owner, token), (pk, token), ending)
+        if status is None:
+            raise self._lost(pk, token, "lease lost before its failure could be recorded")
+        return status
 
     @writes
     @retry_deadlocks
@@ -288,27 +262,32 @@ class LeaseQuerySet(LeaseReads[J]):
         review = ~guard if guard else Q(pk__in=[])
         final = Q(attempts__gte=F("max_attempts"))
         delay = to_seconds(retry_in, "retry_in") if retry_in is not None else 0.0
-        with transaction.atomic(using=self.db):
-            won = self.held(pk, owner, token).update(
-                ends_as=Case(
+        stop = endings.Ending(
+            {
+                "ends_as": Case(
                     When(review, then=Value(REVIEW)),
                     When(final, then=Value(FAILED)),
                     default=Value(PENDING),
                 ),
-                run_at=Case(
+                "run_at": Case(
                     When(review | final, then=F("run_at")),
                     default=after(delay) if delay else Now(),
                 ),
-                last_error=reason[:MAX_ERROR_LENGTH],
-                status=Value(STOPPING),
-            )
+                "last_error": reason[:MAX_ERROR_LENGTH],
+                "status": STOPPING,
+            },
+            releases=False,
+            outcome=TIMED_OUT,
+            by=owner,
+            error=("", reason),
+            stops=True,
+        )
+        with transaction.atomic(using=self.db):
+            won = endings.end_one(self, self.held(pk, owner, token), (pk, token), stop)
             if won:
                 ends_as = self.filter(pk=pk).values_list("ends_as", flat=True).get()
-                close_attempt(
-                    self, pk, token, TIMED_OUT, by=owner, error=("", reason), stopping=True
-                )
                 if not running:
-                    self.acknowledge_stops(owner, [(pk, token)])
+                    endings.acknowledge_stops(self, owner, [(pk, token)])
         if not won:
             self.record_fenced(pk, token)
             raise self._lost(pk, token, f"{owner} no longer holds token {token}")
@@ -321,16 +300,9 @@ class LeaseQuerySet(LeaseReads[J]):
         The acquisition still counts in `attempts` (never reset), so `max_attempts` grows by one:
         a release does not spend the job's retry budget.
         """
-        self._holder_write(
-            pk,
-            owner,
-            token,
-            AttemptOutcome.RELEASED,
-            None,
-            status=PENDING,
-            run_at=Now(),
-            max_attempts=F("max_attempts") + 1,
-        )
+        values = {"status": PENDING, "run_at": Now(), "max_attempts": F("max_attempts") + 1}
+        ending = endings.Ending(values, releases=False, outcome=AttemptOutcome.RELEASED, by=owner)
+        self._end(pk, owner, token, ending)
 
     @writes
     def lock_held(self, pk: int, owner: str, token: int) -> None:
@@ -347,32 +319,12 @@ class LeaseQuerySet(LeaseReads[J]):
             raise self._lost(pk, token, "lease lost; the transaction is rolled back")
 
     @retry_deadlocks
-    def _holder_write(
-        self,
-        pk: int,
-        owner: str,
-        token: int,
-        outcome: str | None,
-        error: tuple[str, str] | None,
-        *,
-        live: bool = False,
-        **values: Any,
-    ) -> None:
-        held = self.held(pk, owner, token)
-        if live:
-            held = held.filter(lease_until__gte=Now())
-        try:
-            # One transaction: the job's transition and its ledger row commit together.
-            with transaction.atomic(using=self.db):
-                if not self._held_update(held, pk, values):
-                    raise self._lost(pk, token, f"{owner} no longer holds token {token}")
-                if outcome is not None:
-                    close_attempt(self, pk, token, outcome, by=owner, error=error)
-                elif "checkpoint" in values:
-                    ledger_update(self, [(pk, token)], checkpoint=values["checkpoint"])
-        except LeaseLost:
+    def _end(self, pk: int, owner: str, token: int, ending: endings.Ending) -> None:
+        """End the execution `owner` holds under `token` as `ending` says (`endings.end_one()`);
+        raise `LeaseLost` (`Cancelled`), noted in the ledger, if it no longer holds it."""
+        if endings.end_one(self, self.held(pk, owner, token), (pk, token), ending) is None:
             self.record_fenced(pk, token)
-            raise
+            raise self._lost(pk, token, f"{owner} no longer holds token {token}")
 
     def _lost(self, pk: int, token: int, why: str) -> LeaseLost:
         """Return the error of a refused holder write: `Cancelled` if an operator's cancel
@@ -381,19 +333,3 @@ class LeaseQuerySet(LeaseReads[J]):
         if by is not None:
             return Cancelled(f"job {pk}: cancelled by {by}")
         return LeaseLost(f"job {pk}: {why}")
-
-    def _held_update(self, held: LeaseQuerySet[J], pk: int, values: dict[str, Any]) -> bool:
-        """Apply the holder's write `values` to `held` (the job `pk` as its holder holds it);
-        one that releases the job's lock passes it on.
-
-        A job without a lock is updated in one statement, as before locks existed; a job of a
-        lock fails that statement's `lock = ''` and takes the second, then passes its lock on.
-        """
-        if "lock_holder" not in values:
-            return bool(held.update(**values))
-        if held.filter(lock="").update(**values):
-            return True
-        if not held.exclude(lock="").update(**values):
-            return False
-        pass_lock(self, pk)
-        return True

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from django.apps import apps
 from django.db import connections, models
 from django.db.models import F, OuterRef, Q, Subquery
 from django.db.models.functions import Now
@@ -19,13 +18,9 @@ from django.db.models.functions import Now
 from django_leases.dialects.postgresql_statements import LedgerNames
 from django_leases.limits import MAX_ERROR_LENGTH
 from django_leases.querysets.base import LEDGER_KEY, LeaseKey, key_groups, keys_filter
-from django_leases.querysets.reads import J
+from django_leases.querysets.reads import J, LeaseReads, attempt_ledger
 from django_leases.redaction import error_text
 from django_leases.status import HOLDER_OUTCOMES, AttemptOutcome
-
-if TYPE_CHECKING:
-    from django_leases.querysets.leases import LeaseQuerySet
-
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractJobAttempt, AbstractLeasedJob
@@ -77,10 +72,9 @@ def ledger_names(model: type[AbstractLeasedJob], alias: str) -> LedgerNames | No
 
     None where the raw-SQL paths do not apply: no ledger, or a ledger with fields of its own.
     """
-    label = model.attempt_model
-    if not label:
+    ledger = attempt_ledger(model)
+    if ledger is None:
         return None
-    ledger = apps.get_model(label)
     fields = {field.name: field for field in ledger._meta.concrete_fields}
     if set(fields) != LEDGER_FIELDS:
         return None
@@ -98,7 +92,7 @@ class AttemptQuerySet(models.QuerySet[Any]):
         return self.filter(ended_at__isnull=True)
 
 
-def attempt_rows(qs: LeaseQuerySet[J], pk: int) -> list[AbstractJobAttempt]:
+def attempt_rows(qs: LeaseReads[J], pk: int) -> list[AbstractJobAttempt]:
     """Return the ledger rows of job `pk`, oldest acquisition first; [] without a ledger."""
     ledger = qs._ledger()
     if ledger is None:
@@ -106,16 +100,11 @@ def attempt_rows(qs: LeaseQuerySet[J], pk: int) -> list[AbstractJobAttempt]:
     return list(ledger.objects.using(qs.db).filter(job_ref=pk).order_by("token"))
 
 
-def ledger_of(qs: LeaseQuerySet[J]) -> LedgerNames | None:
-    """Quoted ledger names for the PostgreSQL fast paths, or None where they do not apply."""
-    return ledger_names(qs.model, qs.db)
-
-
-def job_column(qs: LeaseQuerySet[J], name: str) -> Subquery:
+def job_column(qs: LeaseReads[J], name: str) -> Subquery:
     return Subquery(qs.model._base_manager.filter(pk=OuterRef("job_ref")).values(name)[:1])
 
 
-def open_attempts(qs: LeaseQuerySet[J], jobs: Iterable[J], owner: str) -> None:
+def open_attempts(qs: LeaseReads[J], jobs: Iterable[J], owner: str) -> None:
     ledger = qs._ledger()
     jobs = list(jobs)
     if ledger is None or not jobs:
@@ -142,7 +131,7 @@ def open_attempts(qs: LeaseQuerySet[J], jobs: Iterable[J], owner: str) -> None:
     )
 
 
-def finished_by(qs: LeaseQuerySet[J], pk: int, owner: str, token: int) -> bool:
+def finished_by(qs: LeaseReads[J], pk: int, owner: str, token: int) -> bool:
     """Whether `owner`'s own write under `token` ended that attempt (completed, failed,
     retried, released or timed out).
 
@@ -169,7 +158,7 @@ def finished_by(qs: LeaseQuerySet[J], pk: int, owner: str, token: int) -> bool:
 
 
 def ledger_update(
-    qs: LeaseQuerySet[J], leases: Iterable[LeaseKey], where: Q | None = None, **values: Any
+    qs: LeaseReads[J], leases: Iterable[LeaseKey], where: Q | None = None, **values: Any
 ) -> int:
     """Update the ledger rows of `leases` ((job id, token) pairs) that match `where`."""
     ledger = qs._ledger()
@@ -182,49 +171,7 @@ def ledger_update(
     )
 
 
-def close_attempt(
-    qs: LeaseQuerySet[J],
-    pk: int,
-    token: int,
-    outcome: str,
-    *,
-    by: str,
-    error: tuple[str, str] | None,
-    stopping: bool = False,
-) -> None:
-    close_attempts(qs, [(pk, token)], outcome, by=by, error=error, stopping=stopping)
-
-
-def close_attempts(
-    qs: LeaseQuerySet[J],
-    leases: Iterable[LeaseKey],
-    outcome: str,
-    *,
-    by: str,
-    error: tuple[str, str] | None = None,
-    stopping: bool = False,
-) -> None:
-    """Close the open ledger rows of `leases` ((job id, token) pairs) in one UPDATE.
-
-    `stopping`: the jobs were stopped while their handlers may still run; the rows get their
-    outcome and stay open until the execution ends (`endings`).
-    """
-    error_class, message = error or ("", "")
-    # Only an open row: a closed attempt is never rewritten.
-    ledger_update(
-        qs,
-        leases,
-        Q(ended_at__isnull=True),
-        outcome=outcome,
-        ended_at=None if stopping else Now(),
-        ended_by=by,
-        checkpoint=job_column(qs, "checkpoint"),
-        error_class=error_class,
-        error_message=message,
-    )
-
-
-def record_fenced(qs: LeaseQuerySet[J], pk: int, token: int) -> None:
+def record_fenced(qs: LeaseReads[J], pk: int, token: int) -> None:
     """Note in the ledger that the holder of `token` came back and was refused.
 
     Never on a row the holder closed itself (a repeated completion is refused too, but
@@ -233,7 +180,7 @@ def record_fenced(qs: LeaseQuerySet[J], pk: int, token: int) -> None:
     record_fenced_many(qs, [(pk, token)])
 
 
-def record_fenced_many(qs: LeaseQuerySet[J], leases: Iterable[LeaseKey]) -> None:
+def record_fenced_many(qs: LeaseReads[J], leases: Iterable[LeaseKey]) -> None:
     """`record_fenced()` for every (job id, token) pair of `leases`, in one UPDATE."""
     closed_by_holder = Q(outcome__in=HOLDER_OUTCOMES, ended_by=F("owner"))
     ledger_update(qs, leases, ~closed_by_holder & Q(fenced_at__isnull=True), fenced_at=Now())

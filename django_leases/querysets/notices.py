@@ -13,7 +13,7 @@ from django_leases.conf import leases_settings
 from django_leases.dialects import dialect_of
 
 if TYPE_CHECKING:
-    from django_leases.querysets.leases import LeaseQuerySet
+    from django_leases.querysets.reads import LeaseReads
 
 
 def notify_channel(model: type[models.Model]) -> str:
@@ -21,7 +21,7 @@ def notify_channel(model: type[models.Model]) -> str:
     return f"django_leases_{model._meta.db_table}"[:63]
 
 
-def announced_by_insert(qs: LeaseQuerySet[Any], kind: str) -> tuple[str, str] | None:
+def announced_by_insert(qs: LeaseReads[Any], kind: str) -> tuple[str, str] | None:
     """The (channel, message) that an INSERT outside any transaction of Django's announces
     itself, or None: the database has no NOTIFY, USE_NOTIFY is off, or the INSERT is part of
     a transaction (`notify()` announces its kinds once, at its commit)."""
@@ -36,7 +36,7 @@ def notifies(connection: Any) -> bool:
     return dialect_of(connection).notifies and leases_settings.USE_NOTIFY
 
 
-def notify(qs: LeaseQuerySet[Any], kind: str) -> None:
+def notify(qs: LeaseReads[Any], kind: str) -> None:
     """Announce a new job of `kind` to the listening workers: once per kind and
     transaction, when it commits (at once outside a transaction)."""
     connection = connections[qs.db]

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.apps import apps
 from django.db import transaction
-from django.db.models import Case, Exists, F, OuterRef, Q, Value, When
+from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Greatest, Now
 
 from django_leases.conf import to_seconds
-from django_leases.exceptions import LeaseError
 from django_leases.querysets.base import (
     JOB_KEY,
     LEDGER_KEY,
@@ -30,16 +29,9 @@ from django_leases.querysets.base import (
     next_token,
     retry_deadlocks,
 )
-from django_leases.querysets.ledger import (
-    MAX_ERROR_LENGTH,
-    J,
-    close_attempt,
-    job_column,
-    ledger_update,
-    storable,
-)
-from django_leases.querysets.locks import pass_lock
-from django_leases.querysets.reads import takeover_guard
+from django_leases.querysets.endings import Ending, end_executions, end_one
+from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, ledger_update, storable
+from django_leases.querysets.reads import LeaseReads, takeover_guard
 from django_leases.status import (
     CANCELLED,
     COMPLETED,
@@ -56,13 +48,6 @@ from django_leases.status import (
     Verdict,
 )
 
-if TYPE_CHECKING:
-    from django_leases.querysets.leases import LeaseQuerySet
-
-
-if TYPE_CHECKING:
-    from django_leases.models import AbstractLeasedJob
-
 OPERATOR_BATCH_SIZE = 500
 """Jobs one operator action changes per transaction (one locking read and one UPDATE)."""
 REVIEW_EVENTS: dict[str, str] = {
@@ -74,8 +59,8 @@ REVIEW_EVENTS: dict[str, str] = {
 
 @retry_deadlocks
 def rescue(
-    qs: LeaseQuerySet[J],
-    job: AbstractLeasedJob,
+    qs: LeaseReads[J],
+    job: J,
     action: str,
     *,
     by: str,
@@ -102,30 +87,30 @@ def rescue(
         values = {"status": REVIEW}
         outcome = AttemptOutcome.REVIEW
     elif action in (FAILED, COMPLETED):
-        values = {"status": action, "completed_at": Now(), "lock_holder": None}
+        values = {"status": action, "completed_at": Now()}
         outcome = action
     else:
         raise ValueError(f"unknown rescue action {action!r}")
     if reason:
         values["last_error"] = reason[:MAX_ERROR_LENGTH]
-    with transaction.atomic(using=qs.db):
-        stale = qs.processing().filter(lease_owner=job.lease_owner) if orphaned else qs.expired()
-        won = stale.filter(
-            pk=job.pk,
-            lease_token=job.lease_token,
-            checkpoint=job.checkpoint,
-            max_attempts=job.max_attempts,
-        ).update(**values)
-        if won:
-            close_attempt(
-                qs, job.pk, job.lease_token, outcome, by=by, error=("", reason) if reason else None
-            )
-            if "lock_holder" in values:
-                pass_lock(qs, job.pk)
-    return bool(won)
+    ending = Ending(
+        values,
+        releases=action in (FAILED, COMPLETED),
+        outcome=outcome,
+        by=by,
+        error=("", reason) if reason else None,
+    )
+    stale = qs.processing().filter(lease_owner=job.lease_owner) if orphaned else qs.expired()
+    row = stale.filter(
+        pk=job.pk,
+        lease_token=job.lease_token,
+        checkpoint=job.checkpoint,
+        max_attempts=job.max_attempts,
+    )
+    return end_one(qs, row, (job.pk, job.lease_token), ending) is not None
 
 
-def requeue(qs: LeaseQuerySet[J], *, force: bool = False, by: str = "operator") -> int:
+def requeue(qs: LeaseReads[J], *, force: bool = False, by: str = "operator") -> int:
     """Make the selected jobs pending and due now; return how many changed.
 
     Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
@@ -154,32 +139,28 @@ def requeue(qs: LeaseQuerySet[J], *, force: bool = False, by: str = "operator") 
         "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
         "lease_token": next_token(),
     }
-    return operator_write(
-        qs, eligible, values, by, event=EventAction.REQUEUED, ends=AttemptOutcome.REQUEUED
-    )
+    ending = operator_ending(values, by, AttemptOutcome.REQUEUED, releases=False)
+    return operator_write(qs, eligible, ending, event=EventAction.REQUEUED)
 
 
-def release_stuck(qs: LeaseQuerySet[J], *, by: str = "operator") -> int:
+def release_stuck(qs: LeaseReads[J], *, by: str = "operator") -> int:
     """Return the selected jobs whose lease expired to pending (the watcher's retry).
 
     A job that used its last attempt gets one more, or it would sit pending unclaimable.
     """
+    values = {
+        "status": PENDING,
+        "run_at": Now(),
+        "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
+    }
+    ending = operator_ending(values, by, AttemptOutcome.RESCUED, releases=False)
     return operator_write(
-        qs,
-        Q(status=PROCESSING, lease_until__lt=Now()),
-        {
-            "status": PENDING,
-            "run_at": Now(),
-            "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
-        },
-        by,
-        event=EventAction.RELEASED,
-        ends=AttemptOutcome.RESCUED,
+        qs, Q(status=PROCESSING, lease_until__lt=Now()), ending, event=EventAction.RELEASED
     )
 
 
 def mark_failed(
-    qs: LeaseQuerySet[J], *, reason: str, force: bool = False, by: str = "operator"
+    qs: LeaseReads[J], *, reason: str, force: bool = False, by: str = "operator"
 ) -> int:
     """Fail the selected pending, waiting, under-review or expired jobs (any processing or
     stopping one with `force`, fencing out its holder); return how many changed."""
@@ -194,21 +175,13 @@ def mark_failed(
         "completed_at": Now(),
         "last_error": reason[:MAX_ERROR_LENGTH],
         "lease_token": next_token(),
-        "lock_holder": None,
     }
-    return operator_write(
-        qs,
-        eligible,
-        values,
-        by,
-        event=EventAction.FAILED,
-        ends=AttemptOutcome.FAILED,
-        reason=reason,
-    )
+    ending = operator_ending(values, by, AttemptOutcome.FAILED, reason=reason)
+    return operator_write(qs, eligible, ending, event=EventAction.FAILED, reason=reason)
 
 
 def cancel(
-    qs: LeaseQuerySet[J], *, by: str = "operator", reason: str = "", running: bool = True
+    qs: LeaseReads[J], *, by: str = "operator", reason: str = "", running: bool = True
 ) -> int:
     """Cancel the selected pending, waiting and processing jobs; return how many changed.
 
@@ -240,25 +213,19 @@ def cancel(
         "completed_at": Case(When(keeps, then=None), default=Now()),
         "last_error": note[:MAX_ERROR_LENGTH],
         "lease_token": Case(When(keeps, then=F("lease_token")), default=F("lease_token") + 1),
-        "lock_holder": Case(When(keeps, then=F("lock_holder")), default=None),
         "status": Case(
             When(live, then=Value(STOPPING)),
             When(review, then=Value(REVIEW)),
             default=Value(CANCELLED),
         ),
     }
-    return operator_write(
-        qs,
-        eligible,
-        values,
-        by,
-        event=EventAction.CANCELLED,
-        ends=AttemptOutcome.CANCELLED,
-        reason=reason,
+    ending = operator_ending(
+        values, by, AttemptOutcome.CANCELLED, releases=~keeps, reason=reason, stops=True
     )
+    return operator_write(qs, eligible, ending, event=EventAction.CANCELLED, reason=reason)
 
 
-def cancelled_leases(qs: LeaseQuerySet[J], leases: Iterable[LeaseKey]) -> dict[LeaseKey, str]:
+def cancelled_leases(qs: LeaseReads[J], leases: Iterable[LeaseKey]) -> dict[LeaseKey, str]:
     """Return which of `leases` ((job id, token) pairs) an operator's `cancel()` ended, each
     with who cancelled it: how a holder whose write or renewal was refused tells a cancel
     from other losses. Without a ledger, a job cancelled under the next token counts."""
@@ -286,7 +253,7 @@ def cancelled_leases(qs: LeaseQuerySet[J], leases: Iterable[LeaseKey]) -> dict[L
     return found
 
 
-def resolve_review(qs: LeaseQuerySet[J], verdict: str, *, by: str = "operator") -> int:
+def resolve_review(qs: LeaseReads[J], verdict: str, *, by: str = "operator") -> int:
     """Resolve the selected jobs under review: "completed", "retry" or "failed".
 
     The verdict is an event of the job; it is also noted on the ledger row that put the job
@@ -300,107 +267,97 @@ def resolve_review(qs: LeaseQuerySet[J], verdict: str, *, by: str = "operator") 
             "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
         }
     elif verdict in (COMPLETED, FAILED):
-        values = {"status": verdict, "completed_at": Now(), "lock_holder": None}
+        values = {"status": verdict, "completed_at": Now()}
     else:
         raise ValueError(f"unknown review verdict {verdict!r}")
+    # The attempt's row was closed when the job went under review: the verdict is noted on it.
+    ending = operator_ending(values, by, None, releases=verdict != Verdict.RETRY)
     return operator_write(
-        qs, Q(status=REVIEW), values, by, event=REVIEW_EVENTS[verdict], resolution=verdict
+        qs, Q(status=REVIEW), ending, event=REVIEW_EVENTS[verdict], resolution=verdict
+    )
+
+
+def operator_ending(
+    values: dict[str, Any],
+    by: str,
+    ends: str | None,
+    *,
+    releases: Q | bool = True,
+    reason: str = "",
+    stops: bool = False,
+) -> Ending:
+    """The end of an operator action: an open attempt it ends is closed as `ends` by `by` (None:
+    the attempts are left as they are); a lock may have been taken meanwhile (`contested`)."""
+    error = ("", storable(reason)[:MAX_ERROR_LENGTH])
+    return Ending(
+        values,
+        releases=releases,
+        outcome=ends,
+        closes=ends is not None,
+        by=by,
+        error=error,
+        stops=stops,
+        contested=True,
     )
 
 
 def operator_write(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     eligible: Q,
-    values: dict[str, Any],
-    by: str,
+    ending: Ending,
     *,
     event: str,
-    ends: str | None = None,
     reason: str = "",
     resolution: str = "",
 ) -> int:
-    """Apply an operator action to the selected jobs that are `eligible`, in batches of
-    OPERATOR_BATCH_SIZE; return how many changed.
+    """Apply an operator action, `ending`, to the selected jobs that are `eligible`, in batches
+    of OPERATOR_BATCH_SIZE; return how many changed.
 
-    Each changed job gets an event (`event`, `by`, `reason`); an open attempt the action
-    ends is closed as `ends` by `by`. A closed attempt row is never changed.
+    Each changed job gets an event (`event`, by `ending.by`, `reason`); the resolution of a
+    review is noted on the ledger row that put the job under review.
     """
     changed = 0
     after_pk: int | None = 0
     while after_pk is not None:
-        won, after_pk = operator_batch(
-            qs, eligible, after_pk, values, by, event, ends, reason, resolution
-        )
+        won, after_pk = operator_batch(qs, eligible, after_pk, ending, event, reason, resolution)
         changed += won
     return changed
 
 
 @retry_deadlocks
 def operator_batch(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     eligible: Q,
     after_pk: int,
-    values: dict[str, Any],
-    by: str,
+    ending: Ending,
     event: str,
-    ends: str | None,
     reason: str,
     resolution: str,
 ) -> tuple[int, int | None]:
-    # One transaction per batch: the jobs' UPDATE, the closing of the attempts it ended and
-    # the events that record it commit together, or not at all.
+    # One transaction per batch: the jobs' UPDATE (`end_executions()`: the rows locked, then one
+    # UPDATE restating the precondition; the locks released passed on, the attempts it ended
+    # closed, or left open while the job is stopping), and the events that record it commit
+    # together, or not at all. Tested on all three databases (on SQLite the IMMEDIATE
+    # transaction holds the database write lock, see check W003).
     with transaction.atomic(using=qs.db):
-        # Lock the batch, then ONE UPDATE restating the whole precondition: the rows locked
-        # are exactly the rows it changes, so events and ledger rows are written for those
-        # only. PostgreSQL and MariaDB/MySQL lock the rows; on SQLite the IMMEDIATE
-        # transaction holds the database write lock (see check W003). Tested on all three.
-        rows = list(
-            qs.filter(eligible, pk__gt=after_pk)
-            .order_by("pk")
-            .select_for_update()
-            .values_list("pk", "lease_token", "attempts", "lock")[:OPERATOR_BATCH_SIZE]
-        )
+        rows = end_executions(qs, eligible & Q(pk__gt=after_pk), ending, limit=OPERATOR_BATCH_SIZE)
         if not rows:
             return 0, None
-        pks = [pk for pk, _, _, _ in rows]
-        won = qs.filter(eligible, pk__in=pks).update(**values)
-        if won != len(rows):
-            raise LeaseError(f"{won} of {len(rows)} locked jobs changed; rolled back")
-        # In id order: requeued jobs of one lock rejoin it in their enqueue order, and a
-        # lock a finished job released passes on in this transaction.
-        for pk, _, _, lock in rows:
-            if lock:
-                pass_lock(qs, pk, contested=True)
-        ledger = qs._ledger()
-        if ledger is not None:
-            attempts = ledger.objects.using(qs.db).filter(job_ref__in=pks)
-            if ends is not None:
-                # A processing job's open attempt ends here, by the operator; a job's that is
-                # now stopping stays open until its execution ends (`endings`).
-                stopping = qs.model._base_manager.filter(pk=OuterRef("job_ref"), status=STOPPING)
-                attempts.filter(ended_at__isnull=True).update(
-                    outcome=ends,
-                    ended_at=Case(When(Exists(stopping), then=None), default=Now()),
-                    ended_by=by,
-                    checkpoint=job_column(qs, "checkpoint"),
-                    error_class="",
-                    error_message=storable(reason)[:MAX_ERROR_LENGTH],
-                )
-            if resolution:
-                ledger_update(
-                    qs,
-                    [(pk, token) for pk, token, _, _ in rows],
-                    Q(resolution=""),
-                    resolution=resolution,
-                    resolved_by=by,
-                    resolved_at=Now(),
-                )
-        record_events(qs, [row[:3] for row in rows], event, by, reason)
-    return won, pks[-1]
+        if resolution:
+            ledger_update(
+                qs,
+                [(row.pk, row.token) for row in rows],
+                Q(resolution=""),
+                resolution=resolution,
+                resolved_by=ending.by,
+                resolved_at=Now(),
+            )
+        record_events(qs, [row[:3] for row in rows], event, ending.by, reason)
+    return len(rows), rows[-1].pk
 
 
 def record_events(
-    qs: LeaseQuerySet[J], rows: list[tuple[int, int, int]], action: str, by: str, reason: str
+    qs: LeaseReads[J], rows: list[tuple[int, int, int]], action: str, by: str, reason: str
 ) -> None:
     label = qs.model.event_model
     if not label:

@@ -19,7 +19,7 @@ from django_leases.querysets.ledger import J
 from django_leases.status import FINAL_STATUSES
 
 if TYPE_CHECKING:
-    from django_leases.querysets.leases import LeaseQuerySet
+    from django_leases.querysets.reads import LeaseReads
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class PrunedBatch:
 
 
 def prunable(
-    qs: LeaseQuerySet[J], retention: Mapping[str, float | timedelta] | None = None
-) -> LeaseQuerySet[J]:
+    qs: LeaseReads[J], retention: Mapping[str, float | timedelta] | None = None
+) -> LeaseReads[J]:
     """Finished jobs whose `completed_at` is older than their status's retention.
 
     `retention` maps final statuses ("completed", "failed", "cancelled") to seconds or a
@@ -51,7 +51,7 @@ def prunable(
 
 
 def prune(
-    qs: LeaseQuerySet[J],
+    qs: LeaseReads[J],
     retention: Mapping[str, float | timedelta] | None = None,
     *,
     batch_size: int | None = None,
@@ -96,7 +96,7 @@ def prune(
 
 @retry_deadlocks
 def prune_batch(
-    qs: LeaseQuerySet[J], status: str, batch: LeaseQuerySet[J], keep_ledger: bool
+    qs: LeaseReads[J], status: str, batch: LeaseReads[J], keep_ledger: bool
 ) -> PrunedBatch:
     # One transaction per batch: a batch's jobs and their ledger rows go (or are detached)
     # together, and a long prune never holds locks for longer than one batch.

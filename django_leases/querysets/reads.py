@@ -191,9 +191,13 @@ class LeaseReads(models.QuerySet[J]):
         # SQLite keeps no statistics by default: its callers fall back to a capped count.
         return dialect_of(connection).estimated_count(connection, table, status)
 
+    def _enqueue_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Return `enqueue()`'s keyword arguments as this table's enqueue takes them; a subclass
+        derives the lock from its own columns (`PaymentJobQuerySet`)."""
+        return options
+
     def _ledger(self) -> type[AbstractJobAttempt] | None:
-        label = self.model.attempt_model
-        return apps.get_model(label) if label else None
+        return attempt_ledger(self.model)
 
     @staticmethod
     def _open_attempt(ledger: type[AbstractJobAttempt]) -> models.QuerySet[Any]:
@@ -201,6 +205,14 @@ class LeaseReads(models.QuerySet[J]):
         return ledger._default_manager.filter(
             job_ref=OuterRef("pk"), token=OuterRef("lease_token"), ended_at__isnull=True
         )
+
+
+def attempt_ledger(model: type[AbstractLeasedJob]) -> type[AbstractJobAttempt] | None:
+    """Return the attempt ledger that `model.attempt_model` names, or None for none: the one
+    lookup of a job table's ledger (`tables.ledger_model()` checks what it finds; the raw
+    statements' `ledger.ledger_names()` quote its names)."""
+    label = model.attempt_model
+    return apps.get_model(label, require_ready=False) if label else None
 
 
 def takeover_guard() -> tuple[Q, tuple[str, sql.Params]]:

@@ -36,7 +36,7 @@ from django_leases.status import LEASED_STATUSES
 from django_leases.throttles import Throttle
 
 if TYPE_CHECKING:
-    from django_leases.querysets.leases import LeaseQuerySet
+    from django_leases.querysets.reads import LeaseReads
 
 
 STALE_STARTS = 32
@@ -150,7 +150,7 @@ class KindGateQuerySet(models.QuerySet[Any]):
 
 @retry_deadlocks
 def claim_throttled(
-    qs: LeaseQuerySet[J], kind: str, throttle: Throttle, limit: int, take: Callable[[int], list[J]]
+    qs: LeaseReads[J], kind: str, throttle: Throttle, limit: int, take: Callable[[int], list[J]]
 ) -> list[J]:
     """Claim at most `limit` jobs of `kind` with `take(room)`, within its throttle."""
     gates = kind_gates(qs.db)
