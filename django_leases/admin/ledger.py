@@ -1,5 +1,5 @@
-"""The attempt ledger and the operator events: read-only, inline on each job; the ledger also as
-its own list."""
+"""The attempt ledger, the operator events and the recorded steps: read-only, inline on each job;
+the ledger also as its own list."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from django_leases.admin.mixins import (
     ReadOnlyMixin,
     job_id,
 )
-from django_leases.models import JobAttempt, JobEvent
+from django_leases.models import JobAttempt, JobEvent, JobStep
 
 
 class AttemptInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
@@ -61,6 +61,19 @@ class EventInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
     verbose_name_plural = _("operator events (newest first)")
     fields = readonly_fields = ("at", "action", "by", "attempts", "token", "reason")
     ordering = ("-id",)
+    extra = 0
+
+
+class StepInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
+    """The steps the job's handler recorded (`lease.step()`), in the order they were recorded,
+    each with the attempt and fencing token it was recorded under."""
+
+    model = JobStep
+    fk_name = "job"
+    verbose_name = _("recorded step")
+    verbose_name_plural = _("recorded steps (in order)")
+    fields = readonly_fields = ("name", "attempt", "token", "recorded_at", "result")
+    ordering = ("id",)
     extra = 0
 
 

@@ -27,7 +27,7 @@ from django_leases.limits import (
     check_json_size,
     check_text,
 )
-from django_leases.querysets import acks, base, claims, endings, ledger, operators
+from django_leases.querysets import acks, base, claims, endings, ledger, operators, steps
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -125,6 +125,12 @@ class LeaseQuerySet(LeaseReads[J]):
     attempt_rows = ledger.attempt_rows
     finished_by = writes(ledger.finished_by)
     record_fenced = writes(ledger.record_fenced)
+
+    # ---- resumable steps (steps.py) -------------------------------------------------------------
+
+    recorded_step = writes(steps.recorded_step)
+    start_step = writes(steps.start_step)
+    record_step = writes(steps.record_step)
 
     # ---- holder writes ----------------------------------------------------------------------
 
