@@ -113,11 +113,13 @@ def test_step__marks_its_start_in_the_checkpoint_and_its_record_clears_it() -> N
     lease.step("capture", capture)
     assert seen == [("step:capture", "step:capture")]
     assert checkpoint_of(lease.pk) == ""
+    assert JobAttempt.objects.get(job_ref=lease.pk).checkpoint == ""
     # A checkpoint the handler set itself stays: the job passed its own risky point.
     lease.checkpoint("psp_called")
     lease.step("notify", capture)
-    assert seen[-1] == ("psp_called", "step:notify")
+    assert seen[-1] == ("psp_called", "psp_called")
     assert checkpoint_of(lease.pk) == "psp_called"
+    assert JobAttempt.objects.get(job_ref=lease.pk).checkpoint == "psp_called"
 
 
 @pytest.mark.django_db

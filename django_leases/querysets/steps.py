@@ -18,7 +18,7 @@ from django.db.models.functions import Now
 from django_leases.exceptions import LeaseError, LeaseLost
 from django_leases.limits import STEP_MARKER
 from django_leases.querysets.base import retry_deadlocks
-from django_leases.querysets.ledger import J, ledger_update
+from django_leases.querysets.ledger import J, job_column, ledger_update
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractJobStep
@@ -54,8 +54,9 @@ def recorded_step(
 @retry_deadlocks
 def start_step(qs: LeaseQuerySet[J], pk: int, owner: str, token: int, name: str) -> None:
     """Mark the step `name` of job `pk` as started: its marker goes in the job's checkpoint if
-    that is empty, and in the open attempt's. Refused (`LeaseLost`) once the lease expired, as a
-    checkpoint is: the watcher may already have decided from the checkpoint it read.
+    that is empty (the open attempt's checkpoint follows the job's). Refused (`LeaseLost`) once
+    the lease expired, as a checkpoint is: the watcher may already have decided from the
+    checkpoint it read.
 
     A checkpoint the handler set itself stays: the job passed a risky point of its own, and a
     crash from there on is reviewed whatever step it happened in.
@@ -68,7 +69,7 @@ def start_step(qs: LeaseQuerySet[J], pk: int, owner: str, token: int, name: str)
             empty = When(checkpoint="", then=Value(marker))
             if not live.update(checkpoint=Case(empty, default=F("checkpoint"))):
                 raise qs._lost(pk, token, f"{owner} no longer holds token {token}")
-            ledger_update(qs, [(pk, token)], checkpoint=marker)
+            ledger_update(qs, [(pk, token)], checkpoint=job_column(qs, "checkpoint"))
     except LeaseLost:
         qs.record_fenced(pk, token)
         raise
@@ -78,8 +79,9 @@ def record_step(
     qs: LeaseQuerySet[J], pk: int, owner: str, token: int, attempt: int, name: str, result: Any
 ) -> None:
     """Record the step `name` of job `pk` with `result` (checked JSON), in the current
-    transaction, and take its marker out of the job's checkpoint; raise `LeaseLost` (the
-    transaction must then roll back) if `owner` no longer holds the job under `token`.
+    transaction, and take its marker out of the job's (and the attempt's) checkpoint; raise
+    `LeaseLost` (the transaction must then roll back) if `owner` no longer holds the job under
+    `token`.
     """
     if not connections[qs.db].in_atomic_block:
         raise LeaseError("record_step() must run inside transaction.atomic()")
@@ -91,6 +93,9 @@ def record_step(
     cleared = When(checkpoint=marker, then=Value(""))
     if not qs.held(pk, owner, token).update(checkpoint=Case(cleared, default=F("checkpoint"))):
         raise qs._lost(pk, token, "lease lost; the step is not recorded and its writes roll back")
+    # The attempt's checkpoint follows: a crash from here on is not that step's (the review
+    # policy reads the job's checkpoint, an auditor the attempt's).
+    ledger_update(qs, [(pk, token)], checkpoint=job_column(qs, "checkpoint"))
     # `job` is the concrete step record's foreign key (see AbstractJobStep).
     row: dict[str, Any] = {"job_id": pk, "job_ref": pk, "name": name, "result": result}
     step_model(qs)._default_manager.using(qs.db).create(**row, token=token, attempt=attempt)
