@@ -22,7 +22,7 @@ from django_leases.exceptions import InvalidArgument, LeaseError, LeaseLost, Pay
 from django_leases.lease import Lease, step_key
 from django_leases.models import JobAttempt, JobStep, PaymentJob
 from django_leases.watcher import StuckWatcher
-from tests.testapp.models import Charge
+from tests.testapp.models import Charge, PayoutJob
 
 from .conftest import ON_SQLITE, Processes, read_until, subprocess_env, wait_for
 
@@ -242,6 +242,15 @@ def test_step__a_name_reused_with_another_function_in_one_attempt_is_refused() -
         lease.step("authorize", lambda: "other")
     assert [name for name, *_ in steps_of(lease.pk)] == ["authorize"]
     assert authorize.calls == 1
+
+
+@pytest.mark.django_db
+def test_step__on_a_job_table_without_a_step_record_is_refused_and_writes_nothing() -> None:
+    job = PayoutJob.objects.enqueue("payout.send", recipient="acct-1")
+    (got,) = PayoutJob.objects.claim("w1", ttl=60)
+    with pytest.raises(LeaseError, match="has no step record"):
+        Lease(got, ttl=60).step("send", lambda: "sent")
+    assert PayoutJob.objects.get(pk=job.pk).checkpoint == ""
 
 
 @pytest.mark.django_db(transaction=True)
