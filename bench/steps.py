@@ -1,7 +1,7 @@
 """The cost of a resumable step: statements and time of one `lease.step()` against the same work
 in a plain transaction, and of a recorded step skipped on a later attempt.
 
-    DATABASE_URL=postgres://.../db python bench/steps.py [--steps N]
+    DATABASE_URL=postgres://.../db python -m bench.steps [--steps N]
 
 DATABASE_URL names a database of yours (default: a SQLite file in a temporary directory); the
 script migrates it with the test settings and leaves its rows there. Each case runs `--steps`
@@ -15,16 +15,13 @@ times in this process (one connection, no worker), each step's function insertin
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench._common import in_this_process
+
 PER_JOB = 10
 
 
@@ -91,17 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("DATABASE_URL", f"sqlite:///{tmp}/bench.sqlite3")
-        os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
-        sys.path.insert(0, str(ROOT))
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-
-        call_command("migrate", verbosity=0)
-        measure(args.steps)
+    in_this_process(lambda: measure(args.steps))
 
 
 if __name__ == "__main__":
