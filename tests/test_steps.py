@@ -304,9 +304,18 @@ def test_admin__the_job_page_shows_its_recorded_steps(admin_client: Client) -> N
     lease = claimed()
     lease.step("authorize", lambda: {"auth": "a_77"})
     url = reverse("admin:django_leases_paymentjob_change", args=[lease.pk])
-    html = admin_client.get(url).content.decode()
-    assert "recorded steps" in html.lower()
-    assert "authorize" in html and "a_77" in html
+    response = admin_client.get(url)
+    *_, steps = response.context["inline_admin_formsets"]
+    assert [(f.original.name, f.original.result) for f in steps] == [
+        ("authorize", {"auth": "a_77"})
+    ]
+    html = response.content.decode()
+    assert "recorded steps" in html.lower() and "a_77" in html
+    # A job without recorded steps has no steps inline (and its page no query more).
+    other = claimed("w3", kind="refund")
+    url = reverse("admin:django_leases_paymentjob_change", args=[other.pk])
+    formsets = admin_client.get(url).context["inline_admin_formsets"]
+    assert JobStep not in [formset.formset.model for formset in formsets]
 
 
 @pytest.mark.django_db
