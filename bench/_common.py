@@ -40,6 +40,23 @@ DEFAULT_URLS = {
 }
 
 
+def in_this_process(measure: Callable[[], None]) -> None:
+    """Set Django up in this process with the test settings on DATABASE_URL (default: a SQLite
+    file in a temporary directory), migrate it, and call `measure`: for the scripts that only
+    enqueue, act and read beside workers of their own (release_rule.py, steps.py)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("DATABASE_URL", f"sqlite:///{tmp}/bench.sqlite3")
+        os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+        sys.path.insert(0, str(ROOT))
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)
+        measure()
+
+
 # ---- command line ----------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """The release rule, measured on real workers: how long two jobs of one lock run at once after a
 cancel or a time-out of the first, and how many handlers of a limited kind run at once.
 
-    DATABASE_URL=postgres://.../db python bench/release_rule.py [--runs N]
+    DATABASE_URL=postgres://.../db python -m bench.release_rule [--runs N]
 
 DATABASE_URL names a database of yours (default: a SQLite file in a temporary directory); the
 script migrates it with the test settings (their `spanned` handlers record each run's start and
@@ -25,13 +25,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench._common import ROOT, in_this_process
+
 WORKER = ("--ttl", "5", "--heartbeat", "0.5", "--poll-interval", "0.05", "--concurrency", "4")
 
 
@@ -56,17 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("DATABASE_URL", f"sqlite:///{tmp}/bench.sqlite3")
-        os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
-        sys.path.insert(0, str(ROOT))
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-
-        call_command("migrate", verbosity=0)
-        measure(args.runs)
+    in_this_process(lambda: measure(args.runs))
 
 
 def measure(runs: int) -> None:

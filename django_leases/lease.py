@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 import threading
 import time
@@ -13,8 +15,9 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from asgiref.sync import sync_to_async
 from django.db import transaction
 
-from django_leases.conf import to_seconds
-from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
+from django_leases.conf import leases_settings, to_seconds
+from django_leases.exceptions import Cancelled, InvalidArgument, LeaseError, LeaseLost
+from django_leases.limits import STEP_NAME_LENGTH, check_json, check_json_size, check_text
 from django_leases.querysets import LeaseQuerySet
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 from django_leases.tables import leased_jobs
@@ -106,6 +109,8 @@ class Lease:
         self._lost_reason = ""
         self._cancelled = False
         self._on_cancel: Callable[[], None] | None = None
+        # The function each step of this attempt was run with (`step()`), by name.
+        self._steps: dict[str, Callable[..., Any]] = {}
         # The claim's statement started at or after `renewed_at`, so the database's lease ends
         # no earlier than this deadline.
         self._renewed_until = (self._clock() if renewed_at is None else renewed_at) + self.ttl
@@ -282,13 +287,7 @@ class Lease:
         self.check()
         jobs = self._jobs()
         with ExitStack() as stack:
-            try:
-                stack.enter_context(transaction.atomic(using=jobs.db, durable=True))
-            except RuntimeError:
-                raise LeaseError(
-                    f"job {self.pk}: lease.atomic() cannot run inside another atomic block of "
-                    f"database {jobs.db!r}: the completion would commit or roll back with it"
-                ) from None
+            self._durable(stack, jobs, "lease.atomic()", "the completion")
             self._guard(lambda: jobs.lock_held(self.pk, self.owner, self.token))
             yield
             self._end(lambda: jobs.complete(self.pk, self.owner, self.token))
@@ -298,6 +297,79 @@ class Lease:
         """Call `func` inside `atomic()`: its writes and the completion commit together."""
         with self.atomic():
             return func(*args, **kwargs)
+
+    def _durable(self, stack: ExitStack, jobs: LeaseQuerySet[Any], what: str, write: str) -> None:
+        """Enter a transaction on the job's database in `stack`; raise `LeaseError` inside
+        another atomic block of it: `write` would commit or roll back with that outer block, not
+        here, and the worker could not tell which."""
+        try:
+            stack.enter_context(transaction.atomic(using=jobs.db, durable=True))
+        except RuntimeError:
+            raise LeaseError(
+                f"job {self.pk}: {what} cannot run inside another atomic block of "
+                f"database {jobs.db!r}: {write} would commit or roll back with it"
+            ) from None
+
+    # ---- resumable steps ------------------------------------------------------------------------
+
+    def step_key(self, name: str) -> str:
+        """Return the idempotency key of the step `name` for a payment provider: the same on
+        every attempt of the job (see `step_key()`)."""
+        return step_key(self.job, name)
+
+    def step(self, name: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run `fn(*args, **kwargs)` as the step `name` of the job, unless a run of it was
+        already recorded: then return the recorded result without running `fn`.
+
+        `fn` runs in a transaction on the job's database; its JSON result is recorded in that
+        transaction under this lease's fencing token, so its own writes and the record commit
+        together, or (`LeaseLost` once another holder owns the job) neither does. Before `fn`
+        runs, the step is marked started in the job's checkpoint, refused once the lease expired:
+        a crash before the record leaves the step's outcome ambiguous, and the kind's stuck
+        policy (retry, or review and its reconcile hook) applies to it. The record takes the
+        mark off again. Returns the result as recorded (JSON: a tuple comes back a list).
+
+        Raises `InvalidArgument` (nothing written, `fn` not run) for a name that is not a string
+        of 1 to STEP_NAME_LENGTH characters or that this attempt already ran with another
+        function, and (after `fn` ran; its writes roll back) for a result that is not JSON or
+        is larger than MAX_PAYLOAD_BYTES.
+        """
+        check_text(name, "step name", STEP_NAME_LENGTH)
+        if not callable(fn) or inspect.iscoroutinefunction(fn):
+            raise InvalidArgument(
+                f"step {name!r}: fn must be a plain function (it runs in a transaction), got {fn!r}"
+            )
+        earlier = self._steps.setdefault(name, fn)
+        if earlier != fn:
+            raise InvalidArgument(
+                f"job {self.pk}: step {name!r} already ran in this attempt with {earlier!r}, "
+                f"not {fn!r}: give each step its own name"
+            )
+        self.check()
+        jobs = self._jobs()
+        done, recorded = self._guard(
+            lambda: jobs.recorded_step(self.pk, self.owner, self.token, name)
+        )
+        if done:
+            return recorded
+        self._guard(lambda: jobs.start_step(self.pk, self.owner, self.token, name))
+        try:
+            with ExitStack() as stack:
+                self._durable(stack, jobs, f"lease.step({name!r})", "its record")
+                result = fn(*args, **kwargs)
+                what = f"result of step {name!r}"
+                check_json(result, what)
+                check_json_size(result, what, leases_settings.MAX_PAYLOAD_BYTES)
+                self._guard(
+                    lambda: jobs.record_step(
+                        self.pk, self.owner, self.token, self.attempt, name, result
+                    )
+                )
+        except LeaseLost:
+            # After the rollback: the refusal is noted on the attempt, not rolled back with it.
+            jobs.record_fenced(self.pk, self.token)
+            raise
+        return json.loads(json.dumps(result))
 
     # ---- from async handlers ------------------------------------------------------------------
     # Each runs the synchronous method on the worker's slot thread (thread-sensitive
@@ -334,6 +406,10 @@ class Lease:
         """
         return await sync_to_async(self.run_atomic)(func, *args, **kwargs)
 
+    async def astep(self, name: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run the synchronous `fn` as the step `name` on the slot thread (see `step()`)."""
+        return await sync_to_async(self.step)(name, fn, *args, **kwargs)
+
     def _end(self, write: Callable[[], R]) -> R:
         """Make `write`, the attempt's outcome (`ending` meanwhile), as `_guard()` does."""
         self.ending = True
@@ -345,3 +421,10 @@ class Lease:
         except LeaseLost as exc:
             self.mark_lost(str(exc), cancelled=isinstance(exc, Cancelled))
             raise
+
+
+def step_key(job: AbstractLeasedJob, name: str) -> str:
+    """Return the idempotency key of the step `name` of `job` for a payment provider, e.g.
+    "django_leases.paymentjob:42:capture": the same on every attempt, so that the provider
+    answers a repeated call with its first answer. A reconcile hook asks the provider by it."""
+    return f"{job._meta.label_lower}:{job.pk}:{name}"

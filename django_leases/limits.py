@@ -92,6 +92,9 @@ PAYMENT_ID_LENGTH = 64
 IDEMPOTENCY_KEY_LENGTH = 255
 LOCK_LENGTH = 255
 CHECKPOINT_LENGTH = 100
+# A step's name; its marker in the job's checkpoint is STEP_MARKER + name (CHECKPOINT_LENGTH).
+STEP_NAME_LENGTH = 64
+STEP_MARKER = "step:"
 
 # JSON: MariaDB's JSON_VALID (the CHECK of its JSON columns) refuses 32 levels of nesting;
 # MySQL's JSON type keeps integers of 64 bits exactly.

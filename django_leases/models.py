@@ -10,6 +10,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_leases.constraints import UniqueWhenSet
 from django_leases.coordination import KindGate, KindStart, ScheduleState, Worker
+from django_leases.limits import STEP_NAME_LENGTH
 from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet
 from django_leases.querysets.payments import PaymentJobQuerySet
@@ -24,6 +25,7 @@ __all__ = [
     "AbstractJobAttempt",
     "AbstractLeasedJob",
     "AbstractJobEvent",
+    "AbstractJobStep",
     "AttemptOutcome",
     "EventAction",
     "attempt_constraints",
@@ -31,11 +33,13 @@ __all__ = [
     "JobAttempt",
     "JobEvent",
     "JobStatus",
+    "JobStep",
     "KindGate",
     "KindStart",
     "lease_constraints",
     "lease_indexes",
     "PaymentJob",
+    "step_constraints",
     "ScheduleState",
     "Worker",
 ]
@@ -112,6 +116,8 @@ class AbstractLeasedJob(models.Model):
     attempt_model: ClassVar[str | None] = None
     # The concrete operator event log (an `AbstractJobEvent` subclass), or None for none.
     event_model: ClassVar[str | None] = None
+    # The concrete step record (an `AbstractJobStep` subclass) `lease.step()` writes, or None.
+    step_model: ClassVar[str | None] = None
     # The columns of the lease, which `enqueue(**fields)` never sets: set below, from `_meta`.
     lease_fields: ClassVar[frozenset[str]]
 
@@ -223,6 +229,7 @@ class PaymentJob(AbstractLeasedJob):
 
     attempt_model: ClassVar[str | None] = "django_leases.JobAttempt"
     event_model: ClassVar[str | None] = "django_leases.JobEvent"
+    step_model: ClassVar[str | None] = "django_leases.JobStep"
 
     class Meta:
         verbose_name = _("payment job")
@@ -382,3 +389,48 @@ class JobEvent(AbstractJobEvent):
         verbose_name_plural = _("job events")
         ordering = ["-id"]
         indexes = [models.Index(fields=["job_ref", "at"], name="dl_event_job_idx")]
+
+
+class AbstractJobStep(models.Model):
+    """One row per step a handler recorded with `lease.step()`: append-only, never updated.
+
+    A concrete step record adds a nullable foreign key named `job` to its job table.
+    """
+
+    # The job's id, kept when the job itself is pruned and `job` becomes NULL.
+    job_ref = models.BigIntegerField(_("job id"))
+    name = models.CharField(_("step"), max_length=STEP_NAME_LENGTH)
+    result = models.JSONField(_("result"), null=True, blank=True)
+    token = models.PositiveBigIntegerField(
+        _("fencing token"), help_text=_("The token of the lease the step was recorded under.")
+    )
+    attempt = models.PositiveIntegerField(_("attempt"))
+    recorded_at = models.DateTimeField(_("recorded at"), db_default=Now())
+
+    class Meta:
+        abstract = True
+
+    def __str__(self) -> str:
+        return f"job {self.job_ref} step {self.name!r} (attempt {self.attempt})"
+
+
+def step_constraints(prefix: str) -> list[models.BaseConstraint]:
+    # A step is recorded once per job: a later attempt finds it and does not run it again.
+    return [models.UniqueConstraint(fields=["job_ref", "name"], name=f"{prefix}_job_name_uniq")]
+
+
+class JobStep(AbstractJobStep):
+    # SET_NULL, like the ledger: prune_jobs with PRUNE_LEDGER = False keeps the steps.
+    job = models.ForeignKey(
+        PaymentJob,
+        verbose_name=_("job"),
+        null=True,
+        on_delete=models.SET_NULL,
+        related_name="step_log",
+    )
+
+    class Meta:
+        verbose_name = _("job step")
+        verbose_name_plural = _("job steps")
+        ordering = ["job_ref", "id"]
+        constraints = step_constraints("dl_step")

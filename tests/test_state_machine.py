@@ -68,6 +68,13 @@ jobs of the kind processing at once, across every worker" holds:
     acknowledgement (`holder_returns`), or the watcher once the lease expired, ends it. Only a
     forced requeue or failure takes a running job's lock on purpose (it fences its holder).
 
+18. A recorded step is never run again and a fenced-out holder records nothing: a step runs
+    and is recorded exactly while its holder holds the job with a live lease (its result, its
+    token and attempt); a step recorded before is returned, not run; every recorded step was
+    recorded under a token that acquired its job, within that attempt, once per (job, name),
+    and never changes. A step that started and did not record leaves its marker in the job's
+    checkpoint (unless one was set), which the review policy reads as any other checkpoint.
+
 17. An error text of adversarial length (a megabyte a PostgreSQL error quotes, runs of what the
     redactor's patterns loop on) is recorded, cut to MAX_ERROR_LENGTH and redacted, on the job
     and on its attempt's row, and its failure follows the same rules as any other.
@@ -137,7 +144,14 @@ from django_leases.exceptions import Cancelled, IdempotencyKeyReused, LeaseLost
 from django_leases.handlers import unregister
 from django_leases.lease import Lease, Presence
 from django_leases.limits import MAX_ERROR_LENGTH
-from django_leases.models import JobAttempt, JobEvent, PaymentJob, ScheduleState, Worker
+from django_leases.models import (
+    JobAttempt,
+    JobEvent,
+    JobStep,
+    PaymentJob,
+    ScheduleState,
+    Worker,
+)
 from django_leases.querysets.claims import failures_of
 from django_leases.querysets.schedules import Series
 from django_leases.schedules import Schedule, configured, database_now, enqueue_due
@@ -232,6 +246,15 @@ ERRORS: tuple[BaseException, ...] = (
     DataError(f"refused {CARD}" + "\n \t" * 333_000),
 )
 
+# The steps a holder runs (`lease.step()`), and what a step's function raises when its worker
+# "crashes" after the provider answered.
+STEP_NAMES = st.sampled_from(["authorize", "capture"])
+
+
+class StepInterruptedError(Exception):
+    """A step's function stopped after the provider's answer, before the step's record."""
+
+
 EXAMPLES = int(os.environ.get("LEASES_STATE_MACHINE_EXAMPLES", "0"))
 STEPS = int(os.environ.get("LEASES_STATE_MACHINE_STEPS", "40"))
 
@@ -267,6 +290,7 @@ JOBS = Snapshot(
 )
 LEDGER = Snapshot(JobAttempt.objects.order_by("id").values())
 EVENTS = Snapshot(JobEvent.objects.order_by("id").values())
+STEP_ROWS = Snapshot(JobStep.objects.order_by("id").values())
 
 
 def job_rows() -> dict[int, dict[str, Any]]:
@@ -287,6 +311,14 @@ def ledger_rows() -> dict[int, dict[str, Any]]:
 
 def event_rows() -> dict[int, dict[str, Any]]:
     return {row["id"]: row for row in EVENTS()}
+
+
+def step_rows() -> dict[tuple[int, str], dict[str, Any]]:
+    """Every recorded step, by (job id, step name)."""
+    rows = STEP_ROWS()
+    steps = {(row["job_ref"], row["name"]): row for row in rows}
+    assert len(steps) == len(rows), f"a step recorded twice: {rows}"
+    return steps
 
 
 def ever_held(owner: str) -> list[tuple[int, int]]:
@@ -466,6 +498,7 @@ class LeaseMachine(RuleBasedStateMachine):
         # Each example starts from empty tables: examples never see each other's rows.
         JobAttempt.objects.all().delete()
         JobEvent.objects.all().delete()
+        JobStep.objects.all().delete()
         PaymentJob.objects.all().delete()
         Worker.objects.all().delete()
         self.acquisitions: Counter[int] = Counter()
@@ -476,6 +509,10 @@ class LeaseMachine(RuleBasedStateMachine):
         self.standby: tuple[list[dict], list[dict], list[dict], dict[str, Any]] | None = None
         self.closed: dict[int, dict[str, Any]] = {}
         self.events: dict[int, dict[str, Any]] = {}
+        # The recorded steps as the last step read them (18: they never change), and those the
+        # standby had replayed at `standby_replays`.
+        self.steps: dict[tuple[int, str], dict[str, Any]] = {}
+        self.standby_steps: list[dict[str, Any]] = []
         # (job id, token) of attempts whose holder's own write ended them.
         self.finished_by_holder: set[tuple[int, int]] = set()
         # Expired leases a watcher read and decided on, not yet written back.
@@ -777,6 +814,7 @@ class LeaseMachine(RuleBasedStateMachine):
             list(JobEvent.objects.order_by("pk").values()),
             {name: copy.deepcopy(getattr(self, name)) for name in self.FOLLOWS_THE_DATABASE},
         )
+        self.standby_steps = list(JobStep.objects.order_by("pk").values())
 
     @precondition(
         lambda self: (
@@ -798,10 +836,12 @@ class LeaseMachine(RuleBasedStateMachine):
         jobs, attempts, events, model = self.standby
         JobAttempt.objects.all().delete()
         JobEvent.objects.all().delete()
+        JobStep.objects.all().delete()
         PaymentJob.objects.all().delete()
         PaymentJob.objects.bulk_create(PaymentJob(**row) for row in jobs)
         JobAttempt.objects.bulk_create(JobAttempt(**row) for row in attempts)
         JobEvent.objects.bulk_create(JobEvent(**row) for row in events)
+        JobStep.objects.bulk_create(JobStep(**row) for row in self.standby_steps)
         for name, value in model.items():
             setattr(self, name, copy.deepcopy(value))
         # A handler whose acquisition was lost runs on unseen: the known caveat of a failover
@@ -816,6 +856,7 @@ class LeaseMachine(RuleBasedStateMachine):
         ledger = ledger_rows()
         self.closed = {pk: row for pk, row in ledger.items() if row["ended_at"] is not None}
         self.events = event_rows()
+        self.steps = step_rows()
         newest = max((token for tokens in self.issued.values() for token in tokens), default=0)
         while database_micros() <= newest:
             time.sleep(0.001)
@@ -903,6 +944,82 @@ class LeaseMachine(RuleBasedStateMachine):
         if (row := job_rows()[lease.pk])["checkpoint"] == step and held(row, lease):
             open_row = JobAttempt.objects.get(job_ref=lease.pk, token=lease.lease_token)
             assert open_row.checkpoint == step
+
+    @rule(lease=leases, name=STEP_NAMES)
+    def step(self, lease: PaymentJob, name: str) -> None:
+        """18. The holder runs the step `name`: recorded once while it holds the live lease,
+        returned (not run) if recorded before, refused (nothing run) once the lease is lost."""
+        before, steps = job_rows()[lease.pk], step_rows()
+        runs: list[str] = []
+
+        def call_the_provider() -> dict[str, Any]:
+            runs.append(name)
+            return {"step": name, "token": lease.lease_token}
+
+        result = self._holder_write(
+            lease,
+            "step",
+            True,
+            lambda: Lease(lease, ttl=TTL).step(name, call_the_provider),
+            ends=False,
+        )
+        if not (held(before, lease) and before["live"]):
+            assert not runs, f"a fenced-out holder ran step {name!r} of job {lease.pk}"
+            return
+        earlier = steps.get((lease.pk, name))
+        if earlier is not None:
+            assert not runs, f"step {name!r} of job {lease.pk} ran again"
+            assert result == earlier["result"]
+            assert stored(job_rows())[lease.pk] == stored({lease.pk: before})[lease.pk]
+            return
+        assert runs == [name] and result == {"step": name, "token": lease.lease_token}
+        row = step_rows()[(lease.pk, name)]
+        assert (row["token"], row["attempt"], row["result"]) == (
+            lease.lease_token,
+            lease.attempts,
+            result,
+        )
+        self.assert_checkpoint_after_step(lease, before["checkpoint"], name, recorded=True)
+
+    @rule(lease=leases, name=STEP_NAMES)
+    def step_interrupted(self, lease: PaymentJob, name: str) -> None:
+        """18. The step's function raises after the provider answered (a crash before the
+        record): nothing recorded, the step's marker left for the review policy."""
+        before, steps = job_rows()[lease.pk], step_rows()
+
+        def answered_then_crashed() -> None:
+            raise StepInterruptedError(name)
+
+        def run() -> Any:
+            try:
+                return Lease(lease, ttl=TTL).step(name, answered_then_crashed)
+            except StepInterruptedError:
+                return StepInterruptedError
+
+        result = self._holder_write(lease, "step", True, run, ends=False)
+        if not (held(before, lease) and before["live"]):
+            return
+        earlier = steps.get((lease.pk, name))
+        if earlier is not None:
+            assert result == earlier["result"], f"step {name!r} of job {lease.pk} ran again"
+            return
+        assert result is StepInterruptedError
+        assert step_rows() == steps, f"an interrupted step {name!r} was recorded"
+        self.assert_checkpoint_after_step(lease, before["checkpoint"], name, recorded=False)
+
+    def assert_checkpoint_after_step(
+        self, lease: PaymentJob, checkpoint: str, name: str, *, recorded: bool
+    ) -> None:
+        """The job's checkpoint after its holder's step `name`, from the one before: the step's
+        marker while it is not recorded, unless a checkpoint was there; the attempt's follows."""
+        marker = f"step:{name}"
+        expected = checkpoint or marker
+        if recorded and expected == marker:
+            expected = ""
+        after = job_rows()[lease.pk]["checkpoint"]
+        assert after == expected, f"job {lease.pk}: checkpoint {checkpoint!r} -> {after!r}"
+        attempt = JobAttempt.objects.get(job_ref=lease.pk, token=lease.lease_token)
+        assert attempt.checkpoint == expected
 
     @rule(lease=leases)
     def complete(self, lease: PaymentJob) -> None:
@@ -1337,6 +1454,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.a_limited_kind_never_runs_past_its_limit(jobs)
         self.an_execution_releases_what_it_held_only_when_it_ends(jobs)
         self.closed_ledger_rows_never_change(ledger)
+        self.recorded_steps_were_held_and_never_change(ledger)
 
     def ledger_and_jobs_agree(
         self, jobs: dict[int, dict[str, Any]], ledger: dict[int, dict[str, Any]]
@@ -1471,6 +1589,23 @@ class LeaseMachine(RuleBasedStateMachine):
             f"{LIMITED_KIND!r}: handlers of jobs {sorted(running)} run and jobs "
             f"{sorted(others)} hold live leases, limit {LIMIT}"
         )
+
+    def recorded_steps_were_held_and_never_change(self, ledger: dict[int, dict[str, Any]]) -> None:
+        # 18. Each step recorded once, under a token that acquired its job, within that
+        # attempt (between its claim and its end, by the database clock); never changed.
+        attempts = {(row["job_ref"], row["token"]): row for row in ledger.values()}
+        steps = step_rows()
+        for (pk, name), step in steps.items():
+            attempt = attempts.get((pk, step["token"]))
+            assert attempt is not None, f"step {name!r} of job {pk} under a token never issued"
+            assert step["attempt"] == attempt["attempt"]
+            assert attempt["claimed_at"] <= step["recorded_at"]
+            assert attempt["ended_at"] is None or step["recorded_at"] <= attempt["ended_at"], (
+                f"step {name!r} of job {pk} recorded after its attempt ended"
+            )
+        for key, old in self.steps.items():
+            assert steps.get(key) == old, f"recorded step {key} changed or went"
+        self.steps = steps
 
     def closed_ledger_rows_never_change(self, ledger: dict[int, dict[str, Any]]) -> None:
         # 4. Append-only: compare every row closed at an earlier step with what it is now.

@@ -35,12 +35,17 @@ from django_leases.admin.filters import (
     TimeFilter,
 )
 from django_leases.admin.forms import LeasedJobForm
-from django_leases.admin.ledger import AttemptInline, EventInline
+from django_leases.admin.ledger import AttemptInline, EventInline, RecordedStepsMixin, step_inline
 from django_leases.admin.mixins import IndexedSearchMixin, OfferedFiltersMixin, job_id
 from django_leases.admin.overview import OverviewMixin
 from django_leases.conf import leases_settings
 from django_leases.handlers import near_window
-from django_leases.models import AbstractJobAttempt, AbstractJobEvent, PaymentJob
+from django_leases.models import (
+    AbstractJobAttempt,
+    AbstractJobEvent,
+    AbstractLeasedJob,
+    PaymentJob,
+)
 from django_leases.querysets import LeaseQuerySet
 from django_leases.status import (
     CANCELLED,
@@ -90,7 +95,9 @@ class JobChangeList(CountingChangeList):
         return super().get_queryset(request, exclude_parameters).defer("payload", "result")
 
 
-class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, admin.ModelAdmin):
+class LeasedJobAdmin(
+    RecordedStepsMixin, OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, admin.ModelAdmin
+):
     """The admin of a job table: register it for your own `AbstractLeasedJob` model.
 
     Lease filters and columns, the operator actions, the attempt ledger inline (the model's
@@ -201,7 +208,8 @@ class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, adm
         return CountingPaginator(queryset, per_page, orphans, allow_empty_first_page, limit=limit)
 
     def get_inlines(self, request: HttpRequest, obj: Any) -> list[type[InlineModelAdmin[Any, Any]]]:
-        """The model's attempt ledger and operator events, where it has them."""
+        """The model's attempt ledger and operator events, where it has them, and the job's
+        recorded steps, if it has any (`RecordedStepsMixin`)."""
         ledger = ledger_model(self.model)
         inlines: list[type[InlineModelAdmin[Any, Any]]] = []
         if ledger is not None:
@@ -209,6 +217,8 @@ class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, adm
         if self.model.event_model:
             events = cast(type[AbstractJobEvent], apps.get_model(self.model.event_model))
             inlines.append(event_inline(events, self.using))
+        if getattr(obj, "has_recorded_steps", False):
+            inlines.append(step_inline(cast(type[AbstractLeasedJob], self.model), self.using))
         return inlines
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:

@@ -1,12 +1,16 @@
-"""The attempt ledger and the operator events: read-only, inline on each job; the ledger also as
-its own list."""
+"""The attempt ledger, the operator events and the recorded steps: read-only, inline on each job;
+the ledger also as its own list."""
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
+from django.apps import apps
 from django.contrib import admin
-from django.db.models import QuerySet
+from django.core.exceptions import ValidationError
+from django.db.models import Exists, OuterRef, QuerySet
+from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
@@ -20,7 +24,7 @@ from django_leases.admin.mixins import (
     ReadOnlyMixin,
     job_id,
 )
-from django_leases.models import JobAttempt, JobEvent
+from django_leases.models import AbstractLeasedJob, JobAttempt, JobEvent, JobStep
 
 
 class AttemptInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
@@ -62,6 +66,48 @@ class EventInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
     fields = readonly_fields = ("at", "action", "by", "attempts", "token", "reason")
     ordering = ("-id",)
     extra = 0
+
+
+class StepInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
+    """The steps the job's handler recorded (`lease.step()`), in the order they were recorded,
+    each with the attempt and fencing token it was recorded under."""
+
+    model = JobStep
+    fk_name = "job"
+    verbose_name = _("recorded step")
+    verbose_name_plural = _("recorded steps (in order)")
+    fields = readonly_fields = ("name", "attempt", "token", "recorded_at", "result")
+    ordering = ("id",)
+    extra = 0
+
+
+@cache
+def step_inline(jobs: type[AbstractLeasedJob], using: str | None) -> type[StepInline]:
+    """Return the recorded steps inline of the job table `jobs` (its `step_model`) on database
+    `using` (one class for each)."""
+    steps = apps.get_model(jobs.step_model or "")
+    return type(f"{steps.__name__}Inline", (StepInline,), {"model": steps, "using": using})
+
+
+class RecordedStepsMixin:
+    """Read with the job whether it has recorded steps (`has_recorded_steps`, an EXISTS in the
+    same query), so that the steps inline is offered on the page of a job that has some, and
+    the page of any other job costs no query (and its form no inline) more."""
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> Any:
+        # ModelAdmin.get_object(), with the EXISTS beside the job's columns.
+        jobs: QuerySet[Any] = self.get_queryset(request)  # type: ignore[attr-defined]
+        model = jobs.model
+        if model.step_model:
+            steps = apps.get_model(model.step_model)._default_manager.filter(job_ref=OuterRef("pk"))
+            jobs = jobs.annotate(has_recorded_steps=Exists(steps))
+        field = model._meta.pk if from_field is None else model._meta.get_field(from_field)
+        try:
+            return jobs.get(**{field.name: field.to_python(object_id)})
+        except (model.DoesNotExist, ValidationError, ValueError):
+            return None
 
 
 @admin.register(JobAttempt)

@@ -19,14 +19,14 @@ from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Now
 
 from django_leases.conf import leases_settings, to_seconds
-from django_leases.exceptions import Cancelled, LeaseError, LeaseLost
+from django_leases.exceptions import LeaseError, LeaseLost
 from django_leases.handlers import lease_lengths_of
 from django_leases.limits import (
     CHECKPOINT_LENGTH,
     check_json_size,
     check_text,
 )
-from django_leases.querysets import acks, base, claims, endings, ledger, operators
+from django_leases.querysets import acks, base, claims, endings, ledger, operators, steps
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -114,6 +114,12 @@ class LeaseQuerySet(LeaseReads[J]):
     attempt_rows = ledger.attempt_rows
     finished_by = writes(ledger.finished_by)
     record_fenced = writes(ledger.record_fenced)
+
+    # ---- resumable steps (steps.py) -------------------------------------------------------------
+
+    recorded_step = writes(steps.recorded_step)
+    start_step = writes(steps.start_step)
+    record_step = writes(steps.record_step)
 
     # ---- holder writes ----------------------------------------------------------------------
 
@@ -329,7 +335,4 @@ class LeaseQuerySet(LeaseReads[J]):
     def _lost(self, pk: int, token: int, why: str) -> LeaseLost:
         """Return the error of a refused holder write: `Cancelled` if an operator's cancel
         ended that lease, else `LeaseLost`."""
-        by = self.cancelled_leases([(pk, token)]).get((pk, token))
-        if by is not None:
-            return Cancelled(f"job {pk}: cancelled by {by}")
-        return LeaseLost(f"job {pk}: {why}")
+        return operators.refused(self, pk, token, why)

@@ -18,6 +18,7 @@ from django.db.models import Case, F, Q, Value, When
 from django.db.models.functions import Greatest, Now
 
 from django_leases.conf import to_seconds
+from django_leases.exceptions import Cancelled, LeaseLost
 from django_leases.querysets.base import (
     JOB_KEY,
     LEDGER_KEY,
@@ -223,6 +224,15 @@ def cancel(
         values, by, AttemptOutcome.CANCELLED, releases=~keeps, reason=reason, stops=True
     )
     return operator_write(qs, eligible, ending, event=EventAction.CANCELLED, reason=reason)
+
+
+def refused(qs: LeaseReads[J], pk: int, token: int, why: str) -> LeaseLost:
+    """Return the error of a refused holder write: `Cancelled` if an operator's cancel ended
+    that lease, else `LeaseLost`."""
+    by = cancelled_leases(qs, [(pk, token)]).get((pk, token))
+    if by is not None:
+        return Cancelled(f"job {pk}: cancelled by {by}")
+    return LeaseLost(f"job {pk}: {why}")
 
 
 def cancelled_leases(qs: LeaseReads[J], leases: Iterable[LeaseKey]) -> dict[LeaseKey, str]:

@@ -62,8 +62,9 @@ def prune(
 
     Each batch reads at most `batch_size` ids by the `(status, completed_at)` index, then
     deletes them in one transaction with one DELETE that restates the whole precondition,
-    so a job requeued meanwhile stays. Its attempt ledger goes with it, unless `keep_ledger`:
-    then the ledger rows stay, with `job` set to NULL and `job_ref` still naming the job.
+    so a job requeued meanwhile stays. Its attempt ledger (and its operator events and recorded
+    steps) goes with it, unless `keep_ledger`: then the ledger rows stay, with `job` set to NULL
+    and `job_ref` still naming the job.
     Pending, processing and under-review jobs are never touched. No delete signals are sent,
     as with `update()`.
 
@@ -115,14 +116,16 @@ def prune_batch(
             # `job` is the concrete ledger's foreign key (see AbstractJobAttempt).
             detach = {"job_id": None}
             attempts = rows.update(**detach) if keep_ledger else rows._raw_delete(qs.db)
-        if qs.model.event_model:
-            # The operator events follow the ledger: deleted, or kept detached.
-            events = apps.get_model(qs.model.event_model).objects.using(qs.db)
-            events = events.filter(job_ref__in=batch.values("pk"))
-            if keep_ledger:
-                events.update(job_id=None)
-            else:
-                events._raw_delete(qs.db)
+        # The operator events and the recorded steps follow the ledger: deleted, or kept
+        # detached.
+        for label in (qs.model.event_model, qs.model.step_model):
+            if label:
+                beside = apps.get_model(label).objects.using(qs.db)
+                beside = beside.filter(job_ref__in=batch.values("pk"))
+                if keep_ledger:
+                    beside.update(job_id=None)
+                else:
+                    beside._raw_delete(qs.db)
         # _raw_delete: ONE statement for the whole batch. QuerySet.delete() would collect
         # the ledger's SET_NULL relation and delete in chunks of 100 ids.
         jobs = batch._raw_delete(qs.db)

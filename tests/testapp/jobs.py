@@ -376,3 +376,30 @@ def atomic_batch(job, lease):
 def sleep_batch(job, lease):
     """Sleep as long as the payload says, then return: the worker buffers the completion."""
     time.sleep(duration(job, lease))
+
+
+STEPS = ("authorize", "capture", "notify")
+
+
+def provider_call(job, lease, name: str) -> dict:
+    """One step's work: a call to the provider (a line in the file `payload["log"]`, outside the
+    database, as the provider's own books), then a Charge written in the step's transaction. On
+    the first attempt, sleeps `payload["seconds"]` after the call if it is step
+    `payload["pause_in"]`: a crash or a pause then falls between the answer and the record."""
+    key = lease.step_key(name)
+    with open(job.payload["log"], "a") as log:
+        log.write(f"{name} {key} {lease.token}\n")
+    if lease.attempt == 1 and job.payload.get("pause_in") == name:
+        time.sleep(float(job.payload["seconds"]))
+    Charge.objects.create(job_ref=job.pk, token=lease.token, owner=name)
+    return {"step": name, "key": key, "token": lease.token}
+
+
+@job_handler("stepped")
+def stepped(job, lease):
+    """authorize -> capture -> notify as resumable steps; on the first attempt, sleeps
+    `payload["seconds"]` after the step `payload["pause_after"]` is recorded."""
+    for name in STEPS:
+        lease.step(name, provider_call, job, lease, name)
+        if lease.attempt == 1 and job.payload.get("pause_after") == name:
+            time.sleep(float(job.payload["seconds"]))
