@@ -45,12 +45,12 @@ from django_leases.querysets.base import (
     retry_deadlocks,
 )
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
+from django_leases.querysets.pauses import paused_table
 from django_leases.querysets.reads import takeover_guard_of
-from django_leases.querysets.throttles import claim_throttled, kind_gates
+from django_leases.querysets.throttles import claim_throttled, kind_gates, throttles_of
 from django_leases.sql import merge
 from django_leases.sql.postgresql import LedgerNames
 from django_leases.status import PROCESSING, StuckPolicy
-from django_leases.throttles import Throttle
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
@@ -102,17 +102,22 @@ def claim(
     (choose with `kinds=`, or one job with `claim_job(pk)`).
     """
     seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
+    # Paused kinds are left out (one paused later: `pauses.paused_now()`, as a job starts).
+    paused = frozenset(paused_table(qs.model, qs.db).values_list("kind", flat=True))
+    kinds = None if kinds is None else [kind for kind in kinds if kind not in paused]
     if kinds == []:
         return []
-    throttled = throttles_of(kinds) if throttles() else {}
+    throttled = throttles_of(kinds, paused) if throttles() else {}
     path = claim_route(qs.model, qs.db).path
     if not throttled:
-        return claim_by_path(qs, owner, seconds, limit, kinds, path)
+        wanted = AllBut(sorted(paused)) if paused and kinds is None else kinds
+        return claim_by_path(qs, owner, seconds, limit, wanted, path)
     claimed: Claimed[J] = Claimed()
     for kind, throttle in throttled.items():
         take = partial(claim_by_path, qs, owner, seconds, kinds=[kind], path=path, atomic=False)
         claimed.part(qs, kind, limit, partial(claim_throttled, qs, kind, throttle, take=take))
-    rest: Wanted = AllBut(throttled) if kinds is None else [k for k in kinds if k not in throttled]
+    skip = {*throttled, *paused}
+    rest: Wanted = AllBut(sorted(skip)) if kinds is None else [k for k in kinds if k not in skip]
     if rest != []:
         take_rest = partial(claim_by_path, qs, owner, seconds, kinds=rest, path=path)
         claimed.part(qs, None, limit, take_rest)
@@ -176,15 +181,6 @@ def failures_of(jobs: list[Any]) -> list[PartFailed]:
     return jobs.failures if isinstance(jobs, Claimed) else []
 
 
-def throttles_of(kinds: list[str] | None) -> dict[str, Throttle]:
-    """Return the throttles of `kinds` (None: every kind), in the order claims lock them."""
-    known = throttles()
-    if not known:
-        return {}
-    wanted = sorted(known) if kinds is None else sorted(set(kinds) & known.keys())
-    return {kind: known[kind] for kind in wanted}
-
-
 def complete_and_claim(
     qs: LeaseQuerySet[J],
     owner: str,
@@ -204,12 +200,15 @@ def complete_and_claim(
     short. Elsewhere it is those two transactions, the completions committed first.
     """
     seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
-    if claim_path(qs) != "postgresql+ledger" or kinds == [] or throttles_of(kinds):
+    paused = frozenset(paused_table(qs.model, qs.db).values_list("kind", flat=True))
+    kinds = None if kinds is None else [kind for kind in kinds if kind not in paused]
+    if claim_path(qs) != "postgresql+ledger" or kinds == [] or throttles_of(kinds, paused):
         return qs.complete_many(owner, leases), qs.claim(
             owner, ttl=seconds, limit=limit, kinds=kinds
         )
     keys = lease_keys(leases)
-    won, jobs = complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds)
+    wanted = AllBut(sorted(paused)) if paused and kinds is None else kinds
+    won, jobs = complete_and_claim_at_once(qs, owner, keys, seconds, limit, wanted)
     left = [key for key in keys if key not in won]
     passed = complete_locked(qs, owner, left) if left else set()
     if passed and len(jobs) < limit:
@@ -227,7 +226,7 @@ def complete_and_claim_at_once(
     keys: list[LeaseKey],
     seconds: float,
     limit: int,
-    kinds: list[str] | None,
+    kinds: Wanted,
 ) -> tuple[set[LeaseKey], list[J]]:
     completing = ([pk for pk, _ in keys], [token for _, token in keys])
     rows = raw_claim(qs, owner, seconds, limit, kinds, ledger=True, completing=completing)
