@@ -45,7 +45,7 @@ from django_leases.querysets.base import (
     retry_deadlocks,
 )
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
-from django_leases.querysets.pauses import paused_table
+from django_leases.querysets.pauses import paused_clause, paused_rows
 from django_leases.querysets.reads import takeover_guard_of
 from django_leases.querysets.throttles import claim_throttled, kind_gates, throttles_of
 from django_leases.sql import merge
@@ -67,11 +67,11 @@ Wanted = list[str] | AllBut | None
 """The kinds a claim takes: these, every kind but some, or every kind (None)."""
 
 
-def kinds_filter(kinds: Wanted) -> tuple[str, sql.Params]:
-    """Return the claim's fragment of `kinds` (`sql.kinds_filter()`)."""
+def kinds_filter(kinds: Wanted, paused: str) -> tuple[str, sql.Params]:
+    """Return the claim's fragment of `kinds` (`sql.kinds_filter()`), paused kinds left out."""
     if isinstance(kinds, AllBut):
-        return sql.kinds_filter(None, excluded=kinds)
-    return sql.kinds_filter(kinds)
+        return sql.kinds_filter(None, excluded=kinds, paused=paused)
+    return sql.kinds_filter(kinds, paused=paused)
 
 
 def lengths_of(seconds: float, kinds: Wanted) -> Lengths:
@@ -102,22 +102,17 @@ def claim(
     (choose with `kinds=`, or one job with `claim_job(pk)`).
     """
     seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
-    # Paused kinds are left out (one paused later: `pauses.paused_now()`, as a job starts).
-    paused = frozenset(paused_table(qs.model, qs.db).values_list("kind", flat=True))
-    kinds = None if kinds is None else [kind for kind in kinds if kind not in paused]
     if kinds == []:
         return []
-    throttled = throttles_of(kinds, paused) if throttles() else {}
+    throttled = throttles_of(kinds) if throttles() else {}
     path = claim_route(qs.model, qs.db).path
     if not throttled:
-        wanted = AllBut(sorted(paused)) if paused and kinds is None else kinds
-        return claim_by_path(qs, owner, seconds, limit, wanted, path)
+        return claim_by_path(qs, owner, seconds, limit, kinds, path)
     claimed: Claimed[J] = Claimed()
     for kind, throttle in throttled.items():
         take = partial(claim_by_path, qs, owner, seconds, kinds=[kind], path=path, atomic=False)
         claimed.part(qs, kind, limit, partial(claim_throttled, qs, kind, throttle, take=take))
-    skip = {*throttled, *paused}
-    rest: Wanted = AllBut(sorted(skip)) if kinds is None else [k for k in kinds if k not in skip]
+    rest: Wanted = AllBut(throttled) if kinds is None else [k for k in kinds if k not in throttled]
     if rest != []:
         take_rest = partial(claim_by_path, qs, owner, seconds, kinds=rest, path=path)
         claimed.part(qs, None, limit, take_rest)
@@ -200,15 +195,12 @@ def complete_and_claim(
     short. Elsewhere it is those two transactions, the completions committed first.
     """
     seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
-    paused = frozenset(paused_table(qs.model, qs.db).values_list("kind", flat=True))
-    kinds = None if kinds is None else [kind for kind in kinds if kind not in paused]
-    if claim_path(qs) != "postgresql+ledger" or kinds == [] or throttles_of(kinds, paused):
+    if claim_path(qs) != "postgresql+ledger" or kinds == [] or throttles_of(kinds):
         return qs.complete_many(owner, leases), qs.claim(
             owner, ttl=seconds, limit=limit, kinds=kinds
         )
     keys = lease_keys(leases)
-    wanted = AllBut(sorted(paused)) if paused and kinds is None else kinds
-    won, jobs = complete_and_claim_at_once(qs, owner, keys, seconds, limit, wanted)
+    won, jobs = complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds)
     left = [key for key in keys if key not in won]
     passed = complete_locked(qs, owner, left) if left else set()
     if passed and len(jobs) < limit:
@@ -341,13 +333,16 @@ def raw_claim(
     other = StuckPolicy.RETRY if review_by_default else StuckPolicy.REVIEW
     exceptions = tuple(sorted(kind for kind, policy in by_kind.items() if policy == other))
     fragment, params = takeover_guard_of(review_by_default, exceptions)[1]
+    # The paused kinds' subquery (`pauses.paused_clause()`, built once per table).
+    paused, paused_params = paused_clause(qs.model, qs.db)
     wanted: tuple[str, sql.Params]
-    if kinds is None:  # every kind: no fragment, and every kind's own lease length
-        wanted, lengths = ("", {}), lease_lengths_of(seconds, None)
+    if kinds is None:  # every kind: only the paused left out, and every kind's own lease length
+        wanted, lengths = (f"AND kind NOT IN ({paused})", {}), lease_lengths_of(seconds, None)
     else:
-        wanted, lengths = kinds_filter(kinds), lengths_of(seconds, kinds)
+        wanted, lengths = kinds_filter(kinds, paused), lengths_of(seconds, kinds)
     guard = (fragment, dict(params))
-    request = sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths)
+    wanted = (wanted[0], {**wanted[1], **paused_params})
+    request = sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths, paused)
     names = route.ledger if ledger else None
     return route.dialect.claim(
         partial(raw_rows, qs), route.table, request, names, connections[qs.db]
@@ -382,6 +377,7 @@ def claim_pass_locking(
         base = qs._claimable_pass(None, takeover).exclude(kind__in=kinds)
     else:
         base = qs._claimable_pass(kinds, takeover)
+    base = base.exclude(kind__in=paused_rows(qs.db).of_table(qs.model).values("kind"))
     order = TAKEOVER_ORDER if takeover else DUE_ORDER
     if isinstance(kinds, list) and len(set(kinds)) > 1:
         ids = lock_merged(qs, base, sorted(set(kinds)), takeover, limit)
@@ -435,6 +431,7 @@ def merged_candidates(
     order = TAKEOVER_ORDER if takeover else DUE_ORDER
     columns = ("pk", "lease_until") if takeover else ("pk", "priority", "run_at")
     candidates = qs._claimable_pass(None, takeover).order_by(*order).values_list(*columns)
+    candidates = candidates.exclude(kind__in=paused_rows(qs.db).of_table(qs.model).values("kind"))
     arms = [candidates.filter(kind=kind)[:count] for kind in kinds]
     if connections[qs.db].features.supports_slicing_ordering_in_compound:
         rows = list(arms[0].union(*arms[1:], all=True))
@@ -480,7 +477,9 @@ def claim_one(
     job still of that kind (the one a throttled claim counted)."""
     # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or processing
     # with an expired lease). Its row count is the decision.
-    claimable = qs.claimable().filter(pk=pk)
+    # A paused kind's job is left alone, decided in the UPDATE itself.
+    paused = paused_rows(qs.db).of_table(qs.model).values("kind")
+    claimable = qs.claimable().filter(pk=pk).exclude(kind__in=paused)
     if kind is not None:
         claimable = claimable.filter(kind=kind)
     lengths = lease_lengths_of(seconds, None if kind is None else (kind,))

@@ -2,8 +2,8 @@
 
 `pause_kind()` and `resume_kind()` are bound on `LeaseQuerySet` (the job table they concern is
 the queryset's): each writes or deletes the kind's row and its audit row (`KindEvent`) in one
-transaction. A claim reads the paused kinds of its table first and leaves them out
-(`claims.claim()`); the worker reads them again as it starts each job (`paused_now()`), so a
+transaction. Every claim statement leaves the paused kinds of its table out
+(`paused_clause()`); the worker reads them again as it starts each job (`paused_now()`), so a
 job claimed before the pause committed (ahead of a free slot, or by a claim racing the pause)
 is given back unstarted, never run.
 """
@@ -14,9 +14,10 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, cast
 
 from django.apps import apps
-from django.db import IntegrityError, models, transaction
+from django.db import IntegrityError, connections, models, transaction
 from django.utils.translation import gettext_lazy as _
 
+from django_leases import sql
 from django_leases.exceptions import InvalidArgument
 from django_leases.handlers import registered_kinds
 from django_leases.limits import check_kind
@@ -53,11 +54,13 @@ def paused_rows(using: str) -> PausedKindQuerySet:
 
 
 @lru_cache(maxsize=64)
-def paused_table(job_model: type[models.Model], using: str) -> PausedKindQuerySet:
-    """The paused kinds of `job_model`'s table on `using`, as a queryset: built once per table
-    and database (a claim's reads are counted, `tests/test_architecture.py`); each evaluation
-    of a clone reads the rows anew."""
-    return paused_rows(using).of_table(job_model)
+def paused_clause(job_model: type[models.Model], using: str) -> tuple[str, sql.Params]:
+    """Return the claims' subquery of the paused kinds of `job_model`'s table on `using`
+    (`sql.paused_kinds()`) and its parameters: built once per table and database. Do not
+    change the result."""
+    paused: Any = apps.get_model("django_leases", "PausedKind")
+    table = connections[using].ops.quote_name(paused._meta.db_table)
+    return sql.paused_kinds(table), {"paused_model": job_model._meta.label_lower}
 
 
 def kind_events(using: str) -> models.QuerySet[Any]:
@@ -69,12 +72,12 @@ def kind_events(using: str) -> models.QuerySet[Any]:
 
 def paused_kinds(qs: LeaseQuerySet[J]) -> frozenset[str]:
     """Return the kinds of `qs`'s table paused now: one read of a table of a few rows."""
-    return frozenset(paused_table(qs.model, qs.db).values_list("kind", flat=True))
+    return frozenset(paused_rows(qs.db).of_table(qs.model).values_list("kind", flat=True))
 
 
 def paused_now(qs: LeaseQuerySet[J], kind: str) -> bool:
     """Whether `kind` of `qs`'s table is paused now (the worker's check as it starts a job)."""
-    return paused_table(qs.model, qs.db).filter(kind=kind).exists()
+    return paused_rows(qs.db).of_table(qs.model).filter(kind=kind).exists()
 
 
 def _checked(kind: str, by: str, reason: str) -> str:

@@ -18,7 +18,7 @@ closed by the server once it idled GATE_IDLE (PostgreSQL, MariaDB), which lets t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
@@ -188,10 +188,10 @@ def shown_value(value: Any) -> str:
     return repr(value) if isinstance(value, str | bytes) else str(value)
 
 
-def throttles_of(kinds: list[str] | None, paused: Collection[str] = ()) -> dict[str, Throttle]:
-    """Return the throttles of `kinds` (None: all but `paused`), in the order claims lock them."""
+def throttles_of(kinds: list[str] | None) -> dict[str, Throttle]:
+    """Return the throttles of `kinds` (None: every kind), in the order claims lock them."""
     known = throttles()
     if not known:
         return {}
-    wanted = sorted(known.keys() - paused) if kinds is None else sorted(set(kinds) & known.keys())
+    wanted = sorted(known) if kinds is None else sorted(set(kinds) & known.keys())
     return {kind: known[kind] for kind in wanted}

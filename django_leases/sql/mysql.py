@@ -17,7 +17,14 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, completed_attempts, lease_length, literal
+from django_leases.sql import (
+    MIGRATE,
+    Claim,
+    completed_attempts,
+    lease_length,
+    literal,
+    paused_arm,
+)
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.postgresql import LEDGER_INSERT, LedgerNames
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
@@ -99,17 +106,17 @@ def merge_candidates(
     (`sql.merge.in_claim_order()`)."""
     where, params = pass_where(claim, takeover)
     params = {**params, **keyed("merge_kind", kinds), "count": count}
-    return _merge_candidates(table, where, len(kinds), takeover), params
+    return _merge_candidates(table, where, len(kinds), takeover, claim.paused), params
 
 
 @lru_cache(maxsize=64)
-def _merge_candidates(table: str, where: str, kinds: int, takeover: bool) -> str:
+def _merge_candidates(table: str, where: str, kinds: int, takeover: bool, paused: str) -> str:
     columns, order = (
         ("id, lease_until", TAKEOVER_ORDER) if takeover else ("id, priority, run_at", DUE_ORDER)
     )
     return " UNION ALL ".join(
         f"(SELECT {columns} FROM {table} WHERE {where} AND kind = %(merge_kind_{i})s"  # noqa: S608
-        f" ORDER BY {order} LIMIT %(count)s)"
+        f" {paused_arm(f'%(merge_kind_{i})s', paused)} ORDER BY {order} LIMIT %(count)s)"
         for i in range(kinds)
     )
 

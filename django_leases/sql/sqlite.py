@@ -5,7 +5,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from django_leases.sql import MIGRATE, Claim, completed_attempts, lease_length, literal
+from django_leases.sql import (
+    MIGRATE,
+    Claim,
+    completed_attempts,
+    lease_length,
+    literal,
+    paused_arm,
+)
 from django_leases.sql.insert import InsertDialect
 from django_leases.sql.merge import merge_keys
 from django_leases.sql.postgresql import LedgerNames
@@ -109,7 +116,8 @@ def claim_pass(table: str, claim: Claim, limit: int, takeover: bool) -> tuple[st
         # due job; the unary plus keeps it walking the due index in claim order.
         predicate = f"status = {literal(PENDING)} AND +run_at <= {NOW}"
         order = "priority DESC, run_at, id"
-    picked = _picked(table, f"{predicate} AND attempts < max_attempts {guard_sql}", order, kinds)
+    where = f"{predicate} AND attempts < max_attempts {guard_sql}"
+    picked = _picked(table, where, order, kinds, claim.paused)
     length_sql, length_params = lease_length(claim.lengths, "kind", "%(lease)s", _modifier)
     sql = f"""
         UPDATE {table}
@@ -134,7 +142,7 @@ def claim_pass(table: str, claim: Claim, limit: int, takeover: bool) -> tuple[st
     return sql, params
 
 
-def _picked(table: str, where: str, order: str, kinds: tuple[str, Params]) -> str:
+def _picked(table: str, where: str, order: str, kinds: tuple[str, Params], paused: str) -> str:
     """Return the ids of the first `limit` rows matching `where` and `kinds`, in `order`.
 
     Every kind, or one: one ordered range of a partial index. Several kinds: SQLite would walk
@@ -152,7 +160,7 @@ def _picked(table: str, where: str, order: str, kinds: tuple[str, Params]) -> st
     keys, by_key = merge_keys(order.split(", "))
     arms = " UNION ALL ".join(
         f"SELECT * FROM (SELECT {keys} FROM {table} WHERE {where} AND kind = %({name})s"  # noqa: S608
-        f" ORDER BY {order} LIMIT %(limit)s)"
+        f" {paused_arm(f'%({name})s', paused)} ORDER BY {order} LIMIT %(limit)s)"
         for name in named
     )
     return f"SELECT key_id FROM ({arms}) ORDER BY {by_key} LIMIT %(limit)s"  # noqa: S608
