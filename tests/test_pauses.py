@@ -9,18 +9,20 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
-from django.test import Client
+from django.test import Client, override_settings
 from django.urls import reverse
 
 from django_leases.exceptions import InvalidArgument
 from django_leases.lease import Lease
 from django_leases.models import JobAttempt, KindEvent, PausedKind, PaymentJob
+from django_leases.schedules import enqueue_due
 from django_leases.worker import LeaseWorker
 from tests.test_batch_acks import claimed_ahead
 
 from . import throttled
 from .conftest import Processes, finish, read_until, wait_for
 from .testapp.models import Charge
+from .ticking import begin
 
 Status = PaymentJob.Status
 FAST = ("--poll-interval", "0.1")
@@ -274,3 +276,18 @@ def test_admin__pausing_needs_its_own_permission(client: Client, django_user_mod
     viewer.user_permissions.add(Permission.objects.get(codename="pause_kind"))
     assert client.post(reverse(ADD), {"kind": "noop"}).status_code == 302
     assert sorted(PausedKind.objects.values_list("kind", flat=True)) == ["noop", "sleep"]
+
+
+# ---- schedules ----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_pause_kind__schedules_go_on_enqueueing_its_jobs() -> None:
+    JOBS.pause_kind("noop", by="alice")
+    with override_settings(DJANGO_LEASES={"SCHEDULES": {"beat": {"kind": "noop", "every": 10**7}}}):
+        begin()
+        [job] = enqueue_due()
+    assert (job.kind, status(job)) == ("noop", Status.PENDING)
+    assert JOBS.claim("w", ttl=60) == []
+    JOBS.resume_kind("noop", by="alice")
+    assert [claimed.pk for claimed in JOBS.claim("w", ttl=60)] == [job.pk]
