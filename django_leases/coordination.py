@@ -1,11 +1,13 @@
 """The tables a queue's processes coordinate through: the worker registry (who runs, how often
 it reports in, a watcher's last pass), each schedule's state (its definition and last enqueued
-tick) and the throttled kinds' gates and starts. `django_leases.models` exports them."""
+tick), the throttled kinds' gates and starts, and the paused kinds with their audit.
+`django_leases.models` exports them."""
 
 from django.db import models
 from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
+from django_leases.querysets.pauses import KindAction, PausedKindQuerySet
 from django_leases.querysets.schedules import CRON_LENGTH, TZ_LENGTH, ScheduleStateQuerySet
 from django_leases.querysets.throttles import KindGateQuerySet
 from django_leases.querysets.workers import Role, WorkerQuerySet
@@ -149,3 +151,53 @@ class KindStart(models.Model):
 
     def __str__(self) -> str:
         return f"{self.count} started at {self.at}"
+
+
+class PausedKind(models.Model):
+    """A kind paused on a job table: while its row exists no worker starts a job of it (claims
+    leave it out, and a worker checks it as it starts each job); running jobs finish,
+    enqueueing and schedules go on. Written by `LeaseQuerySet.pause_kind()`, deleted by
+    `resume_kind()`."""
+
+    job_model = models.CharField(
+        _("job model"), max_length=255, help_text=_("The table whose jobs of the kind wait.")
+    )
+    kind = models.CharField(_("kind"), max_length=100)
+    paused_at = models.DateTimeField(_("paused at"), db_default=Now())
+    paused_by = models.CharField(_("paused by"), max_length=255)
+    reason = models.TextField(_("reason"), blank=True, default="")
+
+    objects = PausedKindQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("paused kind")
+        verbose_name_plural = _("paused kinds")
+        ordering = ["job_model", "kind"]
+        permissions = [("pause_kind", _("Can pause and resume a kind"))]
+        constraints = [
+            # One row per job table and kind: of racing pauses, one INSERT wins.
+            models.UniqueConstraint(fields=["job_model", "kind"], name="dl_paused_kind_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} on {self.job_model}, paused by {self.paused_by}"
+
+
+class KindEvent(models.Model):
+    """One row per pause or resume of a kind: who, when, why. Append-only, like `JobEvent`."""
+
+    job_model = models.CharField(_("job model"), max_length=255)
+    kind = models.CharField(_("kind"), max_length=100)
+    action = models.CharField(_("action"), max_length=20, choices=KindAction.choices)
+    by = models.CharField(_("by"), max_length=255)
+    at = models.DateTimeField(_("at"), db_default=Now())
+    reason = models.TextField(_("reason"), blank=True, default="")
+
+    class Meta:
+        verbose_name = _("kind event")
+        verbose_name_plural = _("kind events")
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["kind", "at"], name="dl_kind_event_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.action} by {self.by}"

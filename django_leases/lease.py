@@ -209,6 +209,10 @@ class Lease:
         # The database the job was claimed on, whatever the routers say.
         return leased_jobs(type(self.job), self.job._state.db)
 
+    def kind_paused(self) -> bool:
+        """Whether the job's kind is paused now (`LeaseQuerySet.pause_kind()`), by the database."""
+        return self._jobs().kind_paused(self.job.kind)
+
     def heartbeat(self) -> None:
         """Renew the lease now for another TTL; raise `LeaseLost` if it was lost."""
         self.check()

@@ -9,7 +9,14 @@ from django.db.models.functions import Now
 from django.utils.translation import gettext_lazy as _
 
 from django_leases.constraints import UniqueWhenSet
-from django_leases.coordination import KindGate, KindStart, ScheduleState, Worker
+from django_leases.coordination import (
+    KindEvent,
+    KindGate,
+    KindStart,
+    PausedKind,
+    ScheduleState,
+    Worker,
+)
 from django_leases.limits import STEP_NAME_LENGTH
 from django_leases.querysets.leases import LeaseQuerySet
 from django_leases.querysets.ledger import AttemptQuerySet
@@ -34,12 +41,14 @@ __all__ = [
     "JobEvent",
     "JobStatus",
     "JobStep",
+    "KindEvent",
     "KindGate",
     "KindStart",
     "lease_constraints",
     "lease_indexes",
     "PaymentJob",
     "step_constraints",
+    "PausedKind",
     "ScheduleState",
     "Worker",
 ]

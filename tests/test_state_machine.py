@@ -79,6 +79,13 @@ jobs of the kind processing at once, across every worker" holds:
     redactor's patterns loop on) is recorded, cut to MAX_ERROR_LENGTH and redacted, on the job
     and on its attempt's row, and its failure follows the same rules as any other.
 
+18. A paused kind: no claim (of its kind, of every kind, of one job, with completions) takes a
+    job of it after its pause committed (no ledger row of the kind has a `claimed_at` past its
+    `paused_at`); running jobs of it go on and end as before; its pending job holding a lock
+    keeps the jobs behind it waiting; a limited kind's slots are counted as before. Pausing a
+    kind without a handler is refused and writes nothing; pausing a paused kind, or resuming a
+    running one, changes nothing.
+
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
 pass as the database clock moves) through passes of the schedulers, ticks passing (or the clock
@@ -121,7 +128,7 @@ from typing import Any
 
 import pytest
 from django.db import DataError, connection, connections
-from django.db.models import BooleanField, Case, F, QuerySet, When
+from django.db.models import BooleanField, Case, Exists, F, OuterRef, QuerySet, When
 from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
 from django.test import override_settings
@@ -140,14 +147,16 @@ from hypothesis.stateful import (
 
 from django_leases import job_handler
 from django_leases.backoff import retry_delay
-from django_leases.exceptions import Cancelled, IdempotencyKeyReused, LeaseLost
-from django_leases.handlers import unregister
+from django_leases.exceptions import Cancelled, IdempotencyKeyReused, InvalidArgument, LeaseLost
+from django_leases.handlers import registered_kinds, unregister
 from django_leases.lease import Lease, Presence
 from django_leases.limits import MAX_ERROR_LENGTH
 from django_leases.models import (
     JobAttempt,
     JobEvent,
     JobStep,
+    KindEvent,
+    PausedKind,
     PaymentJob,
     ScheduleState,
     Worker,
@@ -286,6 +295,9 @@ JOBS = Snapshot(
     PaymentJob.objects.annotate(
         live=Case(When(lease_until__gte=Now(), then=True), default=False, output_field=FLAG),
         due=Case(When(run_at__lte=Now(), then=True), default=False, output_field=FLAG),
+        paused=Exists(
+            PausedKind.objects.filter(job_model="django_leases.paymentjob", kind=OuterRef("kind"))
+        ),
     ).values()
 )
 LEDGER = Snapshot(JobAttempt.objects.order_by("id").values())
@@ -300,8 +312,8 @@ def job_rows() -> dict[int, dict[str, Any]]:
 
 
 def stored(rows: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """`job_rows()` without what the clock decides (`live`, `due`)."""
-    clocked = {"live", "due"}
+    """`job_rows()` without what the clock decides (`live`, `due`) and the kind's pause."""
+    clocked = {"live", "due", "paused"}
     return {pk: {k: v for k, v in row.items() if k not in clocked} for pk, row in rows.items()}
 
 
@@ -340,8 +352,8 @@ def held(row: dict[str, Any], lease: PaymentJob) -> bool:
 
 def claimable(row: dict[str, Any]) -> bool:
     """The specification of a claimable job: due and pending, or an expired lease that the
-    review policy does not hold, with an attempt left."""
-    if row["attempts"] >= row["max_attempts"]:
+    review policy does not hold, with an attempt left, of a kind not paused (18)."""
+    if row["attempts"] >= row["max_attempts"] or row["paused"]:
         return False
     if row["status"] == PENDING:
         return bool(row["due"])
@@ -501,6 +513,8 @@ class LeaseMachine(RuleBasedStateMachine):
         JobStep.objects.all().delete()
         PaymentJob.objects.all().delete()
         Worker.objects.all().delete()
+        PausedKind.objects.all().delete()
+        KindEvent.objects.all().delete()
         self.acquisitions: Counter[int] = Counter()
         self.tokens: dict[int, int] = {}
         # Every token each job was ever issued by an acquisition, lost in a failover or not.
@@ -1326,6 +1340,9 @@ class LeaseMachine(RuleBasedStateMachine):
         requeued = job_rows()
         started = self.clocks[owner]()
         again = PaymentJob.objects.claim_job(lease.pk, owner, ttl=TTL)
+        if requeued[lease.pk]["paused"]:  # 18: its kind is paused, the requeued job waits
+            assert again is None
+            return multiple()
         assert again is not None and again.lease_token > lease.lease_token
         self._acquired([again], owner, requeued, started)
         for pairs in ([key(lease), key(again)], [key(again), key(lease)]):
@@ -1334,6 +1351,30 @@ class LeaseMachine(RuleBasedStateMachine):
         if key(lease) in self.beliefs:
             self.beliefs[key(lease)].mark_lost("heartbeat refused")
         return again
+
+    @initialize(paused=st.booleans())
+    def limited_kind_paused(self, paused: bool) -> None:
+        """Half the examples start with the limited kind paused (18): claims meet the pause
+        in most of their steps, not only after a rule happened to pause it."""
+        if paused:
+            assert PaymentJob.objects.pause_kind(LIMITED_KIND, by="op") is True
+
+    @rule(kind=st.sampled_from([LIMITED_KIND, LIMITED_KIND, RETRY_KIND]), resume=st.booleans())
+    def operator_pauses_or_resumes_a_kind(self, kind: str, resume: bool) -> None:
+        """19. Jobs and the ledger are untouched: running jobs go on, pending ones wait. A kind
+        without a handler is refused; a pause of a paused kind (a resume of a running one) is
+        a no-op."""
+        jobs, ledger, events = stored(job_rows()), ledger_rows(), KindEvent.objects.count()
+        was_paused = PausedKind.objects.filter(kind=kind).exists()
+        change = PaymentJob.objects.resume_kind if resume else PaymentJob.objects.pause_kind
+        if kind not in registered_kinds():
+            with pytest.raises(InvalidArgument, match=kind):
+                change(kind, by="op")
+            assert KindEvent.objects.count() == events
+        else:
+            assert change(kind, by="op", reason="psp down") == (was_paused == resume)
+            assert PausedKind.objects.filter(kind=kind).exists() == (not resume)
+        assert stored(job_rows()) == jobs and ledger_rows() == ledger
 
     @rule(owner=st.sampled_from(OWNERS), seconds=st.sampled_from([GONE_AFTER + 1, TTL + 1]))
     def worker_paused_then_starts_its_jobs(self, owner: str, seconds: int) -> None:
@@ -1455,6 +1496,17 @@ class LeaseMachine(RuleBasedStateMachine):
         self.an_execution_releases_what_it_held_only_when_it_ends(jobs)
         self.closed_ledger_rows_never_change(ledger)
         self.recorded_steps_were_held_and_never_change(ledger)
+        self.no_attempt_of_a_paused_kind_starts_after_its_pause(jobs, ledger)
+
+    def no_attempt_of_a_paused_kind_starts_after_its_pause(
+        self, jobs: dict[int, dict[str, Any]], ledger: dict[int, dict[str, Any]]
+    ) -> None:
+        """19, by the database clock: the ledger's `claimed_at` against the kind's `paused_at`."""
+        paused = dict(PausedKind.objects.values_list("kind", "paused_at"))
+        for row in ledger.values():
+            kind = jobs[row["job_ref"]]["kind"]
+            if kind in paused:
+                assert row["claimed_at"] <= paused[kind], f"{kind} claimed after its pause: {row}"
 
     def ledger_and_jobs_agree(
         self, jobs: dict[int, dict[str, Any]], ledger: dict[int, dict[str, Any]]

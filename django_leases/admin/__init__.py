@@ -10,7 +10,7 @@ database clock. A project registers `LeasedJobAdmin` for its own job table to ge
 
 from django.contrib import admin
 
-from django_leases.admin import jobs, ledger, payments, schedules, workers
+from django_leases.admin import jobs, kinds, ledger, payments, schedules, workers
 from django_leases.admin.jobs import LeasedJobAdmin
 from django_leases.admin.payments import PaymentJobAdmin
 
@@ -23,6 +23,7 @@ __all__ = [
     "LeasedJobAdmin",
     "PaymentJobAdmin",
     "jobs",
+    "kinds",
     "ledger",
     "payments",
     "schedules",

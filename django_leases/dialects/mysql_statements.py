@@ -26,6 +26,7 @@ from django_leases.dialects.statements import (
     completed_attempts,
     lease_length,
     literal,
+    paused_arm,
 )
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
@@ -106,17 +107,17 @@ def merge_candidates(
     (`merge.in_claim_order()`)."""
     where, params = pass_where(claim, takeover)
     params = {**params, **keyed("merge_kind", kinds), "count": count}
-    return _merge_candidates(table, where, len(kinds), takeover), params
+    return _merge_candidates(table, where, len(kinds), takeover, claim.paused), params
 
 
 @lru_cache(maxsize=64)
-def _merge_candidates(table: str, where: str, kinds: int, takeover: bool) -> str:
+def _merge_candidates(table: str, where: str, kinds: int, takeover: bool, paused: str) -> str:
     columns, order = (
         ("id, lease_until", TAKEOVER_ORDER) if takeover else ("id, priority, run_at", DUE_ORDER)
     )
     return " UNION ALL ".join(
         f"(SELECT {columns} FROM {table} WHERE {where} AND kind = %(merge_kind_{i})s"  # noqa: S608
-        f" ORDER BY {order} LIMIT %(count)s)"
+        f" {paused_arm(f'%(merge_kind_{i})s', paused)} ORDER BY {order} LIMIT %(count)s)"
         for i in range(kinds)
     )
 

@@ -16,6 +16,7 @@ from django_leases.dialects.statements import (
     LedgerNames,
     lease_length,
     literal,
+    paused_arm,
 )
 from django_leases.status import COMPLETED, PENDING, PROCESSING, AttemptOutcome
 
@@ -74,7 +75,7 @@ def claim(table: str, claim: Claim, *, ledger: LedgerNames | None) -> tuple[str,
     completes = completing is not None and ledger is not None
     length_sql, length_params = lease_length(claim.lengths, "job.kind", "%(seconds)s", float)
     text = _claim_text(
-        table, kind_sql, tuple(kind_params), guard_sql, ledger, completes, length_sql
+        table, kind_sql, tuple(kind_params), guard_sql, ledger, completes, length_sql, claim.paused
     )
     params = {
         **kind_params,
@@ -100,6 +101,7 @@ def _claim_text(
     ledger: LedgerNames | None,
     completes: bool,
     length_sql: str,
+    paused: str,
 ) -> str:
     """Return the text of `claim()` (`completes`: with the completions first; `length_sql`: the
     lease's length in seconds): the same for every call of a worker, so it is built once
@@ -156,8 +158,8 @@ def _claim_text(
         )
         {result}
         """  # noqa: S608 - names quoted by the caller, values are parameters
-    expired = _locked(table, takeover, ["lease_until"], kinds)
-    due = _locked(table, DUE, ["priority DESC", "run_at", "id"], kinds)
+    expired = _locked(table, takeover, ["lease_until"], kinds, paused)
+    due = _locked(table, DUE, ["priority DESC", "run_at", "id"], kinds, paused)
     sql = f"""
         WITH {before} expired AS MATERIALIZED ({expired}
         ), due AS MATERIALIZED ({due}
@@ -217,7 +219,9 @@ def _close_done(ledger: LedgerNames) -> str:
         """  # noqa: S608 - names quoted by the caller, values are parameters
 
 
-def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params]) -> str:
+def _locked(
+    table: str, where: str, order: list[str], kinds: tuple[str, Params], paused: str
+) -> str:
     """Return a claim CTE: at most `window` rows matching `where` and `kinds`, in `order`, locked.
 
     `window` is the claim's `limit`, or more in a prepared statement (`prepared()`): PostgreSQL
@@ -244,6 +248,7 @@ def _locked(table: str, where: str, order: list[str], kinds: tuple[str, Params])
     keys, by_key = merge_keys(order)
     arms = " UNION ALL ".join(
         f"(SELECT {keys} FROM {table} WHERE {where} AND kind = %({name})s"  # noqa: S608
+        f" {paused_arm(f'%({name})s', paused)}"
         f" ORDER BY {', '.join(order)} LIMIT %(candidates)s)"
         for name in named
     )

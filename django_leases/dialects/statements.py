@@ -50,7 +50,9 @@ class Claim:
     `seconds`, or a kind's own length of `lengths` ((kind, seconds) pairs); `kinds` and `guard`
     are the fragments `kinds_filter()` and `takeover_guard()` return. `completing`: the (pks,
     tokens) of jobs to complete first, in the same statement (PostgreSQL's
-    `complete_and_claim()`)."""
+    `complete_and_claim()`). `paused`: the subquery of the paused kinds (`paused_kinds()`, its
+    parameter among `kinds`'), which each kind's own range of a claim of several kinds checks
+    (`paused_arm()`)."""
 
     owner: str
     seconds: float
@@ -59,6 +61,7 @@ class Claim:
     guard: tuple[str, Params]
     completing: tuple[list[int], list[int]] | None = None
     lengths: tuple[tuple[str, float], ...] = ()
+    paused: str = ""
 
 
 @lru_cache(maxsize=64)
@@ -105,18 +108,37 @@ def in_list(column: str, name: str, values: Sequence[Any]) -> tuple[str, Params]
     return f"{column} IN ({', '.join(f'%({key})s' for key in params)})", params
 
 
+def paused_kinds(table: str) -> str:
+    """Return the subquery of the kinds paused on the job table `%(paused_model)s` (its label),
+    `table` being the quoted name of `PausedKind`'s: a few rows, read through its unique index."""
+    return f"SELECT kind FROM {table} WHERE job_model = %(paused_model)s"  # noqa: S608
+
+
+def paused_arm(kind: str, paused: str) -> str:
+    """Return the condition of one kind's range (`kind` its placeholder) that its kind is not
+    paused: it names no column, so PostgreSQL decides it once per statement (a one-time
+    filter) and walks none of a paused kind's backlog; "" without `paused`."""
+    return f"AND {kind} NOT IN ({paused})" if paused else ""
+
+
 def kinds_filter(
-    kinds: Sequence[str] | None, excluded: Sequence[str] | None = None
+    kinds: Sequence[str] | None, excluded: Sequence[str] | None = None, *, paused: str = ""
 ) -> tuple[str, Params]:
     """Return the claim's `AND kind IN (...)` fragment, or nothing for every kind, or for every
-    kind but `excluded` its `AND kind NOT IN (...)` (parameters `other_kind_0`, ...)."""
+    kind but `excluded` its `AND kind NOT IN (...)` (parameters `other_kind_0`, ...); with the
+    `paused` subquery (`paused_kinds()`), the paused kinds left out too (one kind: decided once,
+    `paused_arm()`)."""
     if not kinds:
+        skip = f"AND kind NOT IN ({paused})" if paused else ""
         if not excluded:
-            return "", {}
+            return skip, {}
         sql, params = in_list("kind", "other_kind", excluded)
-        return f"AND NOT {sql}", params
+        return f"AND NOT {sql} {skip}", params
     sql, params = in_list("kind", "kind", kinds)
-    return f"AND {sql}", params
+    if len(kinds) == 1:
+        return f"AND {sql} {paused_arm('%(kind_0)s', paused)}", params
+    skip = f"AND kind NOT IN ({paused})" if paused else ""
+    return f"AND {sql} {skip}", params
 
 
 def takeover_guard(*, review_by_default: bool, exceptions: Sequence[str]) -> tuple[str, Params]:

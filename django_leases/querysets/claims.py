@@ -46,10 +46,10 @@ from django_leases.querysets.base import (
 )
 from django_leases.querysets.endings import complete_many_by_dialect
 from django_leases.querysets.ledger import J, ledger_names, open_attempts, record_fenced_many
+from django_leases.querysets.pauses import paused_clause, paused_rows
 from django_leases.querysets.reads import LeaseReads, takeover_guard
-from django_leases.querysets.throttles import claim_throttled, kind_gates
+from django_leases.querysets.throttles import claim_throttled, kind_gates, throttles_of
 from django_leases.status import PROCESSING
-from django_leases.throttles import Throttle
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
@@ -65,11 +65,11 @@ Wanted = list[str] | AllBut | None
 """The kinds a claim takes: these, every kind but some, or every kind (None)."""
 
 
-def kinds_filter(kinds: Wanted) -> tuple[str, sql.Params]:
-    """Return the claim's fragment of `kinds` (`sql.kinds_filter()`)."""
+def kinds_filter(kinds: Wanted, paused: str) -> tuple[str, sql.Params]:
+    """Return the claim's fragment of `kinds` (`sql.kinds_filter()`), paused kinds left out."""
     if isinstance(kinds, AllBut):
-        return sql.kinds_filter(None, excluded=kinds)
-    return sql.kinds_filter(kinds)
+        return sql.kinds_filter(None, excluded=kinds, paused=paused)
+    return sql.kinds_filter(kinds, paused=paused)
 
 
 def lengths_of(seconds: float, kinds: Wanted) -> Lengths:
@@ -173,15 +173,6 @@ def failures_of(jobs: list[Any]) -> list[PartFailed]:
     return jobs.failures if isinstance(jobs, Claimed) else []
 
 
-def throttles_of(kinds: list[str] | None) -> dict[str, Throttle]:
-    """Return the throttles of `kinds` (None: every kind), in the order claims lock them."""
-    known = throttles()
-    if not known:
-        return {}
-    wanted = sorted(known) if kinds is None else sorted(set(kinds) & known.keys())
-    return {kind: known[kind] for kind in wanted}
-
-
 def complete_and_claim(
     qs: LeaseReads[J],
     owner: str,
@@ -233,7 +224,7 @@ def complete_and_claim_at_once(
     keys: list[LeaseKey],
     seconds: float,
     limit: int,
-    kinds: list[str] | None,
+    kinds: Wanted,
 ) -> tuple[set[LeaseKey], list[J]]:
     completing = ([pk for pk, _ in keys], [token for _, token in keys])
     jobs, request = handed_to_dialect(qs, owner, seconds, limit, kinds, completing=completing)
@@ -338,12 +329,15 @@ def handed_to_dialect(
     )
     # The takeover guard's fragment and `kinds`' fragment; every kind has none.
     guard = takeover_guard()[1]
+    # The paused kinds' subquery (`pauses.paused_clause()`, built once per table).
+    paused, paused_params = paused_clause(qs.model, qs.db)
     wanted: tuple[str, sql.Params]
-    if kinds is None:  # every kind: no fragment, and every kind's own lease length
-        wanted, lengths = ("", {}), lease_lengths_of(seconds, None)
+    if kinds is None:  # every kind: only the paused left out, and every kind's own lease length
+        wanted, lengths = (f"AND kind NOT IN ({paused})", {}), lease_lengths_of(seconds, None)
     else:
-        wanted, lengths = kinds_filter(kinds), lengths_of(seconds, kinds)
-    return jobs, sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths)
+        wanted, lengths = kinds_filter(kinds, paused), lengths_of(seconds, kinds)
+    wanted = (wanted[0], {**wanted[1], **paused_params})
+    return jobs, sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths, paused)
 
 
 TAKEOVER_ORDER: tuple[str, ...] = ("lease_until",)
@@ -366,6 +360,7 @@ def claim_pass_locking(
         base = qs._claimable_pass(None, takeover).exclude(kind__in=kinds)
     else:
         base = qs._claimable_pass(kinds, takeover)
+    base = base.exclude(kind__in=paused_rows(qs.db).of_table(qs.model).values("kind"))
     order = TAKEOVER_ORDER if takeover else DUE_ORDER
     if isinstance(kinds, list) and len(set(kinds)) > 1:
         ids = lock_merged(qs, base, sorted(set(kinds)), takeover, limit)
@@ -417,6 +412,7 @@ def merged_candidates(qs: LeaseReads[J], kinds: list[str], takeover: bool, count
     order = TAKEOVER_ORDER if takeover else DUE_ORDER
     columns = ("pk", "lease_until") if takeover else ("pk", "priority", "run_at")
     candidates = qs._claimable_pass(None, takeover).order_by(*order).values_list(*columns)
+    candidates = candidates.exclude(kind__in=paused_rows(qs.db).of_table(qs.model).values("kind"))
     arms = [candidates.filter(kind=kind)[:count] for kind in kinds]
     if connections[qs.db].features.supports_slicing_ordering_in_compound:
         rows = list(arms[0].union(*arms[1:], all=True))
@@ -462,7 +458,9 @@ def claim_one(
     job still of that kind (the one a throttled claim counted)."""
     # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or processing
     # with an expired lease). Its row count is the decision.
-    claimable = qs.claimable().filter(pk=pk)
+    # A paused kind's job is left alone, decided in the UPDATE itself.
+    paused = paused_rows(qs.db).of_table(qs.model).values("kind")
+    claimable = qs.claimable().filter(pk=pk).exclude(kind__in=paused)
     if kind is not None:
         claimable = claimable.filter(kind=kind)
     lengths = lease_lengths_of(seconds, None if kind is None else (kind,))

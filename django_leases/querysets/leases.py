@@ -26,7 +26,7 @@ from django_leases.limits import (
     check_json_size,
     check_text,
 )
-from django_leases.querysets import acks, base, claims, endings, ledger, operators, steps
+from django_leases.querysets import acks, base, claims, endings, ledger, operators, pauses, steps
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -98,6 +98,13 @@ class LeaseQuerySet(LeaseReads[J]):
 
     acknowledge_stops = endings.acknowledge_stops
     end_expired_stops = endings.end_expired_stops
+
+    # ---- paused kinds (pauses.py) ---------------------------------------------------------------
+
+    pause_kind = pauses.pause_kind
+    resume_kind = pauses.resume_kind
+    paused_kinds = pauses.paused_kinds
+    kind_paused = pauses.paused_now
 
     # ---- enqueueing (enqueue.py) ----------------------------------------------------------------
 

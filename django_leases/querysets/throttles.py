@@ -30,6 +30,7 @@ from django.db.models.functions import Now
 
 from django_leases.dialects import dialect_of
 from django_leases.exceptions import GateBusy
+from django_leases.handlers import throttles
 from django_leases.querysets.base import ago, retry_deadlocks
 from django_leases.querysets.ledger import J
 from django_leases.status import LEASED_STATUSES
@@ -185,3 +186,12 @@ def shown_value(value: Any) -> str:
     if isinstance(value, datetime):
         return value.isoformat()
     return repr(value) if isinstance(value, str | bytes) else str(value)
+
+
+def throttles_of(kinds: list[str] | None) -> dict[str, Throttle]:
+    """Return the throttles of `kinds` (None: every kind), in the order claims lock them."""
+    known = throttles()
+    if not known:
+        return {}
+    wanted = sorted(known) if kinds is None else sorted(set(kinds) & known.keys())
+    return {kind: known[kind] for kind in wanted}

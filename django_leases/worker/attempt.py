@@ -31,6 +31,7 @@ from django_leases.exceptions import (
 from django_leases.handlers import Kind, get_handler
 from django_leases.lease import Lease
 from django_leases.network import keep_usable
+from django_leases.redaction import error_text
 from django_leases.status import TIMED_OUT, AttemptOutcome
 from django_leases.worker.completion import Completer
 from django_leases.worker.outcomes import Outcomes
@@ -59,6 +60,8 @@ class Attempts:
             # the job (claimed by the loop, with a completion, or ahead): a lease whose time ran
             # out (the worker paused, a claim answered late) may be another worker's by now.
             runs = not lease.lost
+            if runs and self.paused(lease):
+                return self.completer.next_job()
             if runs:
                 started = time.monotonic()
                 logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
@@ -106,6 +109,21 @@ class Attempts:
         else:
             return self.completer.complete(lease)
         return self.completer.next_job()
+
+    def paused(self, lease: Lease) -> bool:
+        """Read, as the job starts, whether its kind is paused (whichever way the slot got it:
+        a job claimed before the pause committed, ahead or racing it, must not start); if so
+        give the job back unstarted. A database that does not answer starts nothing: the lease
+        runs out, its ledger row left open for the worker that takes the job over."""
+        try:
+            paused = lease.kind_paused()
+        except DatabaseError as exc:
+            self.outcomes.fenced_out(lease, f"not started: {error_text(exc)}", recorded=True)
+            return True
+        if paused:
+            logger.info("kind paused kind=%s job_id=%s: not started", lease.job.kind, lease.pk)
+            self.outcomes.release_unstarted(lease)
+        return paused
 
 
 def restore_connections() -> str:
