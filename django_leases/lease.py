@@ -113,7 +113,13 @@ class Lease:
         self._steps: dict[str, Callable[..., Any]] = {}
         # The claim's statement started at or after `renewed_at`, so the database's lease ends
         # no earlier than this deadline.
-        self._renewed_until = (self._clock() if renewed_at is None else renewed_at) + self.ttl
+        self.claimed_at = self._clock() if renewed_at is None else renewed_at
+        """When the claim's statement was sent, by the lease's (monotonic) clock."""
+        self._renewed_until = self.claimed_at + self.ttl
+
+    def claimed_ago(self) -> float:
+        """Seconds since the claim's statement was sent."""
+        return self._clock() - self.claimed_at
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "finished" if self.finished else "held"

@@ -15,6 +15,7 @@ from django.urls import reverse
 from django_leases.exceptions import InvalidArgument
 from django_leases.lease import Lease
 from django_leases.models import JobAttempt, KindEvent, PausedKind, PaymentJob
+from django_leases.querysets.pauses import FRESH_CLAIM
 from django_leases.schedules import enqueue_due
 from django_leases.worker import LeaseWorker
 from tests.test_batch_acks import claimed_ahead
@@ -184,9 +185,10 @@ def test_worker__a_claim_that_raced_the_pause_is_given_back_unstarted() -> None:
     as it starts the job, gives it back unstarted and runs nothing."""
     lease_worker = LeaseWorker(worker_id="racer", kinds=["atomic_batch"], ttl=60, heartbeat=5)
     job = JOBS.enqueue("atomic_batch")
+    sent = time.monotonic()  # the claim's statement, sent before the pause committed
     (claimed,) = JOBS.claim("racer", ttl=60)
     JOBS.pause_kind("atomic_batch", by="alice")
-    lease_worker._pool.hand_out([Lease(claimed, ttl=60)])
+    lease_worker._pool.hand_out([Lease(claimed, ttl=60, renewed_at=sent)])
     lease = lease_worker._pool.next_ready()
     assert lease is not None
     assert lease_worker._attempts.execute(lease) is None
@@ -291,3 +293,14 @@ def test_pause_kind__schedules_go_on_enqueueing_its_jobs() -> None:
     assert JOBS.claim("w", ttl=60) == []
     JOBS.resume_kind("noop", by="alice")
     assert [claimed.pk for claimed in JOBS.claim("w", ttl=60)] == [job.pk]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_worker__a_job_claimed_after_the_pause_returned_is_never_of_the_kind() -> None:
+    """The start reads nothing for a fresh claim: `pause_kind()` returns FRESH_CLAIM seconds
+    after its commit, so a claim sent after it returned saw the pause and left the kind out."""
+    JOBS.enqueue("atomic_batch")
+    started = time.monotonic()
+    JOBS.pause_kind("atomic_batch", by="alice")
+    assert time.monotonic() - started >= FRESH_CLAIM
+    assert JOBS.claim("racer", ttl=60, kinds=["atomic_batch"]) == []

@@ -31,6 +31,7 @@ from django_leases.exceptions import (
 from django_leases.handlers import Kind, get_handler
 from django_leases.lease import Lease
 from django_leases.network import keep_usable
+from django_leases.querysets.pauses import FRESH_CLAIM
 from django_leases.redaction import error_text
 from django_leases.status import TIMED_OUT, AttemptOutcome
 from django_leases.worker.completion import Completer
@@ -111,10 +112,14 @@ class Attempts:
         return self.completer.next_job()
 
     def paused(self, lease: Lease) -> bool:
-        """Read, as the job starts, whether its kind is paused (whichever way the slot got it:
-        a job claimed before the pause committed, ahead or racing it, must not start); if so
-        give the job back unstarted. A database that does not answer starts nothing: the lease
-        runs out, its ledger row left open for the worker that takes the job over."""
+        """Read, as the job starts, whether its kind is paused (a job claimed before the pause
+        committed, ahead or racing it, must not start); if so give the job back unstarted. A
+        job whose claim was sent less than FRESH_CLAIM seconds ago is not read: `pause_kind()`
+        waits that long after its commit, so that claim's statement saw the pause. A database
+        that does not answer starts nothing: the lease runs out, its ledger row left open for
+        the worker that takes the job over."""
+        if lease.claimed_ago() < FRESH_CLAIM:
+            return False  # its claim, sent after any pause this start must see, left it out
         try:
             paused = lease.kind_paused()
         except DatabaseError as exc:
