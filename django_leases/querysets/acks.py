@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from django.db import connections, transaction
+from django.db.models import Q
 from django.db.models.functions import Now
 
 from django_leases.dialects import ClaimPath, dialect_of
@@ -24,6 +25,7 @@ from django_leases.querysets.base import (
     quoted_table,
     retry_deadlocks,
 )
+from django_leases.querysets.dependencies import release_dependents
 from django_leases.querysets.ledger import J, close_attempts, ledger_of, record_fenced_many
 from django_leases.querysets.locks import pass_lock
 from django_leases.status import COMPLETED, PROCESSING, AttemptOutcome
@@ -99,7 +101,13 @@ def complete_unlocked(
     complete exactly those; the row locks keep the read true until commit."""
     done: set[LeaseKey] = set()
     for group in groups:
-        held = qs.filter(keys_filter(group), status=PROCESSING, lease_owner=owner, lock="")
+        held = qs.filter(
+            keys_filter(group),
+            status=PROCESSING,
+            lease_owner=owner,
+            lock="",
+            dependents__isnull=True,
+        )
         locked = dict(held.select_for_update().values_list("pk", "lease_token"))
         if locked:
             held.filter(pk__in=locked).update(status=COMPLETED, completed_at=Now(), last_error="")
@@ -111,9 +119,10 @@ def complete_unlocked(
 
 @retry_deadlocks
 def complete_locked(qs: LeaseQuerySet[J], owner: str, keys: list[LeaseKey]) -> set[LeaseKey]:
-    """Complete the jobs of a lock among `keys` that `owner` still holds, in one
-    transaction (the caller's, if any): release each one's lock in its UPDATE, close its
-    ledger row and pass the lock on, as `complete()` does; return the pairs completed.
+    """Complete the jobs of a lock (or with dependents) among `keys` that `owner` still holds,
+    in one transaction (the caller's, if any): release each one's lock in its UPDATE, close
+    its ledger row, pass the lock on and release its dependents, as `complete()` does; return
+    the pairs completed.
 
     The lock rule lives here, beside the completion, not with the caller: a batch may hold
     jobs of a lock, and none of them is left holding it or reported lost.
@@ -122,7 +131,7 @@ def complete_locked(qs: LeaseQuerySet[J], owner: str, keys: list[LeaseKey]) -> s
     with transaction.atomic(using=qs.db, savepoint=False):
         for group in key_groups(keys):
             held = qs.filter(keys_filter(group), status=PROCESSING, lease_owner=owner)
-            held = held.exclude(lock="")
+            held = held.filter(~Q(lock="") | Q(dependents__isnull=False))
             # In id order: the locks are passed on in the order the rows were locked.
             rows = held.select_for_update().order_by("pk").values_list("pk", "lease_token")
             locked = dict(rows)
@@ -134,6 +143,7 @@ def complete_locked(qs: LeaseQuerySet[J], owner: str, keys: list[LeaseKey]) -> s
             done.update(locked.items())
             for pk in locked:
                 pass_lock(qs, pk)
+            release_dependents(qs, locked)
         if done:
             close_attempts(qs, done, AttemptOutcome.COMPLETED, by=owner)
     return done

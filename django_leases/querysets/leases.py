@@ -42,6 +42,7 @@ from django_leases.querysets.base import (
     retry_deadlocks,
     writes,
 )
+from django_leases.querysets.dependencies import release_dependents
 from django_leases.querysets.ledger import (
     MAX_ERROR_LENGTH,
     J,
@@ -203,9 +204,9 @@ class LeaseQuerySet(LeaseReads[J]):
 
     @retry_deadlocks
     def _complete_at_once(self, pk: int, owner: str, token: int, ledger: LedgerNames) -> bool:
-        """Complete a job without a lock in one statement where the database has one
-        (`Dialect.complete()`); False leaves the job (lost, or of a lock, which is passed on in
-        a transaction) to the general path."""
+        """Complete a job without a lock or dependents in one statement where the database has
+        one (`Dialect.complete()`); False leaves the job (lost, or of a lock, which is passed on
+        in a transaction, or with dependents, released so) to the general path."""
         dialect = dialect_of(connections[self.db])
         if not dialect.completes_at_once:
             return False
@@ -386,14 +387,17 @@ class LeaseQuerySet(LeaseReads[J]):
         """Apply the holder's write `values` to `held` (the job `pk` as its holder holds it);
         one that releases the job's lock passes it on.
 
-        A job without a lock is updated in one statement, as before locks existed; a job of a
-        lock fails that statement's `lock = ''` and takes the second, then passes its lock on.
+        A job without a lock or dependents is updated in one statement, as before locks
+        existed; one of a lock, or with dependents, fails that statement's condition and takes
+        the second, then passes its lock on and releases its dependents if it completed.
         """
         if "lock_holder" not in values:
             return bool(held.update(**values))
-        if held.filter(lock="").update(**values):
+        if held.filter(lock="", dependents__isnull=True).update(**values):
             return True
-        if not held.exclude(lock="").update(**values):
+        if not held.filter(~Q(lock="") | Q(dependents__isnull=False)).update(**values):
             return False
         pass_lock(self, pk)
+        if values.get("status") == COMPLETED:
+            release_dependents(self, [pk])
         return True

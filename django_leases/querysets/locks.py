@@ -90,7 +90,7 @@ def pass_lock(qs: LeaseQuerySet[J], pk: int, *, contested: bool = False) -> None
     # promoted from a stale read. Lowest id first: enqueue order.
     first = list(
         jobs.select_for_update()
-        .filter(status=WAITING, lock=lock)
+        .filter(status=WAITING, lock=lock, unmet=0)
         .order_by("pk")
         .values_list("pk", flat=True)[:1]
     )

@@ -30,6 +30,7 @@ from django_leases.querysets.base import (
     next_token,
     retry_deadlocks,
 )
+from django_leases.querysets.dependencies import release_dependents
 from django_leases.querysets.ledger import (
     MAX_ERROR_LENGTH,
     J,
@@ -122,6 +123,8 @@ def rescue(
             )
             if "lock_holder" in values:
                 pass_lock(qs, job.pk)
+            if action == COMPLETED:
+                release_dependents(qs, [job.pk])
     return bool(won)
 
 
@@ -145,6 +148,8 @@ def requeue(qs: LeaseQuerySet[J], *, force: bool = False, by: str = "operator") 
     values = {
         "ends_as": "",
         "status": Case(
+            # A dependent whose prerequisites have not all completed waits for them again.
+            When(unmet__gt=0, then=Value(WAITING)),
             When(Q(lock="") | Q(lock_holder__isnull=False), then=Value(PENDING)),
             default=Value(WAITING),
         ),
@@ -371,6 +376,8 @@ def operator_batch(
         for pk, _, _, lock in rows:
             if lock:
                 pass_lock(qs, pk, contested=True)
+        if values.get("status") == COMPLETED:
+            release_dependents(qs, pks)
         ledger = qs._ledger()
         if ledger is not None:
             attempts = ledger.objects.using(qs.db).filter(job_ref__in=pks)
