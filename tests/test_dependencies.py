@@ -304,6 +304,11 @@ def worker(processes: Processes, name: str, *args: str) -> Any:
     )
 
 
+def all_completed(jobs: list[PaymentJob]) -> bool:
+    pks = [job.pk for job in jobs]
+    return PaymentJob.objects.filter(pk__in=pks, status=Status.COMPLETED).count() == len(pks)
+
+
 def first_claims(pks: list[int]) -> dict[int, Any]:
     """The claim time of each job's first attempt, by the database clock."""
     claimed: dict[int, Any] = {}
@@ -331,15 +336,7 @@ def test_workers__prerequisites_completing_at_once_release_their_dependent_once(
     for n in range(2):
         worker(processes, f"racer-{n}", "--concurrency", "1", "--ttl", "30", "--heartbeat", "5")
 
-    wait_for(
-        lambda: (
-            PaymentJob.objects.filter(
-                pk__in=[job.pk for job in everything], status=Status.COMPLETED
-            ).count()
-            == len(everything)
-        ),
-        timeout=120,
-    )
+    wait_for(lambda: all_completed(everything), timeout=120)
 
     runs = list(LockRun.objects.values_list("job_ref", flat=True))
     assert sorted(runs) == sorted(job.pk for job in everything)  # each ran exactly once
@@ -362,15 +359,7 @@ def test_workers__a_chain_runs_link_after_link(processes: Processes) -> None:
     for n in range(2):
         worker(processes, f"chain-{n}", "--ttl", "30", "--heartbeat", "5")
 
-    wait_for(
-        lambda: (
-            PaymentJob.objects.filter(
-                pk__in=[job.pk for job in chain], status=Status.COMPLETED
-            ).count()
-            == len(chain)
-        ),
-        timeout=120,
-    )
+    wait_for(lambda: all_completed(chain), timeout=120)
 
     claimed = first_claims([job.pk for job in chain])
     for before, after in zip(chain, chain[1:], strict=False):
