@@ -8,6 +8,7 @@ whichever database DATABASE_URL names.
 from typing import Any
 
 import pytest
+from django.urls import reverse
 
 from django_leases.exceptions import IdempotencyKeyReused, InvalidArgument
 from django_leases.models import JobAttempt, PaymentJob
@@ -380,3 +381,41 @@ def test_workers__a_failed_prerequisite_holds_its_dependent(processes: Processes
 
     assert (row(dependent).status, row(dependent).unmet) == (Status.WAITING, 1)
     assert not LockRun.objects.filter(job_ref=dependent.pk).exists()
+
+
+# ---- admin -------------------------------------------------------------------------------------
+
+
+def change_page(client: Any, job: PaymentJob) -> str:
+    url = reverse("admin:django_leases_paymentjob_change", args=[job.pk])
+    response = client.get(url)
+    assert response.status_code == 200
+    return str(response.content.decode())
+
+
+@pytest.mark.django_db
+def test_admin__a_job_page_shows_what_it_waits_for_and_what_waits_on_it(admin_client: Any) -> None:
+    capture, webhook = PaymentJob.objects.enqueue("capture"), PaymentJob.objects.enqueue("hook")
+    refund = PaymentJob.objects.enqueue("refund", after=[capture, webhook])
+    complete(webhook)
+    page = change_page(admin_client, refund)
+    capture_url = reverse("admin:django_leases_paymentjob_change", args=[capture.pk])
+    assert f'<a href="{capture_url}">#{capture.pk}</a> (Pending)' in page
+    assert f"#{webhook.pk}</a> (Completed)" in page
+    assert "waiting for 1 of them" in page
+    refund_url = reverse("admin:django_leases_paymentjob_change", args=[refund.pk])
+    assert f'<a href="{refund_url}">#{refund.pk}</a> (Waiting for its lock)' in change_page(
+        admin_client, capture
+    )
+
+
+@pytest.mark.django_db
+def test_admin__a_dependent_held_by_a_failed_prerequisite_says_so(admin_client: Any) -> None:
+    capture = PaymentJob.objects.enqueue("capture")
+    refund = PaymentJob.objects.enqueue("refund", after=[capture])
+    held = claim(capture.pk)
+    PaymentJob.objects.fail(held.pk, "w", held.lease_token, "declined", permanent=True)
+    page = change_page(admin_client, refund)
+    assert f"#{capture.pk}</a> (Failed)" in page
+    assert "held: a prerequisite failed or was cancelled" in page
+    assert "waiting for the jobs it was enqueued after" in page

@@ -26,6 +26,7 @@ from django.utils.translation import gettext_lazy as _
 from django_leases import stats
 from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
 from django_leases.admin.counts import CountingChangeList, CountingPaginator
+from django_leases.admin.dependencies import DEPENDENCY_FIELDS, DependenciesMixin
 from django_leases.admin.display import EMPTY, human_duration, short_text
 from django_leases.admin.filters import (
     KindFilter,
@@ -90,7 +91,9 @@ class JobChangeList(CountingChangeList):
         return super().get_queryset(request, exclude_parameters).defer("payload", "result")
 
 
-class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, admin.ModelAdmin):
+class LeasedJobAdmin(
+    DependenciesMixin, OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, admin.ModelAdmin
+):
     """The admin of a job table: register it for your own `AbstractLeasedJob` model.
 
     Lease filters and columns, the operator actions, the attempt ledger inline (the model's
@@ -124,9 +127,18 @@ class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, adm
     form = LeasedJobForm
     change_list_template = "admin/django_leases/leasedjob/change_list.html"
     change_form_template = "admin/django_leases/change_form.html"
-    readonly_fields = ["kind", "lock", "lock_position", *LEASE_FIELDS, "lease", "heartbeat"]
+    readonly_fields = [
+        "kind",
+        "lock",
+        "lock_position",
+        *LEASE_FIELDS,
+        "lease",
+        "heartbeat",
+        *DEPENDENCY_FIELDS,
+    ]
     fieldsets = (
         (None, {"fields": ("kind", ("lock", "lock_position"), "priority", "payload")}),
+        (_("Dependencies"), {"fields": DEPENDENCY_FIELDS}),
         (
             _("Lease"),
             {
@@ -336,6 +348,8 @@ class LeasedJobAdmin(OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, adm
         return EMPTY
 
     def _waiting_for(self, job: PaymentJob) -> str:
+        if job.unmet:
+            return gettext("waiting for the jobs it was enqueued after")
         holder = getattr(job, "waiting_for", None)
         if holder is None:
             return gettext("waiting for its lock")
