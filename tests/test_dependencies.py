@@ -5,9 +5,11 @@ real `run_lease_worker` processes over prerequisites that complete at the same m
 whichever database DATABASE_URL names.
 """
 
+import signal
 from typing import Any
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.urls import reverse
 
 from django_leases.exceptions import IdempotencyKeyReused, InvalidArgument
@@ -87,6 +89,23 @@ def test_enqueue_many__after_makes_every_job_wait_and_releases_them_together() -
     assert row(capture).dependents == [job.pk for job in fanned]
     complete(capture)
     assert {row(job).status for job in fanned} == {Status.PENDING}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_aenqueue__after_waits_as_enqueue_does() -> None:
+    capture = PaymentJob.objects.enqueue("capture")
+
+    @async_to_sync
+    async def aenqueue() -> list[PaymentJob]:
+        one = await PaymentJob.objects.aenqueue("refund", after=[capture])
+        many = await PaymentJob.objects.aenqueue_many("notify", [{}, {}], after=[capture.pk])
+        return [one, *many]
+
+    dependents = aenqueue()
+    assert [row(job).status for job in dependents] == [Status.WAITING] * 3
+    assert row(capture).dependents == [job.pk for job in dependents]
+    complete(capture)
+    assert [row(job).status for job in dependents] == [Status.PENDING] * 3
 
 
 @pytest.mark.django_db
@@ -419,3 +438,27 @@ def test_admin__a_dependent_held_by_a_failed_prerequisite_says_so(admin_client: 
     assert f"#{capture.pk}</a> (Failed)" in page
     assert "held: a prerequisite failed or was cancelled" in page
     assert "waiting for the jobs it was enqueued after" in page
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_workers__a_prerequisite_whose_worker_is_killed_releases_its_dependent_once_rerun(
+    processes: Processes,
+) -> None:
+    # The first attempt runs long enough to be killed; the rerun returns at once.
+    capture = PaymentJob.objects.enqueue("locked_step", {"durations": [60, 0]})
+    refund = PaymentJob.objects.enqueue("locked_step", {"seconds": 0}, after=[capture])
+    victim = worker(processes, "victim", "--ttl", "2", "--heartbeat", "0.5")
+    wait_for(lambda: LockRun.objects.filter(job_ref=capture.pk).exists())
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert (row(capture).status, row(refund).status) == (Status.PROCESSING, Status.WAITING)
+
+    worker(processes, "heir", "--ttl", "2", "--heartbeat", "0.5")
+    wait_for(lambda: all_completed([capture, refund]), timeout=60)
+
+    lost, rerun = JobAttempt.objects.filter(job_ref=capture.pk).order_by("token")
+    assert (lost.outcome, rerun.owner, rerun.outcome) == ("lease_lost", "heir", "completed")
+    (after,) = JobAttempt.objects.filter(job_ref=refund.pk)
+    assert after.claimed_at >= row(capture).completed_at
+    assert LockRun.objects.filter(job_ref=refund.pk).count() == 1
