@@ -47,11 +47,12 @@ def main() -> None:
 def completions(jobs: list[Any]) -> tuple[list[float], int]:
     """Claim `jobs`, then complete each; return the seconds of each completion and the
     statements they sent in all."""
-    from django.db import connection
+    from django.db import connection, reset_queries
     from django.test.utils import CaptureQueriesContext
 
     from django_leases.models import PaymentJob
 
+    reset_queries()
     held = [PaymentJob.objects.claim_job(job.pk, "bench", ttl=600) for job in jobs]
     seconds = []
     with CaptureQueriesContext(connection) as queries:
