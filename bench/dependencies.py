@@ -57,7 +57,8 @@ def completions(jobs: list[Any]) -> tuple[list[float], int]:
     seconds = []
     with CaptureQueriesContext(connection) as queries:
         for job in held:
-            assert job is not None
+            if job is None:
+                raise SystemExit("a job of the bench was not claimable")
             started = time.perf_counter()
             PaymentJob.objects.complete(job.pk, "bench", job.lease_token)
             seconds.append(time.perf_counter() - started)
@@ -79,7 +80,8 @@ def measure(count: int) -> None:
         PaymentJob.objects.enqueue("bench.dependent", after=[first, last])
     completions(firsts)
     vendor = connection.vendor
-    for name, jobs in (("no dependents", plain), ("one dependent", awaited), ("last of two", lasts)):
+    measured = (("no dependents", plain), ("one dependent", awaited), ("last of two", lasts))
+    for name, jobs in measured:
         seconds, statements = completions(jobs)
         median = statistics.median(seconds) * 1000
         p90 = statistics.quantiles(seconds, n=10)[-1] * 1000
@@ -89,7 +91,8 @@ def measure(count: int) -> None:
             flush=True,
         )
     released = PaymentJob.objects.filter(kind="bench.dependent", status="pending").count()
-    assert released == 2 * count, released
+    if released != 2 * count:
+        raise SystemExit(f"{released} dependents released, not {2 * count}")
     PaymentJob.objects.filter(kind__startswith="bench.").delete()
 
 

@@ -227,9 +227,9 @@ def key_params(group: dict[int, int]) -> Params:
 
 
 def lock_held(table: str, *, owner: str, group: dict[int, int]) -> tuple[str, Params]:
-    """Return the row locks of the jobs without a lock or dependents of `group` ({job id: token}) that
-    `owner` still holds under those tokens: their (id, lease_token) pairs, locked until commit,
-    so the completion's UPDATE (`complete_held()`) wins on exactly those."""
+    """Return the row locks of the jobs without a lock or dependents of `group` ({job id:
+    token}) that `owner` still holds under those tokens: their (id, lease_token) pairs, locked
+    until commit, so the completion's UPDATE (`complete_held()`) wins on exactly those."""
     return _lock_held(table, len(group)), {**key_params(group), "owner": owner}
 
 
