@@ -6,347 +6,91 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     initial = True
 
-    dependencies = []
+    dependencies = [
+    ]
 
     operations = [
         migrations.CreateModel(
-            name="Worker",
+            name='Worker',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                (
-                    "worker_id",
-                    models.CharField(max_length=255, unique=True, verbose_name="worker id"),
-                ),
-                ("hostname", models.CharField(max_length=255, verbose_name="host")),
-                ("pid", models.PositiveIntegerField(verbose_name="process id")),
-                ("kinds", models.JSONField(default=list, verbose_name="kinds")),
-                ("concurrency", models.PositiveIntegerField(default=1, verbose_name="concurrency")),
-                (
-                    "started_at",
-                    models.DateTimeField(
-                        db_default=django.db.models.functions.datetime.Now(),
-                        verbose_name="started at",
-                    ),
-                ),
-                (
-                    "last_seen_at",
-                    models.DateTimeField(
-                        db_default=django.db.models.functions.datetime.Now(),
-                        verbose_name="last seen at",
-                    ),
-                ),
-                (
-                    "stopped_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="stopped at"),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('worker_id', models.CharField(max_length=255, unique=True, verbose_name='worker id')),
+                ('hostname', models.CharField(max_length=255, verbose_name='host')),
+                ('pid', models.PositiveIntegerField(verbose_name='process id')),
+                ('kinds', models.JSONField(default=list, verbose_name='kinds')),
+                ('concurrency', models.PositiveIntegerField(default=1, verbose_name='concurrency')),
+                ('started_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), verbose_name='started at')),
+                ('last_seen_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), verbose_name='last seen at')),
+                ('stopped_at', models.DateTimeField(blank=True, null=True, verbose_name='stopped at')),
             ],
             options={
-                "verbose_name": "worker",
-                "verbose_name_plural": "workers",
-                "ordering": ["-last_seen_at"],
+                'verbose_name': 'worker',
+                'verbose_name_plural': 'workers',
+                'ordering': ['-last_seen_at'],
             },
         ),
         migrations.CreateModel(
-            name="PaymentJob",
+            name='PaymentJob',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("kind", models.CharField(max_length=100, verbose_name="kind")),
-                ("payload", models.JSONField(blank=True, default=dict, verbose_name="payload")),
-                (
-                    "status",
-                    models.CharField(
-                        choices=[
-                            ("pending", "Pending"),
-                            ("processing", "Processing"),
-                            ("completed", "Completed"),
-                            ("failed", "Failed"),
-                            ("review", "Under review"),
-                            ("cancelled", "Cancelled"),
-                        ],
-                        default="pending",
-                        max_length=20,
-                        verbose_name="status",
-                    ),
-                ),
-                (
-                    "priority",
-                    models.SmallIntegerField(
-                        default=0, help_text="Higher runs first.", verbose_name="priority"
-                    ),
-                ),
-                (
-                    "run_at",
-                    models.DateTimeField(
-                        db_default=django.db.models.functions.datetime.Now(), verbose_name="run at"
-                    ),
-                ),
-                ("attempts", models.PositiveIntegerField(default=0, verbose_name="attempts")),
-                (
-                    "max_attempts",
-                    models.PositiveIntegerField(default=5, verbose_name="max attempts"),
-                ),
-                (
-                    "lease_owner",
-                    models.CharField(
-                        blank=True, default="", max_length=255, verbose_name="lease owner"
-                    ),
-                ),
-                (
-                    "lease_until",
-                    models.DateTimeField(blank=True, null=True, verbose_name="lease until"),
-                ),
-                (
-                    "lease_token",
-                    models.PositiveBigIntegerField(
-                        default=0,
-                        help_text="Grows with every acquisition; a holder's writes must present it.",
-                        verbose_name="fencing token",
-                    ),
-                ),
-                (
-                    "heartbeat_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="last heartbeat at"),
-                ),
-                (
-                    "checkpoint",
-                    models.CharField(
-                        blank=True, default="", max_length=100, verbose_name="checkpoint"
-                    ),
-                ),
-                ("last_error", models.TextField(blank=True, default="", verbose_name="last error")),
-                (
-                    "result",
-                    models.JSONField(
-                        blank=True,
-                        help_text="What the handler returned, if it asked.",
-                        null=True,
-                        verbose_name="result",
-                    ),
-                ),
-                (
-                    "created_at",
-                    models.DateTimeField(
-                        db_default=django.db.models.functions.datetime.Now(),
-                        verbose_name="created at",
-                    ),
-                ),
-                (
-                    "completed_at",
-                    models.DateTimeField(
-                        blank=True,
-                        help_text="When the job reached its final status.",
-                        null=True,
-                        verbose_name="completed at",
-                    ),
-                ),
-                (
-                    "payment_id",
-                    models.CharField(
-                        blank=True, default="", max_length=64, verbose_name="payment id"
-                    ),
-                ),
-                (
-                    "idempotency_key",
-                    models.CharField(
-                        blank=True,
-                        max_length=255,
-                        null=True,
-                        unique=True,
-                        verbose_name="idempotency key",
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('kind', models.CharField(max_length=100, verbose_name='kind')),
+                ('payload', models.JSONField(blank=True, default=dict, verbose_name='payload')),
+                ('status', models.CharField(choices=[('pending', 'Pending'), ('processing', 'Processing'), ('completed', 'Completed'), ('failed', 'Failed'), ('review', 'Under review'), ('cancelled', 'Cancelled')], default='pending', max_length=20, verbose_name='status')),
+                ('priority', models.SmallIntegerField(default=0, help_text='Higher runs first.', verbose_name='priority')),
+                ('run_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), verbose_name='run at')),
+                ('attempts', models.PositiveIntegerField(default=0, verbose_name='attempts')),
+                ('max_attempts', models.PositiveIntegerField(default=5, verbose_name='max attempts')),
+                ('lease_owner', models.CharField(blank=True, default='', max_length=255, verbose_name='lease owner')),
+                ('lease_until', models.DateTimeField(blank=True, null=True, verbose_name='lease until')),
+                ('lease_token', models.PositiveBigIntegerField(default=0, help_text="Grows with every acquisition; a holder's writes must present it.", verbose_name='fencing token')),
+                ('heartbeat_at', models.DateTimeField(blank=True, null=True, verbose_name='last heartbeat at')),
+                ('checkpoint', models.CharField(blank=True, default='', max_length=100, verbose_name='checkpoint')),
+                ('last_error', models.TextField(blank=True, default='', verbose_name='last error')),
+                ('result', models.JSONField(blank=True, help_text='What the handler returned, if it asked.', null=True, verbose_name='result')),
+                ('created_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), verbose_name='created at')),
+                ('completed_at', models.DateTimeField(blank=True, help_text='When the job reached its final status.', null=True, verbose_name='completed at')),
+                ('payment_id', models.CharField(blank=True, default='', max_length=64, verbose_name='payment id')),
+                ('idempotency_key', models.CharField(blank=True, max_length=255, null=True, unique=True, verbose_name='idempotency key')),
             ],
             options={
-                "verbose_name": "payment job",
-                "verbose_name_plural": "payment jobs",
-                "indexes": [
-                    models.Index(
-                        condition=models.Q(("status", "pending")),
-                        fields=["status", "-priority", "run_at", "id"],
-                        name="dl_job_due_idx",
-                    ),
-                    models.Index(
-                        condition=models.Q(("status", "processing")),
-                        fields=["status", "lease_until"],
-                        name="dl_job_lease_idx",
-                    ),
-                    models.Index(fields=["payment_id"], name="dl_job_payment_idx"),
-                    models.Index(fields=["status", "completed_at"], name="dl_job_finished_idx"),
-                ],
-                "constraints": [
-                    models.CheckConstraint(
-                        condition=models.Q(
-                            models.Q(("status", "processing"), _negated=True),
-                            models.Q(
-                                ("lease_until__isnull", False),
-                                models.Q(("lease_owner", ""), _negated=True),
-                            ),
-                            _connector="OR",
-                        ),
-                        name="dl_job_processing_has_lease",
-                    ),
-                    models.CheckConstraint(
-                        condition=models.Q(
-                            (
-                                "status__in",
-                                [
-                                    "pending",
-                                    "processing",
-                                    "completed",
-                                    "failed",
-                                    "review",
-                                    "cancelled",
-                                ],
-                            )
-                        ),
-                        name="dl_job_status_valid",
-                    ),
-                    models.CheckConstraint(
-                        condition=models.Q(("max_attempts__gte", 1)), name="dl_job_max_attempts_min"
-                    ),
-                ],
+                'verbose_name': 'payment job',
+                'verbose_name_plural': 'payment jobs',
+                'indexes': [models.Index(condition=models.Q(('status', 'pending')), fields=['status', '-priority', 'run_at', 'id'], name='dl_job_due_idx'), models.Index(condition=models.Q(('status', 'processing')), fields=['status', 'lease_until'], name='dl_job_lease_idx'), models.Index(fields=['payment_id'], name='dl_job_payment_idx'), models.Index(fields=['status', 'completed_at'], name='dl_job_finished_idx')],
+                'constraints': [models.CheckConstraint(condition=models.Q(models.Q(('status', 'processing'), _negated=True), models.Q(('lease_until__isnull', False), models.Q(('lease_owner', ''), _negated=True)), _connector='OR'), name='dl_job_processing_has_lease'), models.CheckConstraint(condition=models.Q(('status__in', ['pending', 'processing', 'completed', 'failed', 'review', 'cancelled'])), name='dl_job_status_valid'), models.CheckConstraint(condition=models.Q(('max_attempts__gte', 1)), name='dl_job_max_attempts_min')],
             },
         ),
         migrations.CreateModel(
-            name="JobAttempt",
+            name='JobAttempt',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("job_ref", models.BigIntegerField(verbose_name="job id")),
-                ("attempt", models.PositiveIntegerField(verbose_name="attempt")),
-                ("token", models.PositiveBigIntegerField(verbose_name="fencing token")),
-                ("owner", models.CharField(max_length=255, verbose_name="owner")),
-                (
-                    "claimed_at",
-                    models.DateTimeField(
-                        db_default=django.db.models.functions.datetime.Now(),
-                        verbose_name="claimed at",
-                    ),
-                ),
-                (
-                    "last_heartbeat_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="last heartbeat at"),
-                ),
-                (
-                    "lease_until",
-                    models.DateTimeField(
-                        blank=True, null=True, verbose_name="lease until at the end"
-                    ),
-                ),
-                (
-                    "checkpoint",
-                    models.CharField(
-                        blank=True, default="", max_length=100, verbose_name="last checkpoint"
-                    ),
-                ),
-                ("ended_at", models.DateTimeField(blank=True, null=True, verbose_name="ended at")),
-                (
-                    "outcome",
-                    models.CharField(
-                        choices=[
-                            ("running", "Running"),
-                            ("completed", "Completed"),
-                            ("failed", "Failed"),
-                            ("retried", "Failed, retry scheduled"),
-                            ("lease_lost", "Lease lost (taken over after expiry)"),
-                            ("rescued", "Returned to pending after its lease expired"),
-                            ("review", "Held for review by the watcher"),
-                            ("released", "Released by its holder"),
-                            ("requeued", "Requeued by an operator"),
-                        ],
-                        default="running",
-                        max_length=20,
-                        verbose_name="outcome",
-                    ),
-                ),
-                (
-                    "ended_by",
-                    models.CharField(
-                        blank=True,
-                        default="",
-                        help_text="Who closed the attempt: its holder, a worker that took over, the watcher, an operator.",
-                        max_length=255,
-                        verbose_name="ended by",
-                    ),
-                ),
-                (
-                    "fenced_at",
-                    models.DateTimeField(
-                        blank=True,
-                        help_text="When the holder came back after losing the lease and was refused.",
-                        null=True,
-                        verbose_name="fenced out at",
-                    ),
-                ),
-                (
-                    "error_class",
-                    models.CharField(
-                        blank=True, default="", max_length=255, verbose_name="error class"
-                    ),
-                ),
-                (
-                    "error_message",
-                    models.TextField(blank=True, default="", verbose_name="error message"),
-                ),
-                (
-                    "resolution",
-                    models.CharField(
-                        blank=True,
-                        default="",
-                        help_text="For an attempt held for review: the verdict that resolved it.",
-                        max_length=20,
-                        verbose_name="review resolution",
-                    ),
-                ),
-                (
-                    "resolved_by",
-                    models.CharField(
-                        blank=True, default="", max_length=255, verbose_name="resolved by"
-                    ),
-                ),
-                (
-                    "resolved_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="resolved at"),
-                ),
-                (
-                    "job",
-                    models.ForeignKey(
-                        null=True,
-                        on_delete=django.db.models.deletion.SET_NULL,
-                        related_name="attempt_log",
-                        to="django_leases.paymentjob",
-                        verbose_name="job",
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('job_ref', models.BigIntegerField(verbose_name='job id')),
+                ('attempt', models.PositiveIntegerField(verbose_name='attempt')),
+                ('token', models.PositiveBigIntegerField(verbose_name='fencing token')),
+                ('owner', models.CharField(max_length=255, verbose_name='owner')),
+                ('claimed_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), verbose_name='claimed at')),
+                ('last_heartbeat_at', models.DateTimeField(blank=True, null=True, verbose_name='last heartbeat at')),
+                ('lease_until', models.DateTimeField(blank=True, null=True, verbose_name='lease until at the end')),
+                ('checkpoint', models.CharField(blank=True, default='', max_length=100, verbose_name='last checkpoint')),
+                ('ended_at', models.DateTimeField(blank=True, null=True, verbose_name='ended at')),
+                ('outcome', models.CharField(choices=[('running', 'Running'), ('completed', 'Completed'), ('failed', 'Failed'), ('retried', 'Failed, retry scheduled'), ('lease_lost', 'Lease lost (taken over after expiry)'), ('rescued', 'Returned to pending after its lease expired'), ('review', 'Held for review by the watcher'), ('released', 'Released by its holder'), ('requeued', 'Requeued by an operator')], default='running', max_length=20, verbose_name='outcome')),
+                ('ended_by', models.CharField(blank=True, default='', help_text='Who closed the attempt: its holder, a worker that took over, the watcher, an operator.', max_length=255, verbose_name='ended by')),
+                ('fenced_at', models.DateTimeField(blank=True, help_text='When the holder came back after losing the lease and was refused.', null=True, verbose_name='fenced out at')),
+                ('error_class', models.CharField(blank=True, default='', max_length=255, verbose_name='error class')),
+                ('error_message', models.TextField(blank=True, default='', verbose_name='error message')),
+                ('resolution', models.CharField(blank=True, default='', help_text='For an attempt held for review: the verdict that resolved it.', max_length=20, verbose_name='review resolution')),
+                ('resolved_by', models.CharField(blank=True, default='', max_length=255, verbose_name='resolved by')),
+                ('resolved_at', models.DateTimeField(blank=True, null=True, verbose_name='resolved at')),
+                ('job', models.ForeignKey(null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='attempt_log', to='django_leases.paymentjob', verbose_name='job')),
             ],
             options={
-                "verbose_name": "job attempt",
-                "verbose_name_plural": "job attempts",
-                "ordering": ["-claimed_at", "-id"],
-                "indexes": [
-                    models.Index(fields=["job_ref", "ended_at"], name="dl_attempt_open_idx")
-                ],
-                "constraints": [
-                    models.UniqueConstraint(
-                        fields=("job_ref", "token"), name="dl_attempt_job_token_uniq"
-                    )
-                ],
+                'verbose_name': 'job attempt',
+                'verbose_name_plural': 'job attempts',
+                'ordering': ['-claimed_at', '-id'],
+                'indexes': [models.Index(fields=['job_ref', 'ended_at'], name='dl_attempt_open_idx')],
+                'constraints': [models.UniqueConstraint(fields=('job_ref', 'token'), name='dl_attempt_job_token_uniq')],
             },
         ),
     ]

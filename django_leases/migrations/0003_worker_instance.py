@@ -4,20 +4,15 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0002_postgresql_vacuum"),
+        ('django_leases', '0002_postgresql_vacuum'),
     ]
 
     operations = [
         migrations.AddField(
-            model_name="worker",
-            name="instance",
-            field=models.CharField(
-                blank=True,
-                default="",
-                help_text="Random per process: which process holds this worker id now.",
-                max_length=32,
-                verbose_name="process instance",
-            ),
+            model_name='worker',
+            name='instance',
+            field=models.CharField(blank=True, default='', help_text='Random per process: which process holds this worker id now.', max_length=32, verbose_name='process instance'),
         ),
     ]

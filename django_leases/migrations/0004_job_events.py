@@ -6,96 +6,35 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0003_worker_instance"),
+        ('django_leases', '0003_worker_instance'),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name="jobattempt",
-            name="outcome",
-            field=models.CharField(
-                choices=[
-                    ("running", "Running"),
-                    ("completed", "Completed"),
-                    ("failed", "Failed"),
-                    ("retried", "Failed, retry scheduled"),
-                    ("lease_lost", "Lease lost (taken over after expiry)"),
-                    ("rescued", "Returned to pending after its lease expired"),
-                    ("review", "Held for review by the watcher"),
-                    ("released", "Released by its holder"),
-                    ("requeued", "Requeued by an operator"),
-                    ("timed_out", "Timed out (ran past its kind's timeout)"),
-                ],
-                default="running",
-                max_length=20,
-                verbose_name="outcome",
-            ),
+            model_name='jobattempt',
+            name='outcome',
+            field=models.CharField(choices=[('running', 'Running'), ('completed', 'Completed'), ('failed', 'Failed'), ('retried', 'Failed, retry scheduled'), ('lease_lost', 'Lease lost (taken over after expiry)'), ('rescued', 'Returned to pending after its lease expired'), ('review', 'Held for review by the watcher'), ('released', 'Released by its holder'), ('requeued', 'Requeued by an operator'), ('timed_out', "Timed out (ran past its kind's timeout)")], default='running', max_length=20, verbose_name='outcome'),
         ),
         migrations.CreateModel(
-            name="JobEvent",
+            name='JobEvent',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("job_ref", models.BigIntegerField(verbose_name="job id")),
-                (
-                    "action",
-                    models.CharField(
-                        choices=[
-                            ("requeued", "Requeued"),
-                            ("released", "Stuck lease released"),
-                            ("failed", "Marked failed"),
-                            ("cancelled", "Cancelled"),
-                            ("review_completed", "Review resolved: completed"),
-                            ("review_retry", "Review resolved: retry"),
-                            ("review_failed", "Review resolved: failed"),
-                        ],
-                        max_length=20,
-                        verbose_name="action",
-                    ),
-                ),
-                ("by", models.CharField(max_length=255, verbose_name="by")),
-                (
-                    "at",
-                    models.DateTimeField(
-                        db_default=django.db.models.functions.datetime.Now(), verbose_name="at"
-                    ),
-                ),
-                ("reason", models.TextField(blank=True, default="", verbose_name="reason")),
-                (
-                    "attempts",
-                    models.PositiveIntegerField(
-                        help_text="The job's attempts when the action applied.",
-                        verbose_name="after attempts",
-                    ),
-                ),
-                (
-                    "token",
-                    models.PositiveBigIntegerField(
-                        help_text="The job's fencing token when the action applied.",
-                        verbose_name="fencing token",
-                    ),
-                ),
-                (
-                    "job",
-                    models.ForeignKey(
-                        null=True,
-                        on_delete=django.db.models.deletion.SET_NULL,
-                        related_name="event_log",
-                        to="django_leases.paymentjob",
-                        verbose_name="job",
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('job_ref', models.BigIntegerField(verbose_name='job id')),
+                ('action', models.CharField(choices=[('requeued', 'Requeued'), ('released', 'Stuck lease released'), ('failed', 'Marked failed'), ('cancelled', 'Cancelled'), ('review_completed', 'Review resolved: completed'), ('review_retry', 'Review resolved: retry'), ('review_failed', 'Review resolved: failed')], max_length=20, verbose_name='action')),
+                ('by', models.CharField(max_length=255, verbose_name='by')),
+                ('at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), verbose_name='at')),
+                ('reason', models.TextField(blank=True, default='', verbose_name='reason')),
+                ('attempts', models.PositiveIntegerField(help_text="The job's attempts when the action applied.", verbose_name='after attempts')),
+                ('token', models.PositiveBigIntegerField(help_text="The job's fencing token when the action applied.", verbose_name='fencing token')),
+                ('job', models.ForeignKey(null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='event_log', to='django_leases.paymentjob', verbose_name='job')),
             ],
             options={
-                "verbose_name": "job event",
-                "verbose_name_plural": "job events",
-                "ordering": ["-id"],
-                "indexes": [models.Index(fields=["job_ref", "at"], name="dl_event_job_idx")],
+                'verbose_name': 'job event',
+                'verbose_name_plural': 'job events',
+                'ordering': ['-id'],
+                'indexes': [models.Index(fields=['job_ref', 'at'], name='dl_event_job_idx')],
             },
         ),
     ]

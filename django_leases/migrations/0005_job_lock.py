@@ -4,121 +4,49 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0004_job_events"),
+        ('django_leases', '0004_job_events'),
     ]
 
     operations = [
         migrations.RemoveConstraint(
-            model_name="paymentjob",
-            name="dl_job_status_valid",
+            model_name='paymentjob',
+            name='dl_job_status_valid',
         ),
         migrations.AddField(
-            model_name="paymentjob",
-            name="lock",
-            field=models.CharField(
-                blank=True,
-                default="",
-                help_text="Jobs sharing a lock run one at a time, in enqueue order.",
-                max_length=255,
-                verbose_name="lock",
-            ),
+            model_name='paymentjob',
+            name='lock',
+            field=models.CharField(blank=True, default='', help_text='Jobs sharing a lock run one at a time, in enqueue order.', max_length=255, verbose_name='lock'),
         ),
         migrations.AddField(
-            model_name="paymentjob",
-            name="lock_holder",
-            field=models.CharField(
-                blank=True,
-                editable=False,
-                help_text="The lock this job holds: next in line, running or under review.",
-                max_length=255,
-                null=True,
-                unique=True,
-                verbose_name="holds lock",
-            ),
+            model_name='paymentjob',
+            name='lock_holder',
+            field=models.CharField(blank=True, editable=False, help_text='The lock this job holds: next in line, running or under review.', max_length=255, null=True, unique=True, verbose_name='holds lock'),
         ),
         migrations.AlterField(
-            model_name="paymentjob",
-            name="status",
-            field=models.CharField(
-                choices=[
-                    ("pending", "Pending"),
-                    ("processing", "Processing"),
-                    ("completed", "Completed"),
-                    ("failed", "Failed"),
-                    ("review", "Under review"),
-                    ("cancelled", "Cancelled"),
-                    ("waiting", "Waiting for its lock"),
-                ],
-                default="pending",
-                max_length=20,
-                verbose_name="status",
-            ),
+            model_name='paymentjob',
+            name='status',
+            field=models.CharField(choices=[('pending', 'Pending'), ('processing', 'Processing'), ('completed', 'Completed'), ('failed', 'Failed'), ('review', 'Under review'), ('cancelled', 'Cancelled'), ('waiting', 'Waiting for its lock')], default='pending', max_length=20, verbose_name='status'),
         ),
         migrations.AddIndex(
-            model_name="paymentjob",
-            index=models.Index(
-                condition=models.Q(("status", "waiting")),
-                fields=["status", "lock", "id"],
-                name="dl_job_waiting_idx",
-            ),
+            model_name='paymentjob',
+            index=models.Index(condition=models.Q(('status', 'waiting')), fields=['status', 'lock', 'id'], name='dl_job_waiting_idx'),
         ),
         migrations.AddConstraint(
-            model_name="paymentjob",
-            constraint=models.CheckConstraint(
-                condition=models.Q(
-                    (
-                        "status__in",
-                        [
-                            "pending",
-                            "processing",
-                            "completed",
-                            "failed",
-                            "review",
-                            "cancelled",
-                            "waiting",
-                        ],
-                    )
-                ),
-                name="dl_job_status_valid",
-            ),
+            model_name='paymentjob',
+            constraint=models.CheckConstraint(condition=models.Q(('status__in', ['pending', 'processing', 'completed', 'failed', 'review', 'cancelled', 'waiting'])), name='dl_job_status_valid'),
         ),
         migrations.AddConstraint(
-            model_name="paymentjob",
-            constraint=models.CheckConstraint(
-                condition=models.Q(
-                    ("lock", ""),
-                    models.Q(("status__in", ("pending", "processing", "review")), _negated=True),
-                    models.Q(("lock_holder", models.F("lock")), ("lock_holder__isnull", False)),
-                    _connector="OR",
-                ),
-                name="dl_job_lock_held_while_active",
-            ),
+            model_name='paymentjob',
+            constraint=models.CheckConstraint(condition=models.Q(('lock', ''), models.Q(('status__in', ('pending', 'processing', 'review')), _negated=True), models.Q(('lock_holder', models.F('lock')), ('lock_holder__isnull', False)), _connector='OR'), name='dl_job_lock_held_while_active'),
         ),
         migrations.AddConstraint(
-            model_name="paymentjob",
-            constraint=models.CheckConstraint(
-                condition=models.Q(
-                    ("lock_holder__isnull", True),
-                    models.Q(
-                        ("lock_holder", models.F("lock")),
-                        models.Q(("lock", ""), _negated=True),
-                        ("status__in", ("pending", "processing", "review")),
-                    ),
-                    _connector="OR",
-                ),
-                name="dl_job_lock_holder_is_lock",
-            ),
+            model_name='paymentjob',
+            constraint=models.CheckConstraint(condition=models.Q(('lock_holder__isnull', True), models.Q(('lock_holder', models.F('lock')), models.Q(('lock', ''), _negated=True), ('status__in', ('pending', 'processing', 'review'))), _connector='OR'), name='dl_job_lock_holder_is_lock'),
         ),
         migrations.AddConstraint(
-            model_name="paymentjob",
-            constraint=models.CheckConstraint(
-                condition=models.Q(
-                    models.Q(("status", "waiting"), _negated=True),
-                    models.Q(("lock", ""), _negated=True),
-                    _connector="OR",
-                ),
-                name="dl_job_waiting_has_lock",
-            ),
+            model_name='paymentjob',
+            constraint=models.CheckConstraint(condition=models.Q(models.Q(('status', 'waiting'), _negated=True), models.Q(('lock', ''), _negated=True), _connector='OR'), name='dl_job_waiting_has_lock'),
         ),
     ]

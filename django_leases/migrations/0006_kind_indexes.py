@@ -4,25 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0005_job_lock"),
+        ('django_leases', '0005_job_lock'),
     ]
 
     operations = [
         migrations.AddIndex(
-            model_name="paymentjob",
-            index=models.Index(
-                condition=models.Q(("status", "pending")),
-                fields=["kind", "status", "-priority", "run_at", "id"],
-                name="dl_job_kind_due_idx",
-            ),
+            model_name='paymentjob',
+            index=models.Index(condition=models.Q(('status', 'pending')), fields=['kind', 'status', '-priority', 'run_at', 'id'], name='dl_job_kind_due_idx'),
         ),
         migrations.AddIndex(
-            model_name="paymentjob",
-            index=models.Index(
-                condition=models.Q(("status", "processing")),
-                fields=["kind", "status", "lease_until"],
-                name="dl_job_kind_lease_idx",
-            ),
+            model_name='paymentjob',
+            index=models.Index(condition=models.Q(('status', 'processing')), fields=['kind', 'status', 'lease_until'], name='dl_job_kind_lease_idx'),
         ),
     ]

@@ -5,54 +5,27 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0006_kind_indexes"),
+        ('django_leases', '0006_kind_indexes'),
     ]
 
     operations = [
         migrations.CreateModel(
-            name="ScheduleState",
+            name='ScheduleState',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                (
-                    "job_model",
-                    models.CharField(
-                        help_text="The table the ticks' jobs go to.",
-                        max_length=255,
-                        verbose_name="job model",
-                    ),
-                ),
-                ("name", models.CharField(max_length=100, verbose_name="schedule")),
-                ("every", models.FloatField(verbose_name="every (seconds)")),
-                (
-                    "last_tick",
-                    models.BigIntegerField(
-                        help_text="Tick n is the span from n × every to (n + 1) × every of Unix time (UTC).",
-                        verbose_name="last enqueued tick",
-                    ),
-                ),
-                (
-                    "enqueued_at",
-                    models.DateTimeField(
-                        db_default=django.db.models.functions.datetime.Now(),
-                        verbose_name="last enqueued at",
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('job_model', models.CharField(help_text="The table the ticks' jobs go to.", max_length=255, verbose_name='job model')),
+                ('name', models.CharField(max_length=100, verbose_name='schedule')),
+                ('every', models.FloatField(verbose_name='every (seconds)')),
+                ('last_tick', models.BigIntegerField(help_text='Tick n is the span from n × every to (n + 1) × every of Unix time (UTC).', verbose_name='last enqueued tick')),
+                ('enqueued_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), verbose_name='last enqueued at')),
             ],
             options={
-                "verbose_name": "schedule state",
-                "verbose_name_plural": "schedule states",
-                "ordering": ["job_model", "name", "every"],
-                "constraints": [
-                    models.UniqueConstraint(
-                        fields=("job_model", "name", "every"), name="dl_schedule_series_uniq"
-                    )
-                ],
+                'verbose_name': 'schedule state',
+                'verbose_name_plural': 'schedule states',
+                'ordering': ['job_model', 'name', 'every'],
+                'constraints': [models.UniqueConstraint(fields=('job_model', 'name', 'every'), name='dl_schedule_series_uniq')],
             },
         ),
     ]

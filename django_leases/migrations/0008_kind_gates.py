@@ -5,68 +5,39 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0007_schedule_state"),
+        ('django_leases', '0007_schedule_state'),
     ]
 
     operations = [
         migrations.CreateModel(
-            name="KindGate",
+            name='KindGate',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                (
-                    "job_model",
-                    models.CharField(
-                        help_text="The table whose jobs of the kind it gates.",
-                        max_length=255,
-                        verbose_name="job model",
-                    ),
-                ),
-                ("kind", models.CharField(max_length=100, verbose_name="kind")),
-                (
-                    "last_claim_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="last claim at"),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('job_model', models.CharField(help_text='The table whose jobs of the kind it gates.', max_length=255, verbose_name='job model')),
+                ('kind', models.CharField(max_length=100, verbose_name='kind')),
+                ('last_claim_at', models.DateTimeField(blank=True, null=True, verbose_name='last claim at')),
             ],
             options={
-                "verbose_name": "kind gate",
-                "verbose_name_plural": "kind gates",
-                "ordering": ["job_model", "kind"],
-                "constraints": [
-                    models.UniqueConstraint(fields=("job_model", "kind"), name="dl_gate_kind_uniq")
-                ],
+                'verbose_name': 'kind gate',
+                'verbose_name_plural': 'kind gates',
+                'ordering': ['job_model', 'kind'],
+                'constraints': [models.UniqueConstraint(fields=('job_model', 'kind'), name='dl_gate_kind_uniq')],
             },
         ),
         migrations.CreateModel(
-            name="KindStart",
+            name='KindStart',
             fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("at", models.DateTimeField(verbose_name="at")),
-                ("count", models.PositiveIntegerField(verbose_name="jobs started")),
-                (
-                    "gate",
-                    models.ForeignKey(
-                        on_delete=django.db.models.deletion.CASCADE,
-                        related_name="starts",
-                        to="django_leases.kindgate",
-                        verbose_name="gate",
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('at', models.DateTimeField(verbose_name='at')),
+                ('count', models.PositiveIntegerField(verbose_name='jobs started')),
+                ('gate', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='starts', to='django_leases.kindgate', verbose_name='gate')),
             ],
             options={
-                "verbose_name": "kind start",
-                "verbose_name_plural": "kind starts",
-                "indexes": [models.Index(fields=["gate", "at"], name="dl_start_gate_at_idx")],
+                'verbose_name': 'kind start',
+                'verbose_name_plural': 'kind starts',
+                'indexes': [models.Index(fields=['gate', 'at'], name='dl_start_gate_at_idx')],
             },
         ),
     ]

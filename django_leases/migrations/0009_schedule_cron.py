@@ -4,60 +4,42 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0008_kind_gates"),
+        ('django_leases', '0008_kind_gates'),
     ]
 
     operations = [
         migrations.AlterModelOptions(
-            name="schedulestate",
-            options={
-                "ordering": ["job_model", "name", "every", "cron", "tz"],
-                "verbose_name": "schedule state",
-                "verbose_name_plural": "schedule states",
-            },
+            name='schedulestate',
+            options={'ordering': ['job_model', 'name', 'every', 'cron', 'tz'], 'verbose_name': 'schedule state', 'verbose_name_plural': 'schedule states'},
         ),
         migrations.RemoveConstraint(
-            model_name="schedulestate",
-            name="dl_schedule_series_uniq",
+            model_name='schedulestate',
+            name='dl_schedule_series_uniq',
         ),
         migrations.AddField(
-            model_name="schedulestate",
-            name="cron",
-            field=models.CharField(
-                blank=True,
-                db_default="",
-                default="",
-                max_length=200,
-                verbose_name="cron expression",
-            ),
+            model_name='schedulestate',
+            name='cron',
+            field=models.CharField(blank=True, db_default='', default='', max_length=200, verbose_name='cron expression'),
         ),
         migrations.AddField(
-            model_name="schedulestate",
-            name="tz",
-            field=models.CharField(
-                blank=True, db_default="", default="", max_length=64, verbose_name="time zone"
-            ),
+            model_name='schedulestate',
+            name='tz',
+            field=models.CharField(blank=True, db_default='', default='', max_length=64, verbose_name='time zone'),
         ),
         migrations.AlterField(
-            model_name="schedulestate",
-            name="every",
-            field=models.FloatField(
-                help_text="0 for a cron schedule.", verbose_name="every (seconds)"
-            ),
+            model_name='schedulestate',
+            name='every',
+            field=models.FloatField(help_text='0 for a cron schedule.', verbose_name='every (seconds)'),
         ),
         migrations.AlterField(
-            model_name="schedulestate",
-            name="last_tick",
-            field=models.BigIntegerField(
-                help_text="Tick n is the span from n × every to (n + 1) × every of Unix time (UTC); a cron schedule's tick is its fire time in Unix seconds.",
-                verbose_name="last enqueued tick",
-            ),
+            model_name='schedulestate',
+            name='last_tick',
+            field=models.BigIntegerField(help_text="Tick n is the span from n × every to (n + 1) × every of Unix time (UTC); a cron schedule's tick is its fire time in Unix seconds.", verbose_name='last enqueued tick'),
         ),
         migrations.AddConstraint(
-            model_name="schedulestate",
-            constraint=models.UniqueConstraint(
-                fields=("job_model", "name", "every", "cron", "tz"), name="dl_schedule_series_uniq"
-            ),
+            model_name='schedulestate',
+            constraint=models.UniqueConstraint(fields=('job_model', 'name', 'every', 'cron', 'tz'), name='dl_schedule_series_uniq'),
         ),
     ]

@@ -4,31 +4,15 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0009_schedule_cron"),
+        ('django_leases', '0009_schedule_cron'),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name="jobattempt",
-            name="outcome",
-            field=models.CharField(
-                choices=[
-                    ("running", "Running"),
-                    ("completed", "Completed"),
-                    ("failed", "Failed"),
-                    ("retried", "Failed, retry scheduled"),
-                    ("lease_lost", "Lease lost (taken over after expiry)"),
-                    ("rescued", "Returned to pending after its lease expired"),
-                    ("review", "Held for review by the watcher"),
-                    ("released", "Released by its holder"),
-                    ("requeued", "Requeued by an operator"),
-                    ("timed_out", "Timed out (ran past its kind's timeout)"),
-                    ("cancelled", "Cancelled by an operator while running"),
-                ],
-                default="running",
-                max_length=20,
-                verbose_name="outcome",
-            ),
+            model_name='jobattempt',
+            name='outcome',
+            field=models.CharField(choices=[('running', 'Running'), ('completed', 'Completed'), ('failed', 'Failed'), ('retried', 'Failed, retry scheduled'), ('lease_lost', 'Lease lost (taken over after expiry)'), ('rescued', 'Returned to pending after its lease expired'), ('review', 'Held for review by the watcher'), ('released', 'Released by its holder'), ('requeued', 'Requeued by an operator'), ('timed_out', "Timed out (ran past its kind's timeout)"), ('cancelled', 'Cancelled by an operator while running')], default='running', max_length=20, verbose_name='outcome'),
         ),
     ]

@@ -7,13 +7,14 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0011_unique_when_set"),
+        ('django_leases', '0011_unique_when_set'),
     ]
 
     operations = [
         migrations.RemoveIndex(
-            model_name="jobattempt",
-            name="dl_attempt_open_idx",
+            model_name='jobattempt',
+            name='dl_attempt_open_idx',
         ),
     ]

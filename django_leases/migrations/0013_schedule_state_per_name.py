@@ -23,38 +23,28 @@ def keep_the_latest_series(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
+
     dependencies = [
-        ("django_leases", "0012_ledger_without_open_index"),
+        ('django_leases', '0012_ledger_without_open_index'),
     ]
 
     operations = [
         migrations.RunPython(keep_the_latest_series, migrations.RunPython.noop),
         migrations.RemoveConstraint(
-            model_name="schedulestate",
-            name="dl_schedule_series_uniq",
+            model_name='schedulestate',
+            name='dl_schedule_series_uniq',
         ),
         migrations.AlterModelOptions(
-            name="schedulestate",
-            options={
-                "ordering": ["job_model", "name"],
-                "verbose_name": "schedule state",
-                "verbose_name_plural": "schedule states",
-            },
+            name='schedulestate',
+            options={'ordering': ['job_model', 'name'], 'verbose_name': 'schedule state', 'verbose_name_plural': 'schedule states'},
         ),
         migrations.AddField(
-            model_name="schedulestate",
-            name="start_tick",
-            field=models.BigIntegerField(
-                blank=True,
-                help_text="The tick current when the series started (the schedule was added or its every, cron or tz edited): covered without a job.",
-                null=True,
-                verbose_name="series started at tick",
-            ),
+            model_name='schedulestate',
+            name='start_tick',
+            field=models.BigIntegerField(blank=True, help_text='The tick current when the series started (the schedule was added or its every, cron or tz edited): covered without a job.', null=True, verbose_name='series started at tick'),
         ),
         migrations.AddConstraint(
-            model_name="schedulestate",
-            constraint=models.UniqueConstraint(
-                fields=("job_model", "name"), name="dl_schedule_name_uniq"
-            ),
+            model_name='schedulestate',
+            constraint=models.UniqueConstraint(fields=('job_model', 'name'), name='dl_schedule_name_uniq'),
         ),
     ]
