@@ -109,6 +109,28 @@ class AbstractLeasedJob(models.Model):
         editable=False,
         help_text=_("While stopping: the status the job takes when its execution ends."),
     )
+    # Dependencies (`enqueue(after=...)`, querysets/dependencies.py). NULL, not `[]`: no
+    # default called per INSERT, and the completions' fast paths test `dependents IS NULL`.
+    waits_for = models.JSONField(
+        _("waits for"),
+        null=True,
+        blank=True,
+        editable=False,
+        help_text=_("The jobs this job was enqueued after (their ids)."),
+    )
+    unmet = models.PositiveIntegerField(
+        _("prerequisites not completed"),
+        default=0,
+        editable=False,
+        help_text=_("While waiting: how many of the jobs it waits for have not completed."),
+    )
+    dependents = models.JSONField(
+        _("waited on by"),
+        null=True,
+        blank=True,
+        editable=False,
+        help_text=_("The jobs enqueued after this one (their ids): released when it completes."),
+    )
     created_at = models.DateTimeField(_("created at"), db_default=Now())
     completed_at = models.DateTimeField(
         _("completed at"),
@@ -218,8 +240,10 @@ def lease_constraints(prefix: str) -> list[models.BaseConstraint]:
             | (Q(lock_holder=F("lock")) & ~Q(lock="") & Q(status__in=LOCK_HOLDING_STATUSES)),
             name=f"{prefix}_lock_holder_is_lock",
         ),
+        # A job waits for its lock, or for the jobs it was enqueued after.
         models.CheckConstraint(
-            condition=~Q(status=JobStatus.WAITING) | ~Q(lock=""), name=f"{prefix}_waiting_has_lock"
+            condition=~Q(status=JobStatus.WAITING) | ~Q(lock="") | Q(unmet__gt=0),
+            name=f"{prefix}_waiting_has_lock",
         ),
     ]
 

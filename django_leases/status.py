@@ -22,7 +22,8 @@ class JobStatus(models.TextChoices):
     CANCELLED = "cancelled", _("Cancelled")
     """Cancelled by an operator: pending, waiting or running (its holder is told to stop)."""
     WAITING = "waiting", _("Waiting for its lock")
-    """Enqueued with a `lock` an earlier job still holds: pending once that job is finished."""
+    """Enqueued with a `lock` an earlier job still holds: pending once that job is finished; or
+    enqueued `after=` jobs not all completed: pending (or in its lock's line) once they are."""
     STOPPING = "stopping", _("Stopping")
     """Cancelled or timed out while its handler may still run: keeps its lock and its `limit=`
     slot, unrenewable and unclaimable, until its holder acknowledges the stop or its lease

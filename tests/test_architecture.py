@@ -385,7 +385,7 @@ def test_architecture__importing_the_package_reads_no_metadata_until_its_version
 
 SEAM = "querysets/endings.py"
 """Where every execution ends (docs/architecture.md): the only module that gives a lock back."""
-TAKES_LOCKS = ("querysets/enqueue.py", "querysets/locks.py")
+TAKES_LOCKS = ("querysets/enqueue.py", "querysets/locks.py", "querysets/savepoints.py")
 """The enqueue, which takes a free lock for its new job (`lock_holder=lock`): not a release."""
 WRITES = {"update", "create", "bulk_create", "get_or_create", "update_or_create"}
 DIALECT_COMPLETIONS = {"complete", "complete_many"}

@@ -85,6 +85,11 @@ jobs of the kind processing at once, across every worker" holds:
     keeps the jobs behind it waiting; a limited kind's slots are counted as before. Pausing a
     kind without a handler is refused and writes nothing; pausing a paused kind, or resuming a
     running one, changes nothing.
+20. A job enqueued after others (`after=`) waits for them: its count of prerequisites not
+    completed is exact, it holds no lock and has no attempt while one is left, and its first
+    attempt was claimed after every one of them completed (the ledger's `claimed_at` against
+    their `completed_at`). A failed or cancelled prerequisite holds it; an operator's requeue
+    of it, cancelled meanwhile, leaves it waiting for what is left.
 
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
@@ -392,18 +397,40 @@ def claims_expected(
 
 def passed_on(rows: dict[int, dict[str, Any]], finished: Collection[int]) -> dict[int, Any]:
     """The rows of the waiting jobs the locks of the `finished` jobs (holders a moment ago) pass
-    on to, as they are then: each lock's first waiting job (lowest id), pending and holding it."""
+    on to, as they are then: each lock's first waiting job (lowest id) not waiting for
+    prerequisites, pending and holding it."""
     promoted = {}
     for pk in finished:
         lock = rows[pk]["lock"]
         waiting = [
             o
             for o, row in rows.items()
-            if lock and row["lock"] == lock and row["status"] == WAITING
+            if lock and row["lock"] == lock and row["status"] == WAITING and not row["unmet"]
         ]
         if waiting:
             promoted[min(waiting)] = {**rows[min(waiting)], "status": PENDING, "lock_holder": lock}
     return promoted
+
+
+def completing(rows: dict[int, dict[str, Any]], completed: Collection[int]) -> dict[int, Any]:
+    """The rows the completion of the `completed` jobs (holders a moment ago) changes besides
+    their own, as they are then: the locks passed on (`passed_on`), then each job enqueued
+    after them counts them as met, and one waiting whose last prerequisite they were is
+    released: pending, or of a lock, holding it if it is free, else waiting in its line."""
+    changed = passed_on(rows, completed)
+    done = {pk: {**rows[pk], "status": COMPLETED, "lock_holder": None} for pk in completed}
+    now = {**rows, **done, **changed}
+    for pk, row in now.items():
+        met = [p for p in completed if pk in (rows[p]["dependents"] or [])]
+        if not met or not row["unmet"]:
+            continue
+        new = {**row, "unmet": row["unmet"] - len(met)}
+        if new["unmet"] == 0 and row["status"] == WAITING:
+            held = {other["lock_holder"] for other in now.values()}
+            if not row["lock"] or row["lock"] not in held:
+                new = {**new, "status": PENDING, "lock_holder": row["lock"] or None}
+        changed[pk] = now[pk] = new
+    return changed
 
 
 def expired(row: dict[str, Any]) -> bool:
@@ -662,6 +689,46 @@ class LeaseMachine(RuleBasedStateMachine):
         return multiple(*new)
 
     @rule(
+        target=jobs,
+        kind=KINDS,
+        prerequisites=st.lists(jobs, min_size=1, max_size=2, unique=True),
+        locking=LOCKING,
+    )
+    def enqueue_after(
+        self, kind: str, prerequisites: list[int], locking: tuple[str | None, str | None]
+    ) -> Any:
+        """A job enqueued after others (18) waits until each of them has completed: pending at
+        once (or behind its lock's holder) if they all have, else waiting, counted on each
+        prerequisite not completed. A job that is gone (a failover lost it) is refused, and
+        nothing changes."""
+        lock, payment_id = locking
+        before = job_rows()
+        if any(pk not in before for pk in prerequisites):
+            with pytest.raises(InvalidArgument, match="after: no job"):
+                PaymentJob.objects.enqueue(
+                    kind, lock=lock, payment_id=payment_id, after=prerequisites
+                )
+            assert stored(job_rows()) == stored(before)
+            return multiple()
+        job = PaymentJob.objects.enqueue(
+            kind, {"amount": 100}, lock=lock, payment_id=payment_id, after=prerequisites
+        )
+        rows = job_rows()
+        row = rows[job.pk]
+        unmet = [pk for pk in prerequisites if before[pk]["status"] != COMPLETED]
+        assert (row["waits_for"], row["unmet"], row["attempts"]) == (prerequisites, len(unmet), 0)
+        if unmet or row["lock"] in {other["lock_holder"] for other in before.values()}:
+            assert (row["status"], row["lock_holder"]) == (WAITING, None)
+        else:
+            assert (row["status"], row["lock_holder"]) == (PENDING, row["lock"] or None)
+        for pk, old in before.items():
+            listed = old["dependents"]
+            if pk in unmet:
+                listed = [*(listed or []), job.pk]
+            assert stored({pk: rows[pk]}) == stored({pk: {**old, "dependents": listed}}), pk
+        return int(job.pk)
+
+    @rule(
         key=st.sampled_from(["batch-1", "batch-2", "batch-3"]),
         kind=st.sampled_from([RETRY_KIND, REVIEW_KIND]),
         amount=st.sampled_from([100, 200]),
@@ -702,13 +769,17 @@ class LeaseMachine(RuleBasedStateMachine):
 
     def _runs_in_lock_order(self, pk: int, rows: dict[int, dict[str, Any]]) -> None:
         """Invariant 10, at job `pk`'s first claim: every earlier job of its lock is
-        finished, except one an operator requeued while `pk` held the lock (it waits)."""
+        finished, except one an operator requeued while `pk` held the lock (it waits), and one
+        enqueued after other jobs, which joins its lock's line once they completed."""
         lock = rows[pk]["lock"]
         excused = self.requeued_behind.get(pk, set())
         early = {
             other: row["status"]
             for other, row in rows.items()
-            if row["lock"] == lock and other < pk and row["status"] not in FINAL
+            if row["lock"] == lock
+            and other < pk
+            and row["status"] not in FINAL
+            and not (row["waits_for"] and row["status"] == WAITING)
         }
         assert all(other in excused and status == WAITING for other, status in early.items()), (
             f"job {pk} of lock {lock!r} started before earlier jobs {early}"
@@ -1062,7 +1133,7 @@ class LeaseMachine(RuleBasedStateMachine):
             and (jobs_before[pk]["lease_owner"], jobs_before[pk]["lease_token"]) == (owner, token)
         }
         completed = {pk for pk, _ in won}
-        promoted = passed_on(jobs_before, completed)
+        promoted = completing(jobs_before, completed)
         jobs_after, ledger_after = job_rows(), ledger_rows()
         clock = {"live", "due"}
         for pk, old in jobs_before.items():
@@ -1118,7 +1189,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.finished_by_holder |= won
         self.running -= won
         finished = {pk for pk, _ in won}
-        rows = {**before, **passed_on(before, finished)}
+        rows = {**before, **completing(before, finished)}
         count, wanted = claims_expected(rows, kinds, limit, finished)
         assert len(claimed) == count
         assert {job.pk for job in claimed} <= wanted
@@ -1434,9 +1505,12 @@ class LeaseMachine(RuleBasedStateMachine):
             assert (event["attempts"], event["token"]) == (old["attempts"], old["lease_token"])
         after = job_rows()
         holders = {row["lock_holder"]: pk for pk, row in after.items() if row["lock_holder"]}
+        released = completing(before, eligible) if name == "resolve_review_completed" else {}
         for pk, old in before.items():
             if pk in eligible:
                 self._operator_changed(name, pk, old, after[pk], holders)
+            elif pk in released:
+                assert stored({pk: after[pk]}) == stored({pk: released[pk]}), pk
             elif old["status"] == WAITING and after[pk]["status"] == PENDING:
                 # A lock a finished job released passes on to one of its waiting jobs.
                 promoted = {"status": WAITING, "lock_holder": None}
@@ -1476,7 +1550,9 @@ class LeaseMachine(RuleBasedStateMachine):
             self.cancelled[pk] = row["attempts"]
         if expected == PENDING and old["lock_holder"]:
             assert row["lock_holder"] == old["lock_holder"], f"{name} moved job {pk}'s lock"
-        if name in ("requeue", "force_requeue") and holders.get(row["lock"], pk) != pk:
+        if name in ("requeue", "force_requeue") and row["unmet"]:
+            expected = WAITING  # enqueued after jobs not all completed: it waits for them again
+        elif name in ("requeue", "force_requeue") and holders.get(row["lock"], pk) != pk:
             expected = WAITING
             # Invariant 10's one exception: it waits ahead of the lock's holder.
             self.requeued_behind.setdefault(holders[row["lock"]], set()).add(pk)
@@ -1497,6 +1573,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.closed_ledger_rows_never_change(ledger)
         self.recorded_steps_were_held_and_never_change(ledger)
         self.no_attempt_of_a_paused_kind_starts_after_its_pause(jobs, ledger)
+        self.a_dependent_starts_after_its_prerequisites_completed(jobs, ledger)
 
     def no_attempt_of_a_paused_kind_starts_after_its_pause(
         self, jobs: dict[int, dict[str, Any]], ledger: dict[int, dict[str, Any]]
@@ -1580,7 +1657,8 @@ class LeaseMachine(RuleBasedStateMachine):
             if holder is not None:
                 assert holder == job["lock"] and status in HOLDING, f"job {pk} holds {holder!r}"
             if status == WAITING:
-                assert job["lock"] and holder is None, f"job {pk} waits without a lock"
+                # For its lock, or for its prerequisites (then perhaps without a lock).
+                assert holder is None and (job["lock"] or job["unmet"]), f"job {pk} waits"
             if job["lock"]:
                 by_lock.setdefault(job["lock"], []).append(job)
         for lock, rows in by_lock.items():
@@ -1588,8 +1666,9 @@ class LeaseMachine(RuleBasedStateMachine):
             active = [row for row in rows if row["status"] in HOLDING]
             assert len(active) <= 1, f"lock {lock!r} held by {[row['id'] for row in active]}"
             assert all(row["lock_holder"] == lock for row in active)
-            # 9. Nothing stranded: a lock with waiting jobs is held.
-            if any(row["status"] == WAITING for row in rows):
+            # 9. Nothing stranded: a lock with waiting jobs is held (a job waiting for its
+            # prerequisites joins the line once they completed).
+            if any(row["status"] == WAITING and not row["unmet"] for row in rows):
                 assert active, f"lock {lock!r} has waiting jobs and no holder"
         # 11. No overlap: attempts of different jobs of a lock never run at the same time.
         for lock, rows in by_lock.items():
@@ -1607,6 +1686,25 @@ class LeaseMachine(RuleBasedStateMachine):
                     f"lock {lock!r}: attempts of jobs {one} ({start}..{end}) and {other} "
                     f"({other_start}..{other_end}) overlap"
                 )
+
+    def a_dependent_starts_after_its_prerequisites_completed(
+        self, jobs: dict[int, dict[str, Any]], ledger: dict[int, dict[str, Any]]
+    ) -> None:
+        # 20. A job enqueued after others counts exactly those not completed, is never claimed
+        # while one is left, and its first attempt started after the last one completed.
+        first = {
+            row["job_ref"]: row["claimed_at"] for row in ledger.values() if row["attempt"] == 1
+        }
+        for pk, job in jobs.items():
+            if not job["waits_for"]:
+                continue
+            left = [p for p in job["waits_for"] if jobs[p]["status"] != COMPLETED]
+            assert job["unmet"] == len(left), f"job {pk} counts {job['unmet']}, left {left}"
+            if left:
+                assert job["status"] in (WAITING, CANCELLED, FAILED), f"job {pk} ran early"
+                assert job["attempts"] == 0 and job["lock_holder"] is None, job
+            for p in job["waits_for"] if pk in first else ():
+                assert jobs[p]["completed_at"] <= first[pk], f"job {pk} started before {p}"
 
     def a_limited_kind_never_runs_past_its_limit(self, jobs: dict[int, dict[str, Any]]) -> None:
         # 13. Processing with a live lease, by the database clock.

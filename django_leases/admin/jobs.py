@@ -7,7 +7,6 @@ payment fields).
 from __future__ import annotations
 
 from datetime import timedelta
-from functools import cache
 from typing import Any, cast
 from weakref import WeakKeyDictionary
 
@@ -26,6 +25,7 @@ from django.utils.translation import gettext_lazy as _
 from django_leases import stats
 from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
 from django_leases.admin.counts import CountingChangeList, CountingPaginator
+from django_leases.admin.dependencies import DEPENDENCY_FIELDS, DependenciesMixin
 from django_leases.admin.display import EMPTY, human_duration, short_text
 from django_leases.admin.filters import (
     KindFilter,
@@ -35,13 +35,17 @@ from django_leases.admin.filters import (
     TimeFilter,
 )
 from django_leases.admin.forms import LeasedJobForm
-from django_leases.admin.ledger import AttemptInline, EventInline, RecordedStepsMixin, step_inline
+from django_leases.admin.ledger import (
+    RecordedStepsMixin,
+    attempt_inline,
+    event_inline,
+    step_inline,
+)
 from django_leases.admin.mixins import IndexedSearchMixin, OfferedFiltersMixin, job_id
 from django_leases.admin.overview import OverviewMixin
 from django_leases.conf import leases_settings
 from django_leases.handlers import near_window
 from django_leases.models import (
-    AbstractJobAttempt,
     AbstractJobEvent,
     AbstractLeasedJob,
     PaymentJob,
@@ -96,7 +100,12 @@ class JobChangeList(CountingChangeList):
 
 
 class LeasedJobAdmin(
-    RecordedStepsMixin, OverviewMixin, OfferedFiltersMixin, IndexedSearchMixin, admin.ModelAdmin
+    RecordedStepsMixin,
+    DependenciesMixin,
+    OverviewMixin,
+    OfferedFiltersMixin,
+    IndexedSearchMixin,
+    admin.ModelAdmin,
 ):
     """The admin of a job table: register it for your own `AbstractLeasedJob` model.
 
@@ -131,9 +140,18 @@ class LeasedJobAdmin(
     form = LeasedJobForm
     change_list_template = "admin/django_leases/leasedjob/change_list.html"
     change_form_template = "admin/django_leases/change_form.html"
-    readonly_fields = ["kind", "lock", "lock_position", *LEASE_FIELDS, "lease", "heartbeat"]
+    readonly_fields = [
+        "kind",
+        "lock",
+        "lock_position",
+        *LEASE_FIELDS,
+        "lease",
+        "heartbeat",
+        *DEPENDENCY_FIELDS,
+    ]
     fieldsets = (
         (None, {"fields": ("kind", ("lock", "lock_position"), "priority", "payload")}),
+        (_("Dependencies"), {"fields": DEPENDENCY_FIELDS}),
         (
             _("Lease"),
             {
@@ -346,6 +364,8 @@ class LeasedJobAdmin(
         return EMPTY
 
     def _waiting_for(self, job: PaymentJob) -> str:
+        if job.unmet:
+            return gettext("waiting for the jobs it was enqueued after")
         holder = getattr(job, "waiting_for", None)
         if holder is None:
             return gettext("waiting for its lock")
@@ -475,15 +495,3 @@ class LeasedJobAdmin(
         lambda n: ngettext("%d job under review failed", "%d jobs under review failed", n) % n,
         skip_all_but([REVIEW], Skip.NOT_IN_REVIEW),
     )
-
-
-@cache
-def attempt_inline(ledger: type[AbstractJobAttempt], using: str | None) -> type[AttemptInline]:
-    """Return the attempt inline of `ledger` on database `using` (one class for each)."""
-    return type(f"{ledger.__name__}Inline", (AttemptInline,), {"model": ledger, "using": using})
-
-
-@cache
-def event_inline(events: type[AbstractJobEvent], using: str | None) -> type[EventInline]:
-    """Return the operator events inline of `events` on database `using` (one class for each)."""
-    return type(f"{events.__name__}Inline", (EventInline,), {"model": events, "using": using})

@@ -24,7 +24,14 @@ from django_leases.admin.mixins import (
     ReadOnlyMixin,
     job_id,
 )
-from django_leases.models import AbstractLeasedJob, JobAttempt, JobEvent, JobStep
+from django_leases.models import (
+    AbstractJobAttempt,
+    AbstractJobEvent,
+    AbstractLeasedJob,
+    JobAttempt,
+    JobEvent,
+    JobStep,
+)
 
 
 class AttemptInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
@@ -154,3 +161,15 @@ class JobAttemptAdmin(
         if pk is not None:  # (job_ref, ended_at) is indexed
             return queryset.filter(job_ref=pk)
         return queryset.filter(owner__startswith=term)
+
+
+@cache
+def attempt_inline(ledger: type[AbstractJobAttempt], using: str | None) -> type[AttemptInline]:
+    """Return the attempt inline of `ledger` on database `using` (one class for each)."""
+    return type(f"{ledger.__name__}Inline", (AttemptInline,), {"model": ledger, "using": using})
+
+
+@cache
+def event_inline(events: type[AbstractJobEvent], using: str | None) -> type[EventInline]:
+    """Return the operator events inline of `events` on database `using` (one class for each)."""
+    return type(f"{events.__name__}Inline", (EventInline,), {"model": events, "using": using})

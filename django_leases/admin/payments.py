@@ -8,6 +8,7 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.utils.translation import gettext_lazy as _
 
+from django_leases.admin.dependencies import DEPENDENCY_FIELDS
 from django_leases.admin.jobs import LEASE_FIELDS, LeasedJobAdmin
 from django_leases.models import PaymentJob
 from django_leases.querysets import LeaseQuerySet
@@ -41,6 +42,7 @@ class PaymentJobAdmin(LeasedJobAdmin):
         *LEASE_FIELDS,
         "lease",
         "heartbeat",
+        *DEPENDENCY_FIELDS,
     ]
     fieldsets = (
         (

@@ -235,9 +235,9 @@ def key_params(group: dict[int, int]) -> Params:
 
 
 def lock_held(table: str, *, owner: str, group: dict[int, int]) -> tuple[str, Params]:
-    """Return the row locks of the jobs without a lock of `group` ({job id: token}) that
-    `owner` still holds under those tokens: their (id, lease_token) pairs, locked until commit,
-    so the completion's UPDATE (`complete_held()`) wins on exactly those."""
+    """Return the row locks of the jobs without a lock or dependents of `group` ({job id:
+    token}) that `owner` still holds under those tokens: their (id, lease_token) pairs, locked
+    until commit, so the completion's UPDATE (`complete_held()`) wins on exactly those."""
     return _lock_held(table, len(group)), {**key_params(group), "owner": owner}
 
 
@@ -245,13 +245,14 @@ def lock_held(table: str, *, owner: str, group: dict[int, int]) -> tuple[str, Pa
 def _lock_held(table: str, count: int) -> str:
     return f"""SELECT id, lease_token FROM {table}
         WHERE {held_keys(count)} AND status = {literal(PROCESSING)} AND lease_owner = %(owner)s
-          AND `lock` = ''
+          AND `lock` = '' AND dependents IS NULL
         FOR UPDATE"""  # noqa: S608
 
 
 def complete_held(table: str, *, owner: str, group: dict[int, int]) -> tuple[str, Params]:
     """Return the completion of the jobs of `group` ({job id: token}) that `lock_held()`
-    locked, each row still conditional on its own id, status, owner, token and no lock."""
+    locked, each row still conditional on its own id, status, owner, token, no lock and no
+    dependents."""
     return _complete_held(table, len(group)), {**key_params(group), "owner": owner}
 
 
@@ -260,7 +261,7 @@ def _complete_held(table: str, count: int) -> str:
     return f"""UPDATE {table}
         SET status = {literal(COMPLETED)}, completed_at = {NOW}, last_error = ''
         WHERE {held_keys(count)} AND status = {literal(PROCESSING)} AND lease_owner = %(owner)s
-          AND `lock` = ''"""  # noqa: S608
+          AND `lock` = '' AND dependents IS NULL"""  # noqa: S608
 
 
 def close_completed(

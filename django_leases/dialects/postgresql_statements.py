@@ -186,19 +186,20 @@ def _done(table: str) -> str:
             FROM acked
             WHERE job.id = acked.id AND job.lease_token = acked.token
               AND job.status = {literal(PROCESSING)} AND job.lease_owner = %(owner)s
-              AND job."lock" = ''
+              AND job."lock" = '' AND job.dependents IS NULL
             RETURNING job.id, job.lease_token, job.checkpoint
         )"""  # noqa: S608 - names quoted by the caller, values are parameters
 
 
 def _kept(table: str) -> str:
-    """Return the SELECT of the jobs of a lock among the `acked` pairs that `%(owner)s` still
-    holds: left to a later statement, whose snapshot sees the jobs enqueued behind them."""
+    """Return the SELECT of the jobs of a lock (or with dependents) among the `acked` pairs that
+    `%(owner)s` still holds: left to a later statement, whose snapshot sees the jobs enqueued
+    behind them."""
     return f"""
             SELECT job.id FROM {table} AS job
             JOIN acked ON job.id = acked.id AND job.lease_token = acked.token
             WHERE job.status = {literal(PROCESSING)} AND job.lease_owner = %(owner)s
-              AND job."lock" <> ''
+              AND (job."lock" <> '' OR job.dependents IS NOT NULL)
         """  # noqa: S608 - names quoted by the caller, values are parameters
 
 
@@ -271,15 +272,16 @@ def complete(
     """Return the holder's completion of a job without a lock: the job's conditional UPDATE and
     the closing of its ledger row in one statement (a data-modifying CTE), so one round trip and
     no transaction block. The ledger row is closed only if the job's UPDATE won; the statement
-    returns how many did. A job of a lock is left alone (0): passing its lock on needs a later
-    statement of the same transaction, whose snapshot sees the jobs enqueued behind it."""
+    returns how many did. A job of a lock, or with dependents, is left alone (0): passing its lock
+    on or releasing them needs a later statement of the same transaction, whose snapshot sees
+    the jobs enqueued behind it."""
     sql = f"""
         WITH done AS (
             UPDATE {table}
             SET status = {literal(COMPLETED)}, completed_at = STATEMENT_TIMESTAMP(),
                 last_error = ''
             WHERE id = %(pk)s AND status = {literal(PROCESSING)} AND lease_owner = %(owner)s
-              AND lease_token = %(token)s AND "lock" = ''
+              AND lease_token = %(token)s AND "lock" = '' AND dependents IS NULL
             RETURNING id, lease_token, checkpoint
         ), closed AS ({_close_done(ledger)})
         SELECT count(*) FROM done

@@ -72,7 +72,7 @@ def complete_many(
         UPDATE {table}
         SET status = {literal(COMPLETED)}, completed_at = {NOW}, last_error = ''
         WHERE {held} AND status = {literal(PROCESSING)} AND lease_owner = %(owner)s
-          AND "lock" = ''
+          AND "lock" = '' AND dependents IS NULL
         RETURNING id, lease_token
     """  # noqa: S608 - names quoted by the caller, values are parameters
     return sql, {**params, "owner": owner}

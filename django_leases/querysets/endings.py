@@ -26,7 +26,8 @@ expired: the job takes `ends_as`, a final one releases its lock, and the ledger 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -47,7 +48,7 @@ from django_leases.querysets.base import (
     retry_deadlocks,
 )
 from django_leases.querysets.ledger import J, job_column, ledger_names, ledger_update
-from django_leases.querysets.locks import table_jobs
+from django_leases.querysets.locks import in_lock_rounds, table_jobs
 from django_leases.querysets.reads import LeaseReads
 from django_leases.status import (
     CANCELLED,
@@ -94,6 +95,10 @@ class Ending:
     all hold their lock (see `pass_lock()`)."""
 
 
+HOLDS_NOTHING = Q(lock="", dependents__isnull=True)
+"""The jobs whose execution holds nothing to give back: no lock, and no job waits on them."""
+
+
 class Ended(NamedTuple):
     """A row `end_executions()` ended, as it was before."""
 
@@ -102,6 +107,12 @@ class Ended(NamedTuple):
     attempts: int
     lock: str
     ends_as: str
+    dependents: Any
+
+    @property
+    def holds(self) -> bool:
+        """Whether its execution held something to give back (a lock, jobs waiting on it)."""
+        return bool(self.lock) or self.dependents is not None
 
 
 def completion(owner: str, **values: Any) -> Ending:
@@ -116,15 +127,16 @@ def end_one(qs: LeaseReads[J], row: LeaseReads[J], key: LeaseKey, ending: Ending
     in one transaction (the caller's, if any). Return the status it ended in; None if `row`
     matched nothing (its lease was lost).
 
-    A job without a lock is updated in one statement; a job of a lock fails that statement's
-    `lock = ''`, takes the second, which releases its lock, and gives it back.
+    A job that holds nothing to give back is updated in one statement; a job of a lock, or
+    one others wait on, fails that statement's `lock = '' AND dependents IS NULL`, takes the
+    second, which releases its lock, and gives back what it held.
     """
     with transaction.atomic(using=qs.db, savepoint=False):
         if ending.releases is False:
             won = bool(row.update(**ending.values))
-        elif row.filter(lock="").update(**ending.values):
+        elif row.filter(HOLDS_NOTHING).update(**ending.values):
             won = True
-        elif row.exclude(lock="").update(**released(ending), **ending.values):
+        elif row.exclude(HOLDS_NOTHING).update(**released(ending), **ending.values):
             give_back(qs, [key[0]], contested=ending.contested)
             won = True
         else:
@@ -151,7 +163,9 @@ def end_executions(
     """
     with transaction.atomic(using=qs.db, savepoint=False):
         locking = qs.filter(where).order_by("pk").select_for_update()
-        columns = locking.values_list("pk", "lease_token", "attempts", "lock", "ends_as")
+        columns = locking.values_list(
+            "pk", "lease_token", "attempts", "lock", "ends_as", "dependents"
+        )
         rows = [Ended(*row) for row in (columns if limit is None else columns[:limit])]
         if not rows:
             return []
@@ -160,7 +174,7 @@ def end_executions(
         )
         if won != len(rows):
             raise LeaseError(f"{won} of {len(rows)} locked jobs ended; rolled back")
-        give_back(qs, [row.pk for row in rows if row.lock], contested=ending.contested)
+        give_back(qs, [row.pk for row in rows if row.holds], contested=ending.contested)
         close(qs, [(row.pk, row.token) for row in rows], ending, None)
     return rows
 
@@ -177,16 +191,23 @@ def released(ending: Ending) -> dict[str, Any]:
 
 
 def give_back(qs: LeaseReads[J], pks: Iterable[int], *, contested: bool = False) -> None:
-    """Give back what the ended executions of the jobs `pks` (each of a lock) held, in the
-    transaction of the UPDATE that ended them, after it: the one place where it is done.
+    """Give back what the ended executions of the jobs `pks` (each of a lock, or waited on)
+    held, in the transaction of the UPDATE that ended them, after it: the one place where it
+    is done.
 
     - Its lock: a job whose UPDATE released it passes it to the first job waiting for it
       (`pass_lock()`), in id order, the order the rows were locked.
     - Its `limit=` slot: given back by the UPDATE's status itself (a kind's limit counts its
       processing and stopping jobs); nothing to do here.
+    - The jobs waiting on it (`enqueue(after=...)`): a completed job counts for each of them,
+      and those whose last prerequisite it was are released (`release_dependents()`), after
+      the locks passed on, in the same transaction: exactly once, whoever completes last.
     """
-    for pk in sorted(pks):
+    ended = sorted(pks)
+    for pk in ended:
         pass_lock(qs, pk, contested=contested)
+    if ended:
+        release_dependents(qs, ended)
 
 
 def close(qs: LeaseReads[J], keys: list[LeaseKey], ending: Ending, status: str | None) -> None:
@@ -231,7 +252,7 @@ def pass_lock(qs: LeaseReads[J], pk: int, *, contested: bool = False) -> None:
     # promoted from a stale read. Lowest id first: enqueue order.
     first = list(
         jobs.select_for_update()
-        .filter(status=WAITING, lock=lock)
+        .filter(status=WAITING, lock=lock, unmet=0)
         .order_by("pk")
         .values_list("pk", flat=True)[:1]
     )
@@ -246,6 +267,71 @@ def pass_lock(qs: LeaseReads[J], pk: int, *, contested: bool = False) -> None:
             promote.update(status=PENDING, lock_holder=F("lock"))
     except IntegrityError:
         return  # an enqueue took the free lock first: our job waits behind it
+
+
+def release_dependents(qs: LeaseReads[J], completed_pks: Collection[int]) -> list[int]:
+    """Count the completion of the jobs `completed_pks` for each job waiting on them, and
+    release those whose last prerequisite it was; return their ids.
+
+    Call it in the transaction that completed them, after their UPDATE (which holds their
+    rows) and after their locks were passed on. A released job without a lock becomes pending
+    (due at its `run_at`); one with a lock takes it if free, else waits in its lock's line.
+    """
+    jobs = table_jobs(qs)
+    listed = jobs.filter(pk__in=list(completed_pks), status=COMPLETED, dependents__isnull=False)
+    # How many of its prerequisites complete here, per dependent: two may complete in one batch.
+    met = Counter(pk for pks in listed.values_list("dependents", flat=True) for pk in pks)
+    if not met:
+        return []
+    # Lock the dependents (FOR UPDATE reads the latest committed count under READ COMMITTED
+    # and REPEATABLE READ alike), then UPDATE exactly those rows. A prerequisite completing
+    # at the same moment in another transaction waits here for our commit. A dependent
+    # cancelled while it waited is counted too: requeued, it waits for what is left.
+    rows = list(
+        jobs.select_for_update()
+        .filter(pk__in=sorted(met), unmet__gt=0)
+        .order_by("pk")
+        .values_list("pk", "unmet", "lock", "status")
+    )
+    by_count: dict[int, list[int]] = {}
+    for pk, _, _, _ in rows:
+        by_count.setdefault(met[pk], []).append(pk)
+    for count, pks in by_count.items():
+        jobs.filter(pk__in=pks, unmet__gte=count).update(
+            # MariaDB/MySQL evaluate SET left to right, each assignment seeing the columns set
+            # before it: status, which reads the count, goes first.
+            status=Case(
+                When(unmet=count, lock="", status=WAITING, then=Value(PENDING)),
+                default=F("status"),
+            ),
+            unmet=F("unmet") - count,
+        )
+    released = [
+        (pk, lock) for pk, unmet, lock, status in rows if unmet == met[pk] and status == WAITING
+    ]
+    for pk, lock in released:
+        if lock:
+            join_lock(qs, pk, lock)
+    return [pk for pk, _ in released]
+
+
+def join_lock(qs: LeaseReads[J], pk: int, lock: str) -> None:
+    """Let the released job `pk` take its free `lock`, or leave it waiting in the lock's line
+    (by id), where the holder's end passes the lock on to it: the rounds of a new job's
+    enqueue (`locks.in_lock_rounds()`)."""
+    jobs = table_jobs(qs)
+
+    def take() -> bool | None:
+        try:
+            with transaction.atomic(using=qs.db):
+                jobs.filter(pk=pk, status=WAITING, unmet=0).update(
+                    status=PENDING, lock_holder=F("lock")
+                )
+                return True
+        except IntegrityError:
+            return None  # taken meanwhile: the next round finds its holder
+
+    in_lock_rounds(qs, lock, lambda: False, take)
 
 
 # ---- completions: the database's one-statement paths for jobs that hold nothing to give back --

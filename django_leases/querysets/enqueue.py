@@ -31,11 +31,13 @@ from django_leases.limits import (
     shown,
 )
 from django_leases.querysets import inserts
-from django_leases.querysets.base import after, retry_deadlocks, writing_to
+from django_leases.querysets.base import retry_deadlocks, writing_to
+from django_leases.querysets.dependencies import enqueue_after, prerequisite_pks
 from django_leases.querysets.keys import check_bound, undo_if_reused
 from django_leases.querysets.ledger import J
 from django_leases.querysets.locks import in_lock_rounds, table_jobs
 from django_leases.querysets.notices import announced_by_insert, notify
+from django_leases.querysets.savepoints import enqueue_with_savepoints
 from django_leases.status import PENDING, WAITING
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ def enqueue(
     priority: int = 0,
     max_attempts: int | None = None,
     lock: str = "",
+    after: Iterable[Any] | None = None,
     **fields: Any,
 ) -> J:
     """Add a pending job (waiting, behind an earlier job of its `lock`) and return it.
@@ -63,7 +66,9 @@ def enqueue(
     the first job and creates nothing; the model needs a unique `idempotency_key` field for
     it. `run_at` is a datetime, or a delay (seconds or `timedelta`) from the database clock;
     None means now. `max_attempts` defaults to the kind's (`@job_handler(max_attempts=)`),
-    else MAX_ATTEMPTS. Jobs sharing a `lock` run one at a time, in enqueue order. `fields`
+    else MAX_ATTEMPTS. Jobs sharing a `lock` run one at a time, in enqueue order. `after`
+    (jobs or ids of this table and database) makes the job wait until each of them has
+    completed (`dependencies`); an idempotency key that exists returns its job. `fields`
     fills the model's own columns (`payout=payout`, `payout_id=7`); the lease fields are not
     among them. Raises `InvalidArgument` (`InvalidPayload`, ...) naming the argument, and
     writes nothing, for anything out of bounds.
@@ -77,6 +82,7 @@ def enqueue(
         priority=priority,
         max_attempts=max_attempts,
         lock=lock,
+        after=after,
         fields=fields,
     )
 
@@ -148,8 +154,11 @@ def enqueue_all(
 ) -> list[J]:
     if not jobs:
         return []
+    options = dict(options)
+    after = options.pop("after", None)
     try:
         values, delay = job_values(qs, kind, **qs._enqueue_options(options))
+        pks = None if after is None else prerequisite_pks(qs, after)
     except InvalidArgument as exc:
         raise type(exc)(f"payloads[0]: {exc}") from None
     keyed = next((i for i, (_, key) in enumerate(jobs) if key is not None), None)
@@ -164,10 +173,12 @@ def enqueue_all(
             rows.append(job_row(payload, key))
         except InvalidArgument as exc:
             raise type(exc)(f"payloads[{position}]: {exc}") from None
+    if pks:
+        return enqueue_after(qs, kind, values, rows, delay, pks)
     if not inserts.returns_rows(qs.db):
         # One transaction: a job that fails rolls back the ones before it.
         with transaction.atomic(using=qs.db):
-            done = [enqueue_with_savepoints(qs, values, row, delay) for row in rows]
+            done = [enqueue_with_savepoints(qs, values, row, delay)[0] for row in rows]
             reused = undo_if_reused(qs, kind, rows, done)
     else:
         with transaction.atomic(using=qs.db, savepoint=False):
@@ -191,6 +202,7 @@ def enqueue_one(
     priority: int,
     max_attempts: int | None,
     lock: str,
+    after: Iterable[Any] | None,
     fields: dict[str, Any],
 ) -> J:
     values, delay = job_values(
@@ -199,8 +211,11 @@ def enqueue_one(
     if idempotency_key is not None:
         _check_idempotency_field(qs.model)
     row = job_row(payload, idempotency_key)
+    pks = None if after is None else prerequisite_pks(qs, after)
+    if pks:
+        return enqueue_after(qs, kind, values, [row], delay, pks)[0]
     if not inserts.returns_rows(qs.db):
-        return check_bound(enqueue_with_savepoints(qs, values, row, delay), kind, row)
+        return check_bound(enqueue_with_savepoints(qs, values, row, delay)[0], kind, row)
     if idempotency_key is None and not values["lock"]:
         # Nothing can conflict: a plain INSERT, in the caller's transaction or on its own; on
         # its own, the INSERT announces the job too (one statement, one commit).
@@ -353,53 +368,6 @@ def insert_locked(
         return cast("J", job), True  # inserted without skipping
 
     return in_lock_rounds(qs, lock, wait, take)
-
-
-def enqueue_with_savepoints(
-    qs: LeaseReads[J], values: dict[str, Any], row: inserts.Row, delay: float | None
-) -> J:
-    """Enqueue the job of `values` and `row` through the ORM, conflicts caught in
-    savepoints: for a database that returns no rows from an INSERT (MySQL; MariaDB does)."""
-    payload, key = row
-    values = {**values, "payload": payload, **({} if delay is None else {"run_at": after(delay)})}
-    if key is not None:
-        values["idempotency_key"] = key
-    with transaction.atomic(using=qs.db):
-        if key is None:
-            job = add_job(qs, values)
-        else:
-            # The unique index decides between racing enqueues of one key, not a prior read:
-            # the loser's INSERT fails inside its savepoint and it returns the winner's row.
-            try:
-                with transaction.atomic(using=qs.db):
-                    job = add_job(qs, values)
-            except IntegrityError:
-                existing = qs.filter(idempotency_key=key).first()
-                if existing is None:
-                    raise
-                return existing
-        notify(qs, values["kind"])
-    return job
-
-
-def add_job(qs: LeaseReads[J], values: dict[str, Any]) -> J:
-    """Insert the job of `values` through the ORM; one of a lock in the rounds of
-    `locks.in_lock_rounds()`, a conflict caught in a savepoint."""
-    lock = values["lock"]
-    if not lock:
-        return qs.create(**values)
-    jobs = table_jobs(qs)
-
-    def take() -> J | None:
-        try:
-            with transaction.atomic(using=qs.db):
-                return jobs.create(status=PENDING, lock_holder=lock, **values)
-        except IntegrityError:
-            if not jobs.filter(lock_holder=lock).exists():
-                raise  # another unique field (the idempotency key) refused the row
-            return None
-
-    return in_lock_rounds(qs, lock, lambda: jobs.create(status=WAITING, **values), take)
 
 
 def _key(job: models.Model) -> str | None:

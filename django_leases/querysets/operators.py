@@ -131,6 +131,8 @@ def requeue(qs: LeaseReads[J], *, force: bool = False, by: str = "operator") -> 
     values = {
         "ends_as": "",
         "status": Case(
+            # A dependent whose prerequisites have not all completed waits for them again.
+            When(unmet__gt=0, then=Value(WAITING)),
             When(Q(lock="") | Q(lock_holder__isnull=False), then=Value(PENDING)),
             default=Value(WAITING),
         ),
