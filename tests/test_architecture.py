@@ -287,64 +287,93 @@ def test_architecture__the_circle_rule_sees_a_circle() -> None:
     assert circle({**back, "django_leases.slots": set()}) == []
 
 
-CHECKS = ("claim_args", "check_", "to_seconds")
-"""The argument checks of a claim, left out of its path (they are not the claim)."""
+CHECKS = ("claim_args", "check_", "to_seconds", "bad_character", "shown")
+"""The argument checks of a claim, left out of its walk (they are not the claim)."""
 
 INLINE = ("<lambda>", "<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 """Code read where it is written (a lambda, a comprehension): no jump, though each runs as a
 function of its own (comprehensions before Python 3.12)."""
 
+TEST_ONLY = ("worker/owners",)
+"""Modules whose code runs only under the test suite's owner checks (off in production)."""
 
-def claim_path_traced() -> list[str]:
-    """The functions of the package one claim calls (`module:function`, in the order first
-    called): an unthrottled claim of every kind, limit 1, in autocommit, of one due job."""
+WALK = ("run_once", "execute")
+"""Where one job's walk runs: the loop's pass that claims it and hands it to a slot
+(`LeaseWorker.run_once`), and its attempt on the slot's thread, from its start to its
+completion (`Attempts.execute`)."""
+
+
+def worker_walk() -> tuple[list[str], list[str]]:
+    """The functions of the package a worker calls to take one job, as it takes it: a
+    `LeaseWorker` of one slot in burst mode, on a fresh process's cold caches (a reader reads
+    cached helpers too); (its claim's functions, its attempt's), in the order first called,
+    argument checks and test-only code left out."""
     import sys
+    import threading
 
     from django_leases.models import PaymentJob
+    from django_leases.worker import LeaseWorker
 
-    called: dict[str, None] = {}
+    walked: dict[str, dict[str, None]] = {name: {} for name in WALK}
 
-    def checking(frame: Any) -> bool:
+    def window(frame: Any) -> str | None:
+        found = None
         while frame is not None:
-            if frame.f_code.co_name.startswith(CHECKS):
-                return True
+            code = frame.f_code
+            if PACKAGE in Path(code.co_filename).parents:
+                if code.co_name.startswith(CHECKS):
+                    return None
+                if code.co_name in WALK:
+                    found = code.co_name
             frame = frame.f_back
-        return False
+        return found
 
     def trace(frame: Any, event: str, arg: Any) -> None:
         code = frame.f_code
         path = Path(code.co_filename)
         if event != "call" or PACKAGE not in path.parents or code.co_name in INLINE:
             return
-        if checking(frame):
-            return
         module = path.relative_to(PACKAGE).with_suffix("").as_posix()
-        called.setdefault(f"{module}:{code.co_qualname}", None)
+        name = window(frame)
+        if name is not None and module not in TEST_ONLY:
+            walked[name].setdefault(f"{module}:{code.co_qualname}", None)
 
-    PaymentJob.objects.bulk_create([PaymentJob(kind="capture"), PaymentJob(kind="capture")])
-    assert len(PaymentJob.objects.claim("w", ttl=30, limit=1)) == 1  # caches and session warm
+    PaymentJob.objects.enqueue("noop")
+    worker = LeaseWorker(kinds=["noop"], burst=True, concurrency=1, worker_id="walker")
+    threading.settrace(trace)
     sys.settrace(trace)
     try:
-        jobs = PaymentJob.objects.claim("w", ttl=30, limit=1)
+        worker.run()
     finally:
         sys.settrace(None)
-    assert len(jobs) == 1
-    return list(called)
+        threading.settrace(None)
+    assert PaymentJob.objects.get().status == PaymentJob.Status.COMPLETED
+    return list(walked["run_once"]), list(walked["execute"])
+
+
+CLAIM_JUMPS, WALK_JUMPS, WALK_FILES = 67, 104, 25
+"""Today's counts, measured with the start's read of a paused kind (taken when the claim is
+50 ms old, as it is on a cold process): the ratchet. Goal: 15, 30, 10."""
 
 
 @pytest.mark.django_db(transaction=True)
-def test_architecture__one_claim_on_postgresql_reads_in_a_few_jumps() -> None:
-    # Every function of the package one claim calls, in the order a reader follows it: at
-    # most 14, in at most 6 files (the prepared-statement path, the stock ledger; the kinds'
-    # own lease lengths and their SQL fragment are cached, so they add no jump). 12 until the
-    # claim was bound to the routers' write database (`writes()`, `writing_to()`: two jumps).
+def test_architecture__one_job_walks_the_worker_in_a_bounded_number_of_jumps() -> None:
+    """The walk of docs/architecture.md ("One job, from claim to completion"), as the worker
+    takes it on PostgreSQL: every function a reader follows, counted as it reads them.
+
+    A ratchet at today's count, not the goal: the goal is 30 functions in 10 files for the
+    whole walk and 15 in 6 for the claim; the walk and what stands in the way are written out
+    in docs/architecture.md."""
     from django.db import connection
 
     if connection.vendor != "postgresql":
-        pytest.skip("the path counted is PostgreSQL's")
-    path = claim_path_traced()
-    files = {name.split(":")[0] for name in path}
-    assert len(path) <= 14 and len(files) <= 6, "\n".join(path)
+        pytest.skip("the walk counted is PostgreSQL's")
+    claim, attempt = worker_walk()
+    walk = claim + [name for name in attempt if name not in claim]
+    files = {name.split(":")[0] for name in walk}
+    shown = "\n".join(walk)
+    assert len(claim) <= CLAIM_JUMPS and len(walk) <= WALK_JUMPS, shown
+    assert len(files) <= WALK_FILES, shown
 
 
 def test_architecture__the_doors_import_no_model() -> None:
