@@ -52,11 +52,15 @@ def postgresql_pin() -> tuple[str, Params]:
 
 def mysql_pin() -> tuple[str, Params]:
     """The oldest InnoDB transaction of another session (it holds the purge back from its
-    start); seen with the PROCESS privilege."""
+    start); seen with the PROCESS privilege. Its start is in the server's system time zone,
+    whatever the session's: the session's clock is read there too."""
     sql = """
         SELECT 'transaction', CAST(trx.trx_mysql_thread_id AS CHAR),
             CONCAT_WS(', ', p.USER, p.HOST, p.DB, p.COMMAND),
-            TIMESTAMPDIFF(MICROSECOND, trx.trx_started, NOW(6)) / 1e6, NULL
+            TIMESTAMPDIFF(
+                MICROSECOND, trx.trx_started, CONVERT_TZ(NOW(6), @@session.time_zone, 'SYSTEM')
+            ) / 1e6,
+            NULL
         FROM information_schema.INNODB_TRX AS trx
         LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = trx.trx_mysql_thread_id
         WHERE trx.trx_mysql_thread_id <> CONNECTION_ID()
