@@ -297,7 +297,7 @@ function of its own (comprehensions before Python 3.12)."""
 TEST_ONLY = ("worker/owners",)
 """Modules whose code runs only under the test suite's owner checks (off in production)."""
 
-WALK = ("run_once", "execute")
+WALK = {"LeaseWorker.run_once": "run_once", "Attempts.execute": "execute"}
 """Where one job's walk runs: the loop's pass that claims it and hands it to a slot
 (`LeaseWorker.run_once`), and its attempt on the slot's thread, from its start to its
 completion (`Attempts.execute`)."""
@@ -314,7 +314,7 @@ def worker_walk() -> tuple[list[str], list[str]]:
     from django_leases.models import PaymentJob
     from django_leases.worker import LeaseWorker
 
-    walked: dict[str, dict[str, None]] = {name: {} for name in WALK}
+    walked: dict[str, dict[str, None]] = {name: {} for name in WALK.values()}
 
     def window(frame: Any) -> str | None:
         found = None
@@ -323,8 +323,8 @@ def worker_walk() -> tuple[list[str], list[str]]:
             if PACKAGE in Path(code.co_filename).parents:
                 if code.co_name.startswith(CHECKS):
                     return None
-                if code.co_name in WALK:
-                    found = code.co_name
+                if code.co_qualname in WALK:
+                    found = WALK[code.co_qualname]
             frame = frame.f_back
         return found
 
