@@ -118,13 +118,14 @@ def produce(rate: float, batch: int, job_seconds: float) -> None:
         sent += count
 
 
-def explain_worker_claim(owner: str, ttl: float, limit: int) -> dict[str, Any]:
+def explain_worker_claim(owner: str, ttl: float, limit: int, takeover: bool) -> dict[str, Any]:
     """table_size.py's EXPLAIN of the claim, with the parameters a `run_lease_worker` without
-    --kind sends: every registered kind, up to `limit` (its free slots) jobs."""
+    --kind sends: every registered kind, up to `limit` (its free slots) jobs; `takeover`: the
+    claim that also looks for expired leases (a worker's, every `TAKEOVER_EVERY`)."""
     from bench.table_size import explain_claim
     from bench.throughput import registered_kinds
 
-    return explain_claim(owner, ttl, registered_kinds(), limit)
+    return explain_claim(owner, ttl, registered_kinds(), limit, takeover)
 
 
 # ---- the scratch server ------------------------------------------------------------------------
@@ -370,7 +371,15 @@ def statements(run: Run) -> dict[int, tuple[str, int, float, int]]:
 
 
 def explain(run: Run, procs: common.Processes, db: common.BenchDB, label: str) -> None:
-    """EXPLAIN (ANALYZE, BUFFERS) of the workers' claim, noted with its buffers."""
+    """EXPLAIN (ANALYZE, BUFFERS) of the workers' claims, noted with their buffers: the claim
+    of due jobs only, and the one that also looks for expired leases."""
+    for takeover in (False, True):
+        explain_one(run, procs, db, f"{label}, {'with' if takeover else 'no'} takeover", takeover)
+
+
+def explain_one(
+    run: Run, procs: common.Processes, db: common.BenchDB, label: str, takeover: bool
+) -> None:
     try:
         result = procs.call(
             db,
@@ -379,6 +388,7 @@ def explain(run: Run, procs: common.Processes, db: common.BenchDB, label: str) -
             owner=f"bench-explain-{os.getpid()}",
             ttl=run.args.ttl,
             limit=run.args.concurrency,
+            takeover=takeover,
         )
     except common.ChildError as exc:  # a plan is evidence, not the run: note it and go on
         run.notes.append(f"claim EXPLAIN {label} failed: {str(exc).splitlines()[0]}")

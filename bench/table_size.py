@@ -178,10 +178,10 @@ def settle(churn: bool, index_cleanup: bool, vacuum: bool = False) -> None:
 
 
 def capture_claim_sql(
-    owner: str, ttl: float, kinds: list[str] | None, limit: int = 1
+    owner: str, ttl: float, kinds: list[str] | None, limit: int = 1, takeover: bool = True
 ) -> list[tuple[str, Any]]:
-    """Run one claim() of up to `limit` jobs and return the statements it sent (SQL and
-    parameters)."""
+    """Run one claim() of up to `limit` jobs (not `takeover`: due jobs only, as a worker's
+    claims between its takeovers) and return the statements it sent (SQL and parameters)."""
     from django.db import connection
 
     from django_leases.models import PaymentJob
@@ -194,14 +194,14 @@ def capture_claim_sql(
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(record):
-        jobs = PaymentJob.objects.claim(owner, ttl=ttl, kinds=kinds, limit=limit)
+        jobs = PaymentJob.objects.claim(owner, ttl=ttl, kinds=kinds, limit=limit, takeover=takeover)
     for job in jobs:
         PaymentJob.objects.complete(job.pk, owner, job.lease_token)
     return statements
 
 
 def explain_claim(
-    owner: str, ttl: float, kinds: list[str] | None, limit: int = 1
+    owner: str, ttl: float, kinds: list[str] | None, limit: int = 1, takeover: bool = True
 ) -> dict[str, Any]:
     """EXPLAIN the statement of claim() (of up to `limit` jobs) that picks the jobs, on this
     database's terms.
@@ -215,7 +215,7 @@ def explain_claim(
     from django.db import connection, transaction
 
     vendor = connection.vendor
-    statements = capture_claim_sql(owner, ttl, kinds, limit)
+    statements = capture_claim_sql(owner, ttl, kinds, limit, takeover)
     if vendor == "postgresql":
         # The claim's EXECUTE, as the worker runs it: the statement is prepared in this session
         # (its generic plan, after the timed claims). Inside a transaction it is sent whole.

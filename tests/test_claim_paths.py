@@ -82,14 +82,24 @@ def generate(seed: int) -> None:
             PaymentJob.objects.filter(pk=job.pk).update(run_at=Now() + offset)
 
 
-def outcome_of(path: Path, owner: str, limit: int, kinds: list[str] | None) -> Any:
-    """Claim with `path`, return what it did, and roll every write back."""
+def outcome_of(
+    path: Path, owner: str, limit: int, kinds: list[str] | None, *, takeover: bool = True
+) -> Any:
+    """Claim with `path` (not `takeover`: due jobs only), return what it did, and roll every
+    write back."""
     dialect, stock_ledger = path
     with transaction.atomic():
         before = dict(PaymentJob.objects.values_list("pk", "lease_token"))
         qs = PaymentJob.objects.all()
         jobs = claim_by_dialect(
-            qs, owner, 60.0, limit, kinds, dialect=dialect, stock_ledger=stock_ledger
+            qs,
+            owner,
+            60.0,
+            limit,
+            kinds,
+            dialect=dialect,
+            stock_ledger=stock_ledger,
+            takeover=takeover,
         )
         outcome = claim_outcome(jobs, before)
         transaction.set_rollback(True)
@@ -140,6 +150,25 @@ def test_claim_paths__claim_what_the_orm_path_claims(seed: int, settings: Any) -
             assert outcome_of(path, "w", limit, kinds) == expected, (path, limit, kinds)
     waiting = set(PaymentJob.objects.waiting().values_list("pk", flat=True))
     assert not waiting & {pk for pk, *_ in outcome_of(ORM, "w", 50, None)[0]}
+
+
+@pytest.mark.parametrize("seed", SEEDS[:6])
+def test_claim_paths__without_takeover_claim_due_jobs_only_as_the_orm_path_does(seed: int) -> None:
+    """A worker's claim between its takeovers (`takeover=False`) leaves every expired lease to
+    a later claim or the watcher, on every path alike, and takes the due jobs a full claim would
+    take after the expired leases."""
+    generate(seed)
+    held = set(PaymentJob.objects.filter(status=PROCESSING).values_list("pk", flat=True))
+    for limit, kinds in [(1, None), (50, None), (4, ["capture", "webhook"])]:
+        expected = outcome_of(ORM, "w", limit, kinds, takeover=False)
+        claimed = {pk for pk, *_ in expected[0]}
+        assert claimed and not claimed & held, (limit, kinds)
+        taken_over = [row for row in expected[1] if row[4] == AttemptOutcome.LEASE_LOST]
+        assert taken_over == [], "no holder's ledger row closed"
+        due_only = [pk for pk, *_ in outcome_of(ORM, "w", 50, kinds)[0] if pk not in held]
+        assert [pk for pk, *_ in expected[0]] == due_only[:limit], (limit, kinds)
+        for path in paths():
+            assert outcome_of(path, "w", limit, kinds, takeover=False) == expected, (path, kinds)
 
 
 def completion_paths() -> list[Dialect]:

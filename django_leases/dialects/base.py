@@ -69,18 +69,21 @@ def not_handed(what: str) -> NoReturn:
     raise NotSupportedError(f"the query layer handed this dialect no {what}")
 
 
-def in_passes(limit: int, claim_pass: Callable[[int, bool], list[R]]) -> list[R]:
+def in_passes(
+    limit: int, claim_pass: Callable[[int, bool], list[R]], *, takeover: bool = True
+) -> list[R]:
     """Claim up to `limit` jobs in two passes of `claim_pass(limit, takeover)`: expired leases
     first (rare; the pass is one cheap index probe), then due jobs, each job marked
-    `taken_over` by its pass. Each pass's UPDATE restates the full claimable predicate."""
+    `taken_over` by its pass; not `takeover`, the due jobs' pass only. Each pass's UPDATE
+    restates the full claimable predicate."""
     jobs: list[R] = []
-    for takeover in (True, False):
+    for expired in (True, False) if takeover else (False,):
         remaining = limit - len(jobs)
         if remaining <= 0:
             break
-        batch = claim_pass(remaining, takeover)
+        batch = claim_pass(remaining, expired)
         for job in batch:
-            job.taken_over = takeover  # type: ignore[attr-defined]
+            job.taken_over = expired  # type: ignore[attr-defined]
         jobs.extend(batch)
     return jobs
 
@@ -113,7 +116,7 @@ class Dialect:
         of its own or (not `atomic`) in the caller's; in no particular order. Here: the ORM's
         passes, then the ORM's ledger rows."""
         with in_transaction(jobs, atomic):
-            claimed = in_passes(request.limit, jobs.claim_pass)
+            claimed = in_passes(request.limit, jobs.claim_pass, takeover=request.takeover)
             jobs.open_attempts(claimed)
         return claimed
 

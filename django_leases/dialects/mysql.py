@@ -164,4 +164,4 @@ def locking_passes(
             cursor.execute(*statements.open_attempts(table, ledger, claim.owner, won, takeover))
         return jobs
 
-    return in_passes(claim.limit, claim_pass)
+    return in_passes(claim.limit, claim_pass, takeover=claim.takeover)

@@ -75,7 +75,14 @@ def claim(table: str, claim: Claim, *, ledger: LedgerNames | None) -> tuple[str,
     completes = completing is not None and ledger is not None
     length_sql, length_params = lease_length(claim.lengths, "job.kind", "%(seconds)s", float)
     text = _claim_text(
-        table, kind_sql, tuple(kind_params), guard_sql, ledger, completes, length_sql, claim.paused
+        table,
+        kind_sql,
+        tuple(kind_params),
+        guard_sql if claim.takeover else None,
+        ledger,
+        completes,
+        length_sql,
+        claim.paused,
     )
     params = {
         **kind_params,
@@ -97,15 +104,16 @@ def _claim_text(
     table: str,
     kind_sql: str,
     kind_names: tuple[str, ...],
-    guard_sql: str,
+    guard_sql: str | None,
     ledger: LedgerNames | None,
     completes: bool,
     length_sql: str,
     paused: str,
 ) -> str:
     """Return the text of `claim()` (`completes`: with the completions first; `length_sql`: the
-    lease's length in seconds): the same for every call of a worker, so it is built once
-    (rebuilding it per claim was several per cent of a busy worker's Python time)."""
+    lease's length in seconds; `guard_sql` None: no expired lease taken over, due jobs only):
+    the same for every call of a worker, so it is built once (rebuilding it per claim was
+    several per cent of a busy worker's Python time)."""
     kinds: tuple[str, Params] = (kind_sql, dict.fromkeys(kind_names))
     update = f"""
         UPDATE {table} AS job
@@ -119,7 +127,7 @@ def _claim_text(
         WHERE job.id = picked.id
         RETURNING job.*, picked.taken_over
     """  # noqa: S608 - names quoted by the caller, values are parameters
-    takeover = f"{EXPIRED} {guard_sql}"
+    takeover = f"{EXPIRED} {guard_sql}" if guard_sql is not None else ""
     before, result = "", "SELECT * FROM claimed"
     if completes and ledger is not None:
         before = f"{_done(table)}, closed AS ({_close_done(ledger)}), kept AS ({_kept(table)}),"
@@ -127,7 +135,8 @@ def _claim_text(
         # the rows this statement completes are not taken over by it, nor the held jobs of a
         # lock, which the caller completes next; the others may be, as after `complete_many()`
         # then `claim()`.
-        takeover += " AND id NOT IN (SELECT id FROM done) AND id NOT IN (SELECT id FROM kept)"
+        if takeover:
+            takeover += " AND id NOT IN (SELECT id FROM done) AND id NOT IN (SELECT id FROM kept)"
         # One row of NULLs when nothing is claimed: the completions still come back.
         result = (
             "SELECT claimed.*, finished.completed_ids, finished.completed_tokens FROM "
@@ -139,9 +148,8 @@ def _claim_text(
         main = update
     else:
         columns = ", ".join(ledger.columns[name] for name in LEDGER_INSERT)
-        main = f"""
-        , claimed AS ({update}
-        ), lost AS (
+        # The ledger rows of the holders whose expired leases this claim took over.
+        lost = f"""), lost AS (
             UPDATE {ledger.table} AS a
             SET {ledger.outcome} = {literal(AttemptOutcome.LEASE_LOST)},
                 {ledger.ended_at} = STATEMENT_TIMESTAMP(),
@@ -149,7 +157,10 @@ def _claim_text(
             FROM claimed
             WHERE claimed.taken_over AND a.{ledger.job_ref} = claimed.id
               AND a.{ledger.ended_at} IS NULL
-        ), opened AS (
+        """  # noqa: S608 - names quoted by the caller, values are parameters
+        main = f"""
+        , claimed AS ({update}
+        {lost if takeover else ""}), opened AS (
             INSERT INTO {ledger.table} ({columns})
             SELECT claimed.id, claimed.id, claimed.attempts, claimed.lease_token, %(owner)s,
                    STATEMENT_TIMESTAMP(), claimed.heartbeat_at, claimed.lease_until,
@@ -158,19 +169,18 @@ def _claim_text(
         )
         {result}
         """  # noqa: S608 - names quoted by the caller, values are parameters
-    expired = _locked(table, takeover, ["lease_until"], kinds, paused)
     due = _locked(table, DUE, ["priority DESC", "run_at", "id"], kinds, paused)
-    sql = f"""
-        WITH {before} expired AS MATERIALIZED ({expired}
-        ), due AS MATERIALIZED ({due}
+    expired = expired_first = ""  # due jobs only: no expired lease's range walked
+    if takeover:
+        expired = _locked(table, takeover, ["lease_until"], kinds, paused)
+        expired = f"expired AS MATERIALIZED ({expired}),"
+        expired_first = "SELECT id, TRUE AS taken_over FROM expired UNION ALL"
+    return f"""
+        WITH {before} {expired} due AS MATERIALIZED ({due}
         ), picked AS MATERIALIZED (
-            SELECT id, TRUE AS taken_over FROM expired
-            UNION ALL
-            SELECT id, FALSE AS taken_over FROM due
-            LIMIT %(limit)s
+            {expired_first} SELECT id, FALSE AS taken_over FROM due LIMIT %(limit)s
         ){main}
     """  # noqa: S608 - names quoted by the caller, values are parameters
-    return sql
 
 
 def _done(table: str) -> str:

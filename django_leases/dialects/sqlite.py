@@ -218,6 +218,7 @@ class SQLite(Dialect):
             claimed: list[R] = in_passes(
                 request.limit,
                 lambda limit, takeover: run(claim_pass(jobs.table, request, limit, takeover), None),
+                takeover=request.takeover,
             )
             jobs.open_attempts(claimed)
         return claimed

@@ -52,7 +52,7 @@ class Claim:
     tokens) of jobs to complete first, in the same statement (PostgreSQL's
     `complete_and_claim()`). `paused`: the subquery of the paused kinds (`paused_kinds()`, its
     parameter among `kinds`'), which each kind's own range of a claim of several kinds checks
-    (`paused_arm()`)."""
+    (`paused_arm()`). Not `takeover`: due jobs only, no expired lease looked for."""
 
     owner: str
     seconds: float
@@ -62,6 +62,7 @@ class Claim:
     completing: tuple[list[int], list[int]] | None = None
     lengths: tuple[tuple[str, float], ...] = ()
     paused: str = ""
+    takeover: bool = True
 
 
 @lru_cache(maxsize=64)

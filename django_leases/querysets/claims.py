@@ -86,9 +86,11 @@ def claim(
     ttl: float | timedelta,
     limit: int = 1,
     kinds: Collection[str] | None = None,
+    takeover: bool = True,
 ) -> list[J]:
     """Claim up to `limit` claimable jobs for `owner`, oldest expired lease first, then by
-    priority (highest first), `run_at` and id.
+    priority (highest first), `run_at` and id; not `takeover`, due jobs only (a worker looks
+    for expired leases at most every `TAKEOVER_EVERY`: `worker.outcomes.Outcomes.takes_over()`).
 
     Each claimed row gets `attempts + 1`, a new fencing token and a lease of `ttl` seconds
     (or its kind's `ttl=`, `@job_handler`) from the database clock, in the statement that
@@ -104,14 +106,16 @@ def claim(
         return []
     throttled = throttles_of(kinds) if throttles() else {}
     if not throttled:
-        return claim_by_dialect(qs, owner, seconds, limit, kinds)
+        return claim_by_dialect(qs, owner, seconds, limit, kinds, takeover=takeover)
     claimed: Claimed[J] = Claimed()
     for kind, throttle in throttled.items():
-        take = partial(claim_by_dialect, qs, owner, seconds, kinds=[kind], atomic=False)
+        take = partial(
+            claim_by_dialect, qs, owner, seconds, kinds=[kind], atomic=False, takeover=takeover
+        )
         claimed.part(qs, kind, limit, partial(claim_throttled, qs, kind, throttle, take=take))
     rest: Wanted = AllBut(throttled) if kinds is None else [k for k in kinds if k not in throttled]
     if rest != []:
-        take_rest = partial(claim_by_dialect, qs, owner, seconds, kinds=rest)
+        take_rest = partial(claim_by_dialect, qs, owner, seconds, kinds=rest, takeover=takeover)
         claimed.part(qs, None, limit, take_rest)
     return claimed.handed_out()
 
@@ -181,6 +185,7 @@ def complete_and_claim(
     ttl: float | timedelta,
     limit: int = 1,
     kinds: Collection[str] | None = None,
+    takeover: bool = True,
 ) -> tuple[set[LeaseKey], list[J]]:
     """`complete_many(owner, leases)`, then `claim(owner, ...)`: return the (job id, token)
     pairs completed and the jobs claimed.
@@ -196,13 +201,15 @@ def complete_and_claim(
     fuses = route.dialect.fuses_completion_and_claim(route.ledger)
     if not fuses or kinds == [] or throttles_of(kinds):
         return complete_many(qs, owner, leases), claim(
-            qs, owner, ttl=seconds, limit=limit, kinds=kinds
+            qs, owner, ttl=seconds, limit=limit, kinds=kinds, takeover=takeover
         )
     keys = lease_keys(leases)
     fused: list[tuple[set[LeaseKey], list[J]]] = []
 
     def at_once(keys: list[LeaseKey]) -> set[LeaseKey]:
-        fused.append(complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds))
+        fused.append(
+            complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds, takeover=takeover)
+        )
         return fused[0][0]
 
     # The completions end where every execution ends; the fused statement completes the
@@ -210,7 +217,9 @@ def complete_and_claim(
     done = complete_many_by_dialect(qs, owner, keys, at_once=at_once)
     won, jobs = fused[0]
     if done - won and len(jobs) < limit:
-        jobs += claim(qs, owner, ttl=seconds, limit=limit - len(jobs), kinds=kinds)
+        jobs += claim(
+            qs, owner, ttl=seconds, limit=limit - len(jobs), kinds=kinds, takeover=takeover
+        )
     lost = [key for key in keys if key not in done]
     if lost:
         record_fenced_many(qs, lost)
@@ -225,9 +234,13 @@ def complete_and_claim_at_once(
     seconds: float,
     limit: int,
     kinds: Wanted,
+    *,
+    takeover: bool,
 ) -> tuple[set[LeaseKey], list[J]]:
     completing = ([pk for pk, _ in keys], [token for _, token in keys])
-    jobs, request = handed_to_dialect(qs, owner, seconds, limit, kinds, completing=completing)
+    jobs, request = handed_to_dialect(
+        qs, owner, seconds, limit, kinds, completing=completing, takeover=takeover
+    )
     rows = claim_route(qs.model, qs.db).dialect.claim(jobs, request)
     first: Any = rows[0]
     won = set(zip(first.completed_ids, first.completed_tokens, strict=True))
@@ -293,6 +306,7 @@ def claim_by_dialect(
     atomic: bool = True,
     dialect: Dialect | None = None,
     stock_ledger: bool = True,
+    takeover: bool = True,
 ) -> list[J]:
     """Claim with the database's dialect (`Dialect.claim()`: its own statements, or the ORM's),
     with the ledger's rows, in a transaction of its own or (not `atomic`) in the caller's.
@@ -300,7 +314,9 @@ def claim_by_dialect(
     `dialect`: another one (tests hold each database's statements to the base `Dialect()`, the
     ORM's specification); not `stock_ledger`: the ORM writes the stock ledger's rows."""
     route = claim_route(qs.model, qs.db)
-    jobs, request = handed_to_dialect(qs, owner, seconds, limit, kinds, stock_ledger=stock_ledger)
+    jobs, request = handed_to_dialect(
+        qs, owner, seconds, limit, kinds, stock_ledger=stock_ledger, takeover=takeover
+    )
     return in_claim_order((dialect or route.dialect).claim(jobs, request, atomic=atomic))
 
 
@@ -313,6 +329,7 @@ def handed_to_dialect(
     *,
     completing: tuple[list[int], list[int]] | None = None,
     stock_ledger: bool = True,
+    takeover: bool = True,
 ) -> tuple[Jobs[J], sql.Claim]:
     """What a claim hands its dialect: the job table (`dialects.Jobs`: where it is, how its
     rows become models, the ORM's own claim pass and ledger rows) and the request
@@ -337,7 +354,8 @@ def handed_to_dialect(
     else:
         wanted, lengths = kinds_filter(kinds, paused), lengths_of(seconds, kinds)
     wanted = (wanted[0], {**wanted[1], **paused_params})
-    return jobs, sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths, paused)
+    request = sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths, paused, takeover)
+    return jobs, request
 
 
 TAKEOVER_ORDER: tuple[str, ...] = ("lease_until",)

@@ -176,15 +176,16 @@ def complete_and_claim(
     committed unseen expires and is taken over, as any claim whose answer was lost.
     """
     started = time.monotonic()
+    looked = outcomes.takes_over()
     try:
         won, jobs = outcomes.jobs.complete_and_claim(
-            outcomes.worker_id, keys, ttl=outcomes.ttl, limit=limit, kinds=kinds
+            outcomes.worker_id, keys, ttl=outcomes.ttl, limit=limit, kinds=kinds, takeover=looked
         )
     except Exception as exc:  # noqa: BLE001 - the caller writes them again, or records why not
         if not isinstance(exc, DatabaseError):  # a database's refusal is logged by the retry
             logger.exception("%s", failed)
         return None
-    outcomes.note_claimed(jobs)
+    outcomes.note_claimed(jobs, looked=looked)
     return Fused(won, outcomes.leases(jobs, started), started)
 
 

@@ -138,6 +138,7 @@ class LeaseWorker:
         # One unevaluated queryset for every thread: its methods clone it or write through it,
         # and none fills its result cache. Building one per statement was ~7% of a busy worker.
         self._jobs = jobs
+        self._look_next = False  # a --burst claim found nothing, not looking for expired leases
         self.stats = WorkerStats(recorder=recorder)
         self.presence = Presence(gone_after)
         """When the watcher may take this worker for gone: its leases end then too."""
@@ -311,17 +312,21 @@ class LeaseWorker:
         if free <= 0:
             return 0
         started = time.monotonic()
+        looked = self._look_next or self._outcomes.takes_over()
         try:
-            jobs = self._jobs.claim(self.worker_id, ttl=self.ttl, limit=free, kinds=self.kinds)
+            jobs = self._jobs.claim(
+                self.worker_id, ttl=self.ttl, limit=free, kinds=self.kinds, takeover=looked
+            )
         except DatabaseError as exc:
             outage_or_raise(exc, self.using)  # the loop stops for a configuration error
             self._outages.pause("claim", exc)
             return None
         self._outages.over()
         self._pool.hand_out(self._outcomes.leases(jobs, started))
-        self._outcomes.note_claimed(jobs)
-        # A kind skipped (its gate held) may still have jobs: --burst waits on.
-        return None if not jobs and failures_of(jobs) else len(jobs)
+        self._outcomes.note_claimed(jobs, looked=looked)
+        self._look_next = self.burst and not jobs and not looked
+        # A kind skipped (its gate held), or expired leases not looked for: --burst waits on.
+        return None if self._look_next or not jobs and failures_of(jobs) else len(jobs)
 
     def stop(self) -> None:
         """Stop claiming; running jobs get the grace period. Call it from any thread; from a

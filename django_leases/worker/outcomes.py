@@ -4,8 +4,10 @@
 retry while the database is away and a lease may still be live, for a single outcome and a
 batch of acks alike), counts it in `WorkerStats` (and so in the metrics), and notes a refused
 holder write in the ledger ("fenced") where the queryset did not already (the back-off while
-the database is away is `outages.Outages`). Any thread may call it: it holds no state of its
-own beyond the counters' lock.
+the database is away is `outages.Outages`), and paces the claims' takeovers of expired leases
+(`takes_over()`). Any thread may call it: its one field of its own, when the next takeover is
+due, is a time any claiming thread may write; a lost update moves one takeover by at most an
+interval, and the database decides every claim.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ NOTES_FENCED = frozenset({AttemptOutcome.COMPLETED, TIMED_OUT})
 
 UNRECORDABLE = "failed-unrecordable"
 
+TAKEOVER_EVERY = 1.0
+"""Seconds between a worker's claims that also look for expired leases to take over (at most a
+quarter of its TTL). Every claim looking cost nothing on a clean table, but while a session
+pins the vacuum horizon every job claimed since leaves a dead `processing` row version that
+the expired leases' index scan must visit: after ten minutes 91% of a claim's buffers went to
+finding no expired lease (bench/README.md, "Under pressure"). The watcher rescues expired
+leases anyway; a worker's takeover is the fast path, now up to this much later."""
+
 R = TypeVar("R")
 
 
@@ -68,6 +78,8 @@ class Outcomes:
         self.outages = outages
         self.stopped = stopped
         self.using = jobs.db
+        self._takeover_every = min(TAKEOVER_EVERY, ttl / 4)
+        self._takeover_at = 0.0
 
     # ---- claims -------------------------------------------------------------------------------
 
@@ -83,10 +95,18 @@ class Outcomes:
             for job in jobs
         ]
 
-    def note_claimed(self, jobs: list[Any]) -> None:
-        """Count and log the jobs a claim took: counted once per kind, logged one by one only
-        at DEBUG (on the acknowledgement writer, the batched worker's critical path); and the
-        parts of the claim that failed (`claims.Claimed`), each an outage of that part."""
+    def takes_over(self) -> bool:
+        """Whether the next claim also looks for expired leases to take over: every
+        `TAKEOVER_EVERY`, and at once after a claim that took one over."""
+        return time.monotonic() >= self._takeover_at
+
+    def note_claimed(self, jobs: list[Any], *, looked: bool) -> None:
+        """Count and log the jobs a claim took (`looked`: for expired leases too): counted once
+        per kind, logged one by one only at DEBUG (on the acknowledgement writer, the batched
+        worker's critical path); and the parts of the claim that failed (`claims.Claimed`),
+        each an outage of that part."""
+        if looked and not any(job.taken_over for job in jobs):
+            self._takeover_at = time.monotonic() + self._takeover_every
         for kind, count in Counter(job.kind for job in jobs).items():
             self.stats.add("claimed", count, kind=kind)
         for failure in failures_of(jobs):
