@@ -12,7 +12,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_leases.exceptions import InvalidArgument
 from django_leases.models import JobAttempt, PaymentJob
-from django_leases.querysets import LeaseQuerySet
+from django_leases.querysets.claims import Claimer
 from django_leases.worker import LeaseWorker
 from django_leases.worker.group_commit import GroupCommit
 
@@ -206,14 +206,14 @@ def test_worker__slots_complete_and_claim_their_next_jobs_together() -> None:
     jobs = [PaymentJob.objects.enqueue("noop") for _ in range(60)]
     locked = PaymentJob.objects.enqueue("noop", lock="order:1")
     groups: list[tuple[int, int]] = []
-    real = LeaseQuerySet.complete_and_claim
+    real = Claimer.complete_and_claim
 
-    def spy(self: LeaseQuerySet, owner: str, leases: list[Any], **kwargs: object) -> object:
-        won, claimed = real(self, owner, leases, **kwargs)  # type: ignore[arg-type]
+    def spy(self: Claimer[Any], leases: list[Any], limit: int, **kwargs: bool) -> object:
+        won, claimed = real(self, leases, limit, **kwargs)
         groups.append((len(leases), len(claimed)))
         return won, claimed
 
-    with mock.patch.object(LeaseQuerySet, "complete_and_claim", spy):
+    with mock.patch.object(Claimer, "complete_and_claim", spy):
         stats = LeaseWorker(
             worker_id="w", burst=True, concurrency=4, ttl=30, heartbeat=5, poll_interval=0.05
         ).run()
@@ -233,7 +233,7 @@ def test_worker__slots_complete_and_claim_their_next_jobs_together() -> None:
 def test_worker__with_max_jobs_claims_only_in_its_loop() -> None:
     for _ in range(5):
         PaymentJob.objects.enqueue("noop")
-    with mock.patch.object(LeaseQuerySet, "complete_and_claim") as combined:
+    with mock.patch.object(Claimer, "complete_and_claim") as combined:
         stats = LeaseWorker(
             worker_id="w", max_jobs=3, concurrency=2, ttl=30, heartbeat=5, poll_interval=0.05
         ).run()

@@ -5,6 +5,7 @@ twice. Real worker processes (or a real in-process `LeaseWorker`) on the real te
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -15,6 +16,7 @@ from django_leases import job_handler
 from django_leases.handlers import unregister
 from django_leases.models import JobAttempt, PaymentJob, Worker
 from django_leases.querysets import LeaseQuerySet
+from django_leases.querysets.claims import Claimer
 from django_leases.worker import LeaseWorker
 from tests.testapp.models import Charge
 
@@ -242,9 +244,10 @@ def test_worker__a_dead_acknowledgement_thread_is_restarted(run_in_thread) -> No
 @pytest.fixture
 def unrecordable_kind() -> Iterator[str]:
     """A kind whose completion the database refuses, whichever statement writes it: the slots'
-    group write (`complete_and_claim`) and a completion of its own (`complete`)."""
+    group write (the worker's `Claimer.complete_and_claim`) and a completion of its own
+    (`complete`)."""
     kind = "unrecordable"
-    real_complete, real_group = LeaseQuerySet.complete, LeaseQuerySet.complete_and_claim
+    real_complete, real_group = LeaseQuerySet.complete, Claimer.complete_and_claim
 
     def refuse_if_ours(pks: object) -> None:
         if PaymentJob.objects.filter(pk__in=pks, kind=kind).exists():  # type: ignore[misc]
@@ -255,15 +258,15 @@ def unrecordable_kind() -> Iterator[str]:
         return real_complete(self, pk, *args, **kwargs)  # type: ignore[arg-type]
 
     def complete_and_claim(
-        self: LeaseQuerySet, owner: str, leases: dict[int, int], **kwargs: object
+        self: Claimer[Any], leases: list[tuple[int, int]], limit: int, **kwargs: bool
     ) -> object:
-        refuse_if_ours(list(leases))
-        return real_group(self, owner, leases, **kwargs)  # type: ignore[arg-type]
+        refuse_if_ours([pk for pk, _ in leases])
+        return real_group(self, leases, limit, **kwargs)
 
     job_handler(kind)(lambda job, lease: None)
     with (
         mock.patch.object(LeaseQuerySet, "complete", complete),
-        mock.patch.object(LeaseQuerySet, "complete_and_claim", complete_and_claim),
+        mock.patch.object(Claimer, "complete_and_claim", complete_and_claim),
     ):
         yield kind
     unregister(kind)

@@ -1,29 +1,30 @@
 """Claims: taking jobs for a worker, the one transition that creates a lease.
 
-`LeaseQuerySet.claim()`, `claim_job()` and `complete_and_claim()`: functions taking the
-queryset first, bound there as methods. Every claim is one conditional UPDATE (PostgreSQL: one
-statement with the ledger's rows; SQLite: UPDATE ... RETURNING passes; MariaDB/MySQL: rows
-locked with SKIP LOCKED (for several kinds, chosen first by an unlocked read of each kind's
-range: `lock_merged()`), then the UPDATE, in `dialects.mysql`'s statements; the connection's
-dialect runs its own, `Dialect.claim()`) that gives each row a new fencing token,
+`LeaseQuerySet.claim()` and `complete_and_claim()` (`claim_job()`: `claim_by_id.py`): functions
+taking the queryset first, bound there as methods. Every claim is one conditional UPDATE
+(PostgreSQL: one statement with the ledger's rows; SQLite: UPDATE ... RETURNING passes;
+MariaDB/MySQL: rows locked with SKIP LOCKED (for several kinds, chosen first by an unlocked read
+of each kind's range: `lock_merged()`), then the UPDATE, in `dialects.mysql`'s statements; the
+connection's dialect runs its own, `Dialect.claim()`) that gives each row a new fencing token,
 `attempts + 1` and a lease from the database clock, and opens its ledger row in the same
 transaction.
 
-A claim on PostgreSQL reads in a few jumps (tests/test_architecture.py counts them): `claim()`,
-`claim_by_dialect()` (retried on deadlock; the dialect, table and ledger of `claim_route()`,
-looked up once per process), `handed_to_dialect()`, `dialects.postgresql.PostgreSQL.claim()` (the
-statement of `postgresql_statements.claim()`, run as a prepared statement of the session),
-`base.raw_rows()` (rows to models) and `in_claim_order()`.
+A worker's claim is a `Claimer`, put together when the worker starts (its route, throttled
+kinds and the dialect's request); each claim is then `Claimer.claim()` (retried on deadlock),
+`Claimer.by_dialect()`, the dialect's `claim()` (PostgreSQL: the statement of
+`postgresql_statements.claim()`, run as a prepared statement of the session), `base.raw_rows()`
+(rows to models) and `in_claim_order()`. `LeaseQuerySet.claim()` builds a `Claimer` per call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from functools import cache, partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple
 
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, connections
 from django.db.models import F
 from django.db.models.functions import Now
 
@@ -33,7 +34,7 @@ from django_leases.dialects import statements as sql
 from django_leases.dialects.statements import LedgerNames
 from django_leases.exceptions import GateBusy, InvalidArgument
 from django_leases.handlers import Lengths, lease_lengths_of, throttles
-from django_leases.limits import CLAIM_LIMIT, JOB_ID, check_int, check_kind, check_owner
+from django_leases.limits import CLAIM_LIMIT, check_int, check_kind, check_owner
 from django_leases.querysets.acks import complete_many
 from django_leases.querysets.base import (
     LeaseKey,
@@ -101,23 +102,90 @@ def claim(
     A claim takes from the whole queue: on a filtered queryset it raises `InvalidArgument`
     (choose with `kinds=`, or one job with `claim_job(pk)`).
     """
-    seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
-    if kinds == []:
-        return []
-    throttled = throttles_of(kinds) if throttles() else {}
-    if not throttled:
-        return claim_by_dialect(qs, owner, seconds, limit, kinds, takeover=takeover)
-    claimed: Claimed[J] = Claimed()
-    for kind, throttle in throttled.items():
-        take = partial(
-            claim_by_dialect, qs, owner, seconds, kinds=[kind], atomic=False, takeover=takeover
+    check_int(limit, "limit", CLAIM_LIMIT)
+    return Claimer(qs, owner, ttl=ttl, kinds=kinds).claim(limit, takeover=takeover)
+
+
+class Claimer(Generic[J]):
+    """One owner's claim, put together once: its checked arguments, the dialect's route, its
+    throttled kinds, and the request the dialect runs (the kinds' and the takeover guard's
+    fragments, the paused kinds' subquery, each kind's lease length); each claim then asks only
+    how many jobs, and whether to look for expired leases too.
+
+    A worker builds its own when it starts (`LeaseWorker`: its settings, registry and route as
+    they are then); `claim()` and `complete_and_claim()` build one per call. Any thread may use
+    it: each claim runs on its own thread's connection."""
+
+    def __init__(
+        self,
+        qs: LeaseReads[J],
+        owner: str,
+        *,
+        ttl: float | timedelta,
+        kinds: Collection[str] | None = None,
+    ) -> None:
+        self.seconds, self.kinds = claim_args(qs, owner, ttl, kinds)
+        self.qs, self.db, self.owner = qs, qs.db, owner
+        self.throttled = throttles_of(self.kinds) if throttles() and self.kinds != [] else {}
+        self.route = claim_route(qs.model, qs.db)
+        fuses = self.route.dialect.fuses_completion_and_claim(self.route.ledger)
+        self.fuses = fuses and not self.throttled and self.kinds != []
+        self.jobs, self.request = handed_to_dialect(qs, owner, self.seconds, 1, self.kinds)
+
+    def claim(self, limit: int, *, takeover: bool = True) -> list[J]:
+        """Claim up to `limit` jobs (`claims.claim()`): the throttled kinds first, each in a
+        transaction of its own within its throttle, then the others."""
+        if self.kinds == []:
+            return []
+        if not self.throttled:
+            return self.by_dialect(limit, takeover)
+        qs, owner, seconds = self.qs, self.owner, self.seconds
+        claimed: Claimed[J] = Claimed()
+        for kind, throttle in self.throttled.items():
+            take = partial(
+                claim_by_dialect, qs, owner, seconds, kinds=[kind], atomic=False, takeover=takeover
+            )
+            claimed.part(qs, kind, limit, partial(claim_throttled, qs, kind, throttle, take=take))
+        kinds, throttled = self.kinds, self.throttled
+        rest: Wanted = (
+            AllBut(throttled) if kinds is None else [k for k in kinds if k not in throttled]
         )
-        claimed.part(qs, kind, limit, partial(claim_throttled, qs, kind, throttle, take=take))
-    rest: Wanted = AllBut(throttled) if kinds is None else [k for k in kinds if k not in throttled]
-    if rest != []:
-        take_rest = partial(claim_by_dialect, qs, owner, seconds, kinds=rest, takeover=takeover)
-        claimed.part(qs, None, limit, take_rest)
-    return claimed.handed_out()
+        if rest != []:
+            take_rest = partial(claim_by_dialect, qs, owner, seconds, kinds=rest, takeover=takeover)
+            claimed.part(qs, None, limit, take_rest)
+        return claimed.handed_out()
+
+    @retry_deadlocks
+    def by_dialect(self, limit: int, takeover: bool) -> list[J]:
+        """The claim of unthrottled kinds: the dialect's, on this thread's connection."""
+        # A connection is never shared between threads: this thread's.
+        jobs = replace(self.jobs, connection=connections[self.db])
+        request = replace(self.request, limit=limit, takeover=takeover)
+        return in_claim_order(self.route.dialect.claim(jobs, request))
+
+    def complete_and_claim(
+        self, leases: Iterable[LeaseKey] | Mapping[int, int], limit: int, *, takeover: bool = True
+    ) -> tuple[set[LeaseKey], list[J]]:
+        """`claims.complete_and_claim()`."""
+        if not self.fuses:
+            return complete_many(self.qs, self.owner, leases), self.claim(limit, takeover=takeover)
+        keys = lease_keys(leases)
+        fused: list[tuple[set[LeaseKey], list[J]]] = []
+
+        def at_once(keys: list[LeaseKey]) -> set[LeaseKey]:
+            fused.append(complete_and_claim_at_once(self, keys, limit, takeover))
+            return fused[0][0]
+
+        # The completions end where every execution ends; the fused statement completes the
+        # jobs without a lock, the seam the others (`endings.complete_many_by_dialect()`).
+        done = complete_many_by_dialect(self.qs, self.owner, keys, at_once=at_once)
+        won, jobs = fused[0]
+        if done - won and len(jobs) < limit:
+            jobs += self.claim(limit - len(jobs), takeover=takeover)
+        lost = [key for key in keys if key not in done]
+        if lost:
+            record_fenced_many(self.qs, lost)
+        return done, jobs
 
 
 class PartFailed(NamedTuple):
@@ -196,52 +264,19 @@ def complete_and_claim(
     statement), and the jobs next in line of those locks are claimed then if it came back
     short. Elsewhere it is those two transactions, the completions committed first.
     """
-    seconds, kinds = claim_args(qs, owner, ttl, limit, kinds)
-    route = claim_route(qs.model, qs.db)
-    fuses = route.dialect.fuses_completion_and_claim(route.ledger)
-    if not fuses or kinds == [] or throttles_of(kinds):
-        return complete_many(qs, owner, leases), claim(
-            qs, owner, ttl=seconds, limit=limit, kinds=kinds, takeover=takeover
-        )
-    keys = lease_keys(leases)
-    fused: list[tuple[set[LeaseKey], list[J]]] = []
-
-    def at_once(keys: list[LeaseKey]) -> set[LeaseKey]:
-        fused.append(
-            complete_and_claim_at_once(qs, owner, keys, seconds, limit, kinds, takeover=takeover)
-        )
-        return fused[0][0]
-
-    # The completions end where every execution ends; the fused statement completes the
-    # jobs without a lock, the seam the others (`endings.complete_many_by_dialect()`).
-    done = complete_many_by_dialect(qs, owner, keys, at_once=at_once)
-    won, jobs = fused[0]
-    if done - won and len(jobs) < limit:
-        jobs += claim(
-            qs, owner, ttl=seconds, limit=limit - len(jobs), kinds=kinds, takeover=takeover
-        )
-    lost = [key for key in keys if key not in done]
-    if lost:
-        record_fenced_many(qs, lost)
-    return done, jobs
+    check_int(limit, "limit", CLAIM_LIMIT)
+    claimer = Claimer(qs, owner, ttl=ttl, kinds=kinds)
+    return claimer.complete_and_claim(leases, limit, takeover=takeover)
 
 
 @retry_deadlocks
 def complete_and_claim_at_once(
-    qs: LeaseReads[J],
-    owner: str,
-    keys: list[LeaseKey],
-    seconds: float,
-    limit: int,
-    kinds: Wanted,
-    *,
-    takeover: bool,
+    claimer: Claimer[J], keys: list[LeaseKey], limit: int, takeover: bool
 ) -> tuple[set[LeaseKey], list[J]]:
     completing = ([pk for pk, _ in keys], [token for _, token in keys])
-    jobs, request = handed_to_dialect(
-        qs, owner, seconds, limit, kinds, completing=completing, takeover=takeover
-    )
-    rows = claim_route(qs.model, qs.db).dialect.claim(jobs, request)
+    jobs = replace(claimer.jobs, connection=connections[claimer.db])
+    request = replace(claimer.request, limit=limit, takeover=takeover, completing=completing)
+    rows = claimer.route.dialect.claim(jobs, request)
     first: Any = rows[0]
     won = set(zip(first.completed_ids, first.completed_tokens, strict=True))
     return won, in_claim_order([job for job in rows if job.pk is not None])
@@ -254,11 +289,7 @@ def in_claim_order(jobs: list[J]) -> list[J]:
 
 
 def claim_args(
-    qs: LeaseReads[J],
-    owner: str,
-    ttl: float | timedelta,
-    limit: int,
-    kinds: Collection[str] | None,
+    qs: LeaseReads[J], owner: str, ttl: float | timedelta, kinds: Collection[str] | None
 ) -> tuple[float, list[str] | None]:
     """Check a claim's arguments; return the TTL in seconds and the kinds as a list.
 
@@ -271,7 +302,6 @@ def claim_args(
         )
     seconds = to_seconds(ttl, "ttl")
     check_owner(owner)
-    check_int(limit, "limit", CLAIM_LIMIT)
     if kinds is None:
         return seconds, None
     return seconds, [check_kind(kind, "kinds") for kind in kinds]
@@ -327,14 +357,13 @@ def handed_to_dialect(
     limit: int,
     kinds: Wanted,
     *,
-    completing: tuple[list[int], list[int]] | None = None,
     stock_ledger: bool = True,
     takeover: bool = True,
 ) -> tuple[Jobs[J], sql.Claim]:
     """What a claim hands its dialect: the job table (`dialects.Jobs`: where it is, how its
     rows become models, the ORM's own claim pass and ledger rows) and the request
     (`statements.Claim`: the kinds' and the takeover guard's fragments, each kind's own lease
-    length; with `completing`, the jobs to complete in the same statement)."""
+    length)."""
     route = claim_route(qs.model, qs.db)
     jobs = Jobs(
         connections[qs.db],  # this thread's: a connection is never shared between threads
@@ -354,7 +383,7 @@ def handed_to_dialect(
     else:
         wanted, lengths = kinds_filter(kinds, paused), lengths_of(seconds, kinds)
     wanted = (wanted[0], {**wanted[1], **paused_params})
-    request = sql.Claim(owner, seconds, limit, wanted, guard, completing, lengths, paused, takeover)
+    request = sql.Claim(owner, seconds, limit, wanted, guard, None, lengths, paused, takeover)
     return jobs, request
 
 
@@ -448,45 +477,3 @@ def claim_values(owner: str, seconds: float, lengths: Lengths) -> dict[str, Any]
         "lease_token": next_token(),
         "attempts": F("attempts") + 1,
     }
-
-
-@retry_deadlocks
-def claim_job(qs: LeaseReads[J], pk: int, owner: str, *, ttl: float | timedelta) -> J | None:
-    """Claim the job `pk` for `owner` if it is claimable (and its kind's throttle lets it
-    start); return it, or None if not."""
-    check_int(pk, "pk", JOB_ID)
-    seconds = to_seconds(ttl, "ttl")
-    check_owner(owner)
-    known = throttles()
-    kind = qs.filter(pk=pk).values_list("kind", flat=True).first() if known else None
-    if kind is None or kind not in known:
-        with transaction.atomic(using=qs.db):
-            jobs = claim_one(qs, pk, owner, seconds)
-        return jobs[0] if jobs else None
-    jobs = claim_throttled(
-        qs, kind, known[kind], 1, lambda room: claim_one(qs, pk, owner, seconds, kind)
-    )
-    return jobs[0] if jobs else None
-
-
-def claim_one(
-    qs: LeaseReads[J], pk: int, owner: str, seconds: float, kind: str | None = None
-) -> list[J]:
-    """`claim_job()` in the caller's transaction: `[job]`, or `[]`; with `kind`, only a
-    job still of that kind (the one a throttled claim counted)."""
-    # The seed's statement: UPDATE ... WHERE id = :id AND (pending and due, or processing
-    # with an expired lease). Its row count is the decision.
-    # A paused kind's job is left alone, decided in the UPDATE itself.
-    paused = paused_rows(qs.db).of_table(qs.model).values("kind")
-    claimable = qs.claimable().filter(pk=pk).exclude(kind__in=paused)
-    if kind is not None:
-        claimable = claimable.filter(kind=kind)
-    lengths = lease_lengths_of(seconds, None if kind is None else (kind,))
-    if not claimable.update(**claim_values(owner, seconds, lengths)):
-        return []
-    # We hold the row lock until commit (and SQLite's write lock), so this read is ours.
-    job = qs.get(pk=pk)
-    # attempts > 1: a ledger row of an earlier holder may still be open; close it.
-    job.taken_over = job.attempts > 1  # type: ignore[attr-defined]
-    open_attempts(qs, [job], owner)
-    return [job]

@@ -26,7 +26,17 @@ from django_leases.limits import (
     check_json_size,
     check_text,
 )
-from django_leases.querysets import acks, base, claims, endings, ledger, operators, pauses, steps
+from django_leases.querysets import (
+    acks,
+    base,
+    claim_by_id,
+    claims,
+    endings,
+    ledger,
+    operators,
+    pauses,
+    steps,
+)
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -77,7 +87,7 @@ class LeaseQuerySet(LeaseReads[J]):
     # ---- acquisition (claims.py) --------------------------------------------------------------
 
     claim = writes(claims.claim)
-    claim_job = writes(claims.claim_job)
+    claim_job = writes(claim_by_id.claim_job)
     complete_and_claim = writes(claims.complete_and_claim)
 
     # ---- batched completions (acks.py) --------------------------------------------------------

@@ -101,11 +101,8 @@ class GroupCompletion:
 class Grouped:
     """Complete and claim each slot's next job in one group write; `Direct` once stopping."""
 
-    def __init__(
-        self, outcomes: Outcomes, *, kinds: list[str], stopping: threading.Event, direct: Direct
-    ) -> None:
+    def __init__(self, outcomes: Outcomes, *, stopping: threading.Event, direct: Direct) -> None:
         self.outcomes = outcomes
-        self.kinds = kinds
         self.stopping = stopping
         self.direct = direct
         self.commit: GroupCommit[Lease | None, GroupCompletion] = GroupCommit(self.write)
@@ -136,9 +133,7 @@ class Grouped:
             return [GroupCompletion(written=False) for _ in items]
         keys = [lease.key for lease in items if lease is not None]
         failed = "group write failed; each slot writes its completion alone"
-        fused = complete_and_claim(
-            self.outcomes, keys, limit=len(items), kinds=self.kinds, failed=failed
-        )
+        fused = complete_and_claim(self.outcomes, keys, limit=len(items), failed=failed)
         if fused is None:
             return [GroupCompletion(written=False, failed=True) for _ in items]
         following: list[Lease | None] = list(fused.claimed)
@@ -164,7 +159,7 @@ class Fused:
 
 
 def complete_and_claim(
-    outcomes: Outcomes, keys: list[LeaseKey], *, limit: int, kinds: list[str], failed: str
+    outcomes: Outcomes, keys: list[LeaseKey], *, limit: int, failed: str
 ) -> Fused | None:
     """Complete the leases of `keys` and claim up to `limit` next jobs, in one statement where
     the database allows it (`LeaseQuerySet.complete_and_claim()`): one commit for the jobs
@@ -178,9 +173,7 @@ def complete_and_claim(
     started = time.monotonic()
     looked = outcomes.takes_over()
     try:
-        won, jobs = outcomes.jobs.complete_and_claim(
-            outcomes.worker_id, keys, ttl=outcomes.ttl, limit=limit, kinds=kinds, takeover=looked
-        )
+        won, jobs = outcomes.claimer.complete_and_claim(keys, limit, takeover=looked)
     except Exception as exc:  # noqa: BLE001 - the caller writes them again, or records why not
         if not isinstance(exc, DatabaseError):  # a database's refusal is logged by the retry
             logger.exception("%s", failed)
@@ -211,7 +204,6 @@ def choose(
     *,
     pool: SlotPool,
     acks: AckBuffer,
-    kinds: list[str],
     stopping: threading.Event,
     counts_claims: bool,
     claims_ahead: bool,
@@ -221,7 +213,7 @@ def choose(
     direct = Direct(outcomes, acks)
     if counts_claims:
         return direct
-    grouped = Grouped(outcomes, kinds=kinds, stopping=stopping, direct=direct)
+    grouped = Grouped(outcomes, stopping=stopping, direct=direct)
     return ClaimsAhead(pool, acks, grouped) if claims_ahead else grouped
 
 
@@ -418,9 +410,7 @@ class AckWriter:
             return True
         keys = [lease.key for lease in batch]
         failed = "batched acknowledgement with claim failed; writing it alone"
-        fused = complete_and_claim(
-            self.outcomes, keys, limit=wanted, kinds=self.kinds, failed=failed
-        )
+        fused = complete_and_claim(self.outcomes, keys, limit=wanted, failed=failed)
         if fused is None:
             self._flush(batch, maybe_written=True)
             return True

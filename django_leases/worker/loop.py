@@ -159,6 +159,7 @@ class LeaseWorker:
         self._outages = Outages(self.stats, self.using, self.poll_interval, self._stopping)
         outcomes = Outcomes(
             self._jobs,
+            kinds=self.kinds,
             worker_id=self.worker_id,
             ttl=self.ttl,
             presence=self.presence,
@@ -201,7 +202,6 @@ class LeaseWorker:
             outcomes,
             pool=self._pool,
             acks=self._acks,
-            kinds=self.kinds,
             stopping=self._stopping,
             counts_claims=self.max_jobs is not None,
             claims_ahead=self._ahead,
@@ -314,9 +314,7 @@ class LeaseWorker:
         started = time.monotonic()
         looked = self._look_next or self._outcomes.takes_over()
         try:
-            jobs = self._jobs.claim(
-                self.worker_id, ttl=self.ttl, limit=free, kinds=self.kinds, takeover=looked
-            )
+            jobs = self._outcomes.claimer.claim(free, takeover=looked)
         except DatabaseError as exc:
             outage_or_raise(exc, self.using)  # the loop stops for a configuration error
             self._outages.pause("claim", exc)

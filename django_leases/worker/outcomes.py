@@ -31,8 +31,8 @@ from django_leases.handlers import get_handler, lease_length
 from django_leases.lease import Lease, Presence
 from django_leases.outages import Outages, is_outage
 from django_leases.querysets import LeaseQuerySet
-from django_leases.querysets.base import LeaseKey
-from django_leases.querysets.claims import PartFailed, failures_of
+from django_leases.querysets.base import LeaseKey, writing_to
+from django_leases.querysets.claims import Claimer, PartFailed, failures_of
 from django_leases.redaction import error_text
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 from django_leases.worker.counters import WorkerStats
@@ -63,6 +63,7 @@ class Outcomes:
         self,
         jobs: LeaseQuerySet[Any],
         *,
+        kinds: list[str],
         worker_id: str,
         ttl: float,
         presence: Presence,
@@ -71,6 +72,9 @@ class Outcomes:
         stopped: threading.Event,
     ) -> None:
         self.jobs = jobs
+        self.claimer = Claimer(writing_to(jobs), worker_id, ttl=ttl, kinds=kinds)
+        """The worker's claim, put together once: only how many jobs and whether it looks for
+        expired leases change from one claim to the next."""
         self.worker_id = worker_id
         self.ttl = ttl
         self.presence = presence
