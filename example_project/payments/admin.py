@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from example_project.payments.models import FakePspCharge, Payment
+from example_project.payments.models import FakePspCall, FakePspCharge, Followup, Payment
 
 
 @admin.register(Payment)
@@ -30,3 +30,23 @@ class FakePspChargeAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None):
         return False
+
+
+@admin.register(FakePspCall)
+class FakePspCallAdmin(admin.ModelAdmin):
+    list_display = ["idempotency_key", "operation", "replayed", "metadata", "created_at"]
+    list_filter = ["operation", "replayed"]
+    search_fields = ["idempotency_key"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Followup)
+class FollowupAdmin(admin.ModelAdmin):
+    list_display = ["kind", "payment", "job_ref", "payment_status", "amount", "created_at"]
+    list_filter = ["kind", "payment_status"]
+    search_fields = ["=payment__id", "=job_ref"]
