@@ -1,5 +1,6 @@
 """DATABASES from DATABASE_URL, tuned for many worker processes on each backend."""
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +44,13 @@ def database_from_url(url: str) -> dict[str, Any]:
     elif engine.endswith("postgresql"):
         db.setdefault("OPTIONS", {})
     return db
+
+
+def books_database(shop: dict[str, Any]) -> dict[str, Any]:
+    """Return the fake PSP's database beside the shop's `shop` (see payments/routers.py): the
+    same database by a connection of its own, or, beside a SQLite file, a file of its own."""
+    books = copy.deepcopy(shop)
+    if shop["ENGINE"].endswith("sqlite3"):
+        path = Path(shop["NAME"])
+        books["NAME"] = str(path.with_name(f"{path.stem}-psp{path.suffix}"))
+    return books

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import environ
 
-from example_project.dbconfig import database_from_env
+from example_project.dbconfig import books_database, database_from_env
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
@@ -52,6 +52,9 @@ TEMPLATES = [
 WSGI_APPLICATION = "example_project.wsgi.application"
 
 DATABASES = {"default": database_from_env(env, BASE_DIR / "db.sqlite3")}
+# The fake PSP's books, apart from the shop's transactions (payments/routers.py).
+DATABASES["psp"] = books_database(DATABASES["default"])
+DATABASE_ROUTERS = ["example_project.payments.routers.PspRouter"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 if DATABASES["default"]["ENGINE"].endswith("mysql"):
     # MariaDB/MySQL build the lease indexes without their WHERE condition (status leads each

@@ -74,6 +74,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         "LEASES_TEST_DB_NAME": str(connection.settings_dict["NAME"]),
         "LEASES_TEST_OTHER_DB_NAME": str(connections["other"].settings_dict["NAME"]),
         "LEASES_TEST_LOCAL_DB_NAME": str(connections["local"].settings_dict["NAME"]),
+        "LEASES_TEST_PSP_DB_NAME": str(connections["psp"].settings_dict["NAME"]),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }

@@ -6,7 +6,7 @@ from pathlib import Path
 import django
 import environ
 
-from example_project.dbconfig import database_from_env, database_from_url
+from example_project.dbconfig import books_database, database_from_env, database_from_url
 
 env = environ.Env()
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -113,8 +113,21 @@ DATABASES["local"] = database_from_url(f"sqlite:///{_sqlite.with_name('local_' +
 DATABASES["local"]["TEST"] = {"NAME": str(_sqlite.with_name("test_local_" + _sqlite.name))}
 if env("LEASES_TEST_LOCAL_DB_NAME", default=""):
     DATABASES["local"]["NAME"] = env("LEASES_TEST_LOCAL_DB_NAME")
+# The demo's fake PSP keeps its books apart (example_project/payments/routers.py): the same test
+# database by a connection of its own, or on SQLite a test file of its own, which the demo's
+# subprocesses reach by LEASES_TEST_PSP_DB_NAME.
+DATABASES["psp"] = books_database(DATABASES["default"])
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    DATABASES["psp"]["TEST"] = {"NAME": str(_sqlite.with_name("test_psp_" + _sqlite.name))}
+else:
+    DATABASES["psp"]["TEST"] = {"MIRROR": "default"}
+if env("LEASES_TEST_PSP_DB_NAME", default=""):
+    DATABASES["psp"]["NAME"] = env("LEASES_TEST_PSP_DB_NAME")
 # Worker subprocesses of the router tests get their routers through the environment.
-DATABASE_ROUTERS = env.list("LEASES_TEST_ROUTERS", default=[])
+DATABASE_ROUTERS = [
+    "example_project.payments.routers.PspRouter",
+    *env.list("LEASES_TEST_ROUTERS", default=[]),
+]
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"

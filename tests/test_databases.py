@@ -180,7 +180,7 @@ def test_commands__an_unknown_database_is_one_line_and_exit_1(
     )
     out = finish(proc, timeout=30)
     assert proc.returncode == 1, out
-    assert "'nope' is not a database of DATABASES (default, other, local)" in out
+    assert "'nope' is not a database of DATABASES (default, other, local, psp)" in out
     assert len(out.strip().splitlines()) == 1
     assert PaymentJob.objects.get(pk=job.pk).status == Status.PENDING
 

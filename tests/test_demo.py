@@ -1,4 +1,5 @@
-"""`manage.py demo` end to end: real workers, a crash, a zombie, and the fake PSP's books."""
+"""`manage.py demo` end to end: real workers, a crash, a zombie, and the fake PSP's books, held
+against the checkouts' recorded steps and the captures' dependents."""
 
 import json
 import os
@@ -12,16 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from django_leases.models import JobAttempt, PaymentJob, Worker
+from django_leases.lease import step_key
+from django_leases.models import JobAttempt, JobStep, PaymentJob, Worker
 from example_project.payments import psp
-from example_project.payments.models import Payment
+from example_project.payments.models import FakePspCall, Followup, Payment
 
 from .conftest import ROOT, Processes, finish, processes_marked, read_until, subprocess_env
 from .ticking import tick_of
 
-pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.concurrency,
+    pytest.mark.django_db(transaction=True, databases=["default", "psp"]),
+]
 
-KINDS = ["capture", "refund", "reconcile"]
+KINDS = ["capture", "refund", "reconcile", "checkout", "webhook", "ledger"]
 # example_project.settings puts captures under the review policy and schedules the reconcile
 # sweep; the test settings take theirs from the environment.
 DEMO_SETTINGS = {
@@ -69,7 +74,8 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
     assert proc.returncode == 0, out
     assert "OK: every payment settled, double charges: 0." in out
     assert summary_count(out, "double charges") == 0
-    assert summary_count(out, "refunds before capture") == 0
+    assert summary_count(out, "before their capture") == 0
+    assert summary_count(out, "step re-runs") == 0
     assert "SIGKILL demo-w1" in out
     # Its admin hint names the interpreter that ran it (a bare `python` lacks Django).
     assert f"{os.path.relpath(sys.executable, ROOT)} manage.py createsuperuser" in " ".join(
@@ -78,7 +84,11 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
     # The database agrees with the summary.
     jobs = PaymentJob.objects.filter(kind__in=KINDS)
     assert jobs.count() == 40
-    assert set(jobs.values_list("status", flat=True)) <= {"completed", "failed"}
+    # A dependent of a capture that failed is held (waiting) for an operator, nothing else.
+    failed_ids = set(jobs.filter(status="failed").values_list("pk", flat=True))
+    for waiting in jobs.filter(status="waiting"):
+        assert set(waiting.waits_for) & failed_ids, waiting
+    assert set(jobs.values_list("status", flat=True)) <= {"completed", "failed", "waiting"}
     assert summary_count(out, "jobs completed") == jobs.filter(status="completed").count()
     assert summary_count(out, "fenced-out attempts") == (
         JobAttempt.objects.filter(fenced_at__isnull=False).count()
@@ -101,10 +111,10 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
     failed = set(jobs.filter(status="failed").values_list("payment_id", flat=True))
     for payment in Payment.objects.all():
         assert payment.status in {"captured", "declined", "refunded", "expired"} or (
-            payment.status == "authorized" and str(payment.pk) in failed
+            payment.status in {"new", "authorized"} and str(payment.pk) in failed
         ), payment
-    # Some payments had their refund enqueued right behind their capture; each refund was
-    # claimed only once its capture had reached its final status (locked by payment).
+    # Some payments had their refund enqueued after their capture; each refund was claimed
+    # only once its capture had completed.
     paired = jobs.filter(
         kind="refund", payment_id__in=jobs.filter(kind="capture").values("payment_id")
     )
@@ -112,8 +122,35 @@ def test_demo__settles_every_payment_without_a_double_charge(processes: Processe
     for refund in paired:
         capture = jobs.get(kind="capture", payment_id=refund.payment_id)
         first = JobAttempt.objects.filter(job_ref=refund.pk).order_by("claimed_at").first()
-        assert refund.lock == capture.lock == f"payment:{refund.payment_id}"
-        assert first is not None and first.claimed_at >= capture.completed_at, refund
+        assert (refund.waits_for, refund.lock) == ([capture.pk], "")
+        if capture.status == "completed":
+            assert first is not None and first.claimed_at >= capture.completed_at, refund
+        else:
+            assert first is None, refund
+    # Webhooks and ledger postings fanned out from their capture: each completed one wrote
+    # one follow-up with its completion, and found its payment settled when it started.
+    dependents = jobs.filter(kind__in=["webhook", "ledger"])
+    assert dependents.count() == 4
+    for job in dependents.filter(status="completed"):
+        (follow_up,) = Followup.objects.filter(job_ref=job.pk)
+        assert (follow_up.kind, str(follow_up.payment_id)) == (job.kind, job.payment_id)
+        assert follow_up.payment_status in {"captured", "declined", "refunded"}, follow_up
+    # Checkouts ran authorize -> capture -> notify as steps: each recorded once, and no PSP call
+    # of a recorded step came from an attempt later than the one that recorded it.
+    checkouts = jobs.filter(kind="checkout")
+    assert checkouts.count() == 1
+    for checkout in checkouts.filter(status="completed"):
+        steps = JobStep.objects.filter(job_ref=checkout.pk).order_by("recorded_at", "pk")
+        names = list(steps.values_list("name", flat=True))
+        assert names in (["authorize"], ["authorize", "capture", "notify"]), names
+        for step in steps.exclude(name="notify"):
+            calls = FakePspCall.objects.filter(idempotency_key=step_key(checkout, step.name))
+            attempts = [call.metadata["attempt"] for call in calls]
+            assert attempts and max(attempts) <= step.attempt, (step, attempts)
+    assert (
+        summary_count(out, "checkout steps")
+        == JobStep.objects.filter(job_ref__in=checkouts.values("pk")).count()
+    )
     # No attempt is left open: the killed worker's were closed by the watcher or a takeover.
     assert not JobAttempt.objects.filter(ended_at__isnull=True).exists()
     assert (

@@ -6,6 +6,7 @@ whichever database DATABASE_URL names.
 """
 
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -467,3 +468,48 @@ def test_workers__a_prerequisite_whose_worker_is_killed_releases_its_dependent_o
     (after,) = JobAttempt.objects.filter(job_ref=refund.pk)
     assert after.claimed_at >= row(capture).completed_at
     assert LockRun.objects.filter(job_ref=refund.pk).count() == 1
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("pause", ["before_commit", "after_commit"])
+def test_workers__sigkill_around_the_completing_commit_releases_the_dependent_once(
+    processes: Processes, tmp_path: Path, pause: str
+) -> None:
+    # The prerequisite's worker is killed inside its completing transaction, right after the
+    # statement that released the dependent (nothing of it commits: the prerequisite runs
+    # again, and its rerun releases the dependent), or right after that commit (both the
+    # completion and the release stand). Either way the dependent runs once, after it.
+    marker = tmp_path / "paused"
+    payload = {"marker": str(marker), "seconds": 60, "pause": pause}
+    capture = PaymentJob.objects.enqueue("releases_then_pauses", payload)
+    refund = PaymentJob.objects.enqueue("locked_step", {"seconds": 0}, after=[capture])
+    # One slot: the victim cannot take the dependent while it pauses.
+    victim = worker(processes, "victim", "--concurrency", "1", "--ttl", "2", "--heartbeat", "0.5")
+    wait_for(marker.exists, timeout=60)
+    committed = pause == "after_commit"
+    seen = (
+        (Status.COMPLETED, Status.PENDING, 0)
+        if committed
+        else (Status.PROCESSING, Status.WAITING, 1)
+    )
+    assert (row(capture).status, row(refund).status, row(refund).unmet) == seen
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    assert (row(capture).status, row(refund).status, row(refund).unmet) == seen
+
+    worker(processes, "heir", "--ttl", "2", "--heartbeat", "0.5")
+    wait_for(lambda: all_completed([capture, refund]), timeout=60)
+
+    ledger = JobAttempt.objects.filter(job_ref=capture.pk).order_by("attempt")
+    outcomes = [(attempt.owner, attempt.outcome) for attempt in ledger]
+    if committed:
+        assert outcomes == [("victim", "completed")]
+    else:
+        assert outcomes == [("victim", "lease_lost"), ("heir", "completed")]
+    # The victim's own write rolled back with its uncommitted completion, or stands with it.
+    assert LockRun.objects.filter(job_ref=capture.pk).count() == 1
+    (after,) = JobAttempt.objects.filter(job_ref=refund.pk)
+    assert (after.owner, after.outcome, row(refund).attempts) == ("heir", "completed", 1)
+    assert LockRun.objects.filter(job_ref=refund.pk).count() == 1
+    assert first_starts([refund.pk])[refund.pk] >= row(capture).completed_at

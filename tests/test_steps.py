@@ -22,6 +22,7 @@ from django_leases.exceptions import InvalidArgument, LeaseError, LeaseLost, Pay
 from django_leases.lease import Lease, step_key
 from django_leases.models import JobAttempt, JobStep, PaymentJob
 from django_leases.watcher import StuckWatcher
+from tests.testapp.jobs import STEPS
 from tests.testapp.models import Charge, PayoutJob
 
 from .conftest import ON_SQLITE, Processes, read_until, subprocess_env, wait_for
@@ -373,38 +374,37 @@ def token_of(job: PaymentJob, attempt: int) -> int:
 
 @pytest.mark.concurrency
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("killed_after", [1, 2, 3])
 def test_worker__sigkill_after_a_recorded_step_resumes_after_it(
-    processes: Processes, log: Path
+    processes: Processes, log: Path, killed_after: int
 ) -> None:
+    # The worker is killed after step N committed (after the last one: before the job's
+    # completion); the next attempt runs steps N+1.. only, and never 1..N again.
+    done, left = STEPS[:killed_after], STEPS[killed_after:]
     job = PaymentJob.objects.enqueue(
-        "stepped", {"log": str(log), "pause_after": "capture", "seconds": 60}
+        "stepped", {"log": str(log), "pause_after": done[-1], "seconds": 60}
     )
     victim = worker(processes, "victim")
-    wait_for(lambda: JobStep.objects.filter(job_ref=job.pk, name="capture").exists())
+    wait_for(lambda: JobStep.objects.filter(job_ref=job.pk, name=done[-1]).exists())
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait(timeout=10)
+    assert fresh(job).status == Status.PROCESSING
 
     worker(processes, "rescuer")
     wait_for(lambda: fresh(job).status == Status.COMPLETED, timeout=60)
     first, second = token_of(job, 1), token_of(job, 2)
+    token = dict.fromkeys(done, first) | dict.fromkeys(left, second)
     key = f"django_leases.paymentjob:{job.pk}"
-    assert provider_calls(log) == [
-        ("authorize", f"{key}:authorize", first),
-        ("capture", f"{key}:capture", first),
-        ("notify", f"{key}:notify", second),
-    ]
+    assert provider_calls(log) == [(name, f"{key}:{name}", token[name]) for name in STEPS]
     assert [(name, token, attempt) for name, _, token, attempt in steps_of(job.pk)] == [
-        ("authorize", first, 1),
-        ("capture", first, 1),
-        ("notify", second, 2),
+        (name, token[name], 1 if name in done else 2) for name in STEPS
     ]
-    assert steps_of(job.pk)[1][1] == {"step": "capture", "key": f"{key}:capture", "token": first}
+    recorded = {name: result for name, result, *_ in steps_of(job.pk)}
+    assert recorded[done[-1]] == {"step": done[-1], "key": f"{key}:{done[-1]}", "token": first}
     charges = Charge.objects.filter(job_ref=job.pk).order_by("id")
-    assert list(charges.values_list("owner", "token")) == [
-        ("authorize", first),
-        ("capture", first),
-        ("notify", second),
-    ]
+    assert list(charges.values_list("owner", "token")) == [(name, token[name]) for name in STEPS]
+    lost, rerun = JobAttempt.objects.filter(job_ref=job.pk).order_by("attempt")
+    assert (lost.outcome, rerun.owner, rerun.outcome) == ("lease_lost", "rescuer", "completed")
 
 
 @NO_TAKEOVER_MID_STEP

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from example_project.payments.models import FakePspCharge, Payment
+from example_project.payments.models import FakePspCall, FakePspCharge, Followup, Payment
 
 
 @admin.register(Payment)
@@ -10,8 +10,18 @@ class PaymentAdmin(admin.ModelAdmin):
     search_fields = ["=id", "psp_reference"]
 
 
+class BooksAdmin(admin.ModelAdmin):
+    """The fake PSP's books: read only, as a PSP's dashboard is."""
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
 @admin.register(FakePspCharge)
-class FakePspChargeAdmin(admin.ModelAdmin):
+class FakePspChargeAdmin(BooksAdmin):
     list_display = [
         "reference",
         "operation",
@@ -25,8 +35,16 @@ class FakePspChargeAdmin(admin.ModelAdmin):
     list_filter = ["operation", "outcome"]
     search_fields = ["=payment_ref", "idempotency_key", "reference"]
 
-    def has_add_permission(self, request):
-        return False
 
-    def has_change_permission(self, request, obj=None):
-        return False
+@admin.register(FakePspCall)
+class FakePspCallAdmin(BooksAdmin):
+    list_display = ["idempotency_key", "operation", "replayed", "metadata", "created_at"]
+    list_filter = ["operation", "replayed"]
+    search_fields = ["idempotency_key"]
+
+
+@admin.register(Followup)
+class FollowupAdmin(admin.ModelAdmin):
+    list_display = ["kind", "payment", "job_ref", "payment_status", "amount", "created_at"]
+    list_filter = ["kind", "payment_status"]
+    search_fields = ["=payment__id", "=job_ref"]

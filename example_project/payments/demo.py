@@ -1,11 +1,13 @@
 """The payment demo: real worker and watcher processes, a crash, a frozen worker, an audit.
 
 `manage.py demo` runs `Demo.run()`. It migrates the database, adds a few hundred payments with
-their jobs (and some pending payments whose PSP webhook was lost, for the periodic reconcile
-sweep to heal), starts `run_lease_worker` processes and a `watch_stuck_jobs` process, then on
-purpose SIGKILLs one worker in the middle of a PSP call and freezes another (SIGSTOP) for longer
-than its leases, so that it wakes up as a zombie. It shows the jobs settle, then holds the fake
-PSP's books against the payments: no payment may be charged twice.
+their jobs (checkouts as resumable steps, captures with their webhook, ledger posting or refund
+enqueued after them, and some pending payments whose PSP webhook was lost, for the periodic
+reconcile sweep to heal), starts `run_lease_worker` processes and a `watch_stuck_jobs` process,
+then on purpose SIGKILLs one worker in the middle of a PSP call and freezes another (SIGSTOP)
+for longer than its leases, so that it wakes up as a zombie. It shows the jobs settle, then
+holds the fake PSP's books against the payments: no payment may be charged twice, no recorded
+step run again, no dependent started before its capture completed (`flows.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from django.core.management import call_command
-from django.db import OperationalError, connection, transaction
+from django.db import OperationalError, connection, connections, transaction
 from django.db.models import Count, F, Max, OuterRef, Q, QuerySet, Subquery
 from rich import box
 from rich.console import Console
@@ -35,15 +37,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from django_leases.conf import leases_settings
-from django_leases.models import JobAttempt, PaymentJob
+from django_leases.models import JobAttempt, JobStep, PaymentJob
 from django_leases.schedules import configured
 from example_project.payments import psp
+from example_project.payments.flows import FlowAudit, audit_flows, held
 from example_project.payments.models import Payment
+from example_project.payments.routers import BOOKS
 
 MANAGE_PY = Path(__file__).resolve().parents[2] / "manage.py"
-KINDS = ("capture", "refund", "reconcile")
-# A payment whose capture and refund are both enqueued, the refund right behind the capture.
+KINDS = ("capture", "refund", "reconcile", "checkout", "webhook", "ledger")
+# A payment whose capture and refund are both enqueued, the refund after the capture.
 CAPTURE_THEN_REFUND = "capture+refund"
+# A capture fanning out to a webhook and a ledger posting, both enqueued after it.
+FAN_OUT = "capture+webhook+ledger"
 # The periodic job that enqueues the reconciles (DJANGO_LEASES["SCHEDULES"] in settings.py).
 SWEEP = "reconcile_sweep"
 OPEN = ("pending", "waiting", "processing", "review")
@@ -129,6 +135,7 @@ class Report:
     audit: psp.Audit
     refunds_before_capture: int
     """Refunds that started before the capture of their payment was settled."""
+    flows: FlowAudit
     seconds: float
     events: list[str]
     logs: Path
@@ -269,19 +276,23 @@ class Demo:
     # -- setup
 
     def seed(self) -> Scope:
-        """Add `jobs` payments: mostly captures, some refunds, some captures with their refund
-        enqueued right behind them (one payment, two jobs), with their jobs; and some pending
-        payments whose webhook was lost, for the sweep to find and reconcile."""
+        """Add `jobs` jobs and their payments: mostly captures, some refunds, some checkouts
+        (steps), some captures with their refund enqueued after them (one payment, two jobs) or
+        with a webhook and a ledger posting (three jobs); and some pending payments whose
+        webhook was lost, for the sweep to find and reconcile."""
         scope = Scope.after_existing()
         total = self.options.jobs
         pairs, refunds = round(total * 0.06), round(total * 0.06)
-        reconciles = round(total * 0.08)
-        kinds = ["refund"] * refunds + ["reconcile"] * reconciles + [CAPTURE_THEN_REFUND] * pairs
-        kinds += ["capture"] * (total - len(kinds) - pairs)
+        reconciles, checkouts, fans = round(total * 0.08), round(total * 0.03), round(total * 0.05)
+        kinds = ["refund"] * refunds + ["reconcile"] * reconciles + ["checkout"] * checkouts
+        kinds += [CAPTURE_THEN_REFUND] * pairs + [FAN_OUT] * fans
+        kinds += ["capture"] * (total - len(kinds) - pairs - 2 * fans)
         random.shuffle(kinds)
         initial = {
             "capture": Payment.Status.AUTHORIZED,
             CAPTURE_THEN_REFUND: Payment.Status.AUTHORIZED,
+            FAN_OUT: Payment.Status.AUTHORIZED,
+            "checkout": Payment.Status.NEW,
             "refund": Payment.Status.CAPTURED,
             "reconcile": Payment.Status.PENDING,
         }
@@ -297,19 +308,30 @@ class Demo:
             payments = list(scope.payments().order_by("pk"))
             for payment, kind in zip(payments, kinds, strict=True):
                 self._give_history(payment, kind)
-                if kind == "reconcile":
-                    continue  # the sweep enqueues it
-                # Jobs of one payment are locked by it (LOCK_BY_PAYMENT): the refund enqueued
-                # right behind its capture waits until the capture is settled.
-                for job_kind in kind.split("+"):
-                    PaymentJob.objects.enqueue(
-                        job_kind,
-                        {"amount": payment.amount, "currency": payment.currency},
-                        payment_id=str(payment.pk),
-                        idempotency_key=f"{job_kind}-{payment.pk}",
-                        max_attempts=8,
-                    )
+                if kind != "reconcile":  # the sweep enqueues those
+                    self._enqueue(payment, kind.split("+"))
         return scope
+
+    @staticmethod
+    def _enqueue(payment: Payment, kinds: list[str]) -> None:
+        """Enqueue the first of `kinds` for `payment` (locked by its payment, LOCK_BY_PAYMENT),
+        and the others after it: each waits until it has completed, and runs at once then,
+        beside the others (no lock)."""
+        first, *dependents = kinds
+        options: dict[str, Any] = {"payment_id": str(payment.pk), "max_attempts": 8}
+        payload = {"amount": payment.amount, "currency": payment.currency}
+        job = PaymentJob.objects.enqueue(
+            first, payload, idempotency_key=f"{first}-{payment.pk}", **options
+        )
+        for kind in dependents:
+            PaymentJob.objects.enqueue(
+                kind,
+                payload,
+                idempotency_key=f"{kind}-{payment.pk}",
+                after=[job],
+                lock="",
+                **options,
+            )
 
     @staticmethod
     def _give_history(payment: Payment, kind: str) -> None:
@@ -380,6 +402,7 @@ class Demo:
         started = time.monotonic()
         try:
             call_command("migrate", interactive=False, verbosity=0)
+            call_command("migrate", database=BOOKS, interactive=False, verbosity=0)
         except OperationalError as exc:
             raise DatabaseUnreachableError(f"cannot reach the database: {exc}".strip()) from exc
         self.say(self.intro())
@@ -401,7 +424,7 @@ class Demo:
         report = self.report(scope, time.monotonic() - started)
         if not settled:
             report.problems.append(
-                f"{sum(report.jobs[s] for s in OPEN)} job(s) still open after "
+                f"{sum(report.jobs[s] for s in OPEN) - report.flows.held} job(s) still open after "
                 f"{self.options.timeout:g}s; see the logs in {self.logs}"
             )
         if report.audit.double_charges:
@@ -410,6 +433,15 @@ class Demo:
             report.problems.append(
                 f"{report.refunds_before_capture} refund(s) started before their capture settled"
             )
+        flows = report.flows
+        if flows.step_reruns:
+            report.problems.append(f"{flows.step_reruns} PSP call(s) of a step already recorded")
+        if flows.started_early:
+            report.problems.append(
+                f"{flows.started_early} dependent(s) started before their capture"
+            )
+        if flows.ran_twice:
+            report.problems.append(f"{flows.ran_twice} dependent(s) ran twice")
         if report.audit.phantom_payments:
             report.problems.append(
                 f"{report.audit.phantom_payments} payment(s) captured or refunded in the shop "
@@ -436,8 +468,10 @@ class Demo:
         jobs = scope.jobs()
         while time.monotonic() < deadline:
             counts = count_by(jobs, "status")
-            # A payment waiting for the sweep is open too; its reconcile job counts once.
+            # A payment waiting for the sweep is open too; its reconcile job counts once. A job
+            # held behind a failed capture waits for an operator: settled, for the demo.
             counts["pending"] += scope.unhealed().count() - counts_of(jobs, "reconcile", OPEN)
+            counts["waiting"] -= held(jobs)
             view.update(counts, jobs.expired().count())
             left = sum(counts[status] for status in OPEN)
             self._accidents(scope, view, workers, 1 - left / self.options.jobs, idle=left == 0)
@@ -459,7 +493,11 @@ class Demo:
         elif self._step == "crash" and done >= 0.15:
             victim = workers[0]
             held = self._held(scope, victim.name)
-            if any(job.checkpoint for job in held) or done >= 0.5:
+            # Best in a checkout between steps (it resumes after them), else after a PSP call.
+            checkouts = [job.pk for job in held if job.kind == "checkout"]
+            between_steps = JobStep.objects.filter(job_ref__in=checkouts).exists()
+            risky = done >= 0.25 and any(job.checkpoint for job in held)
+            if between_steps or risky or done >= 0.5:
                 self._kill(victim, held, view)
                 workers.remove(victim)
                 workers.append(self.start_worker())
@@ -509,7 +547,8 @@ class Demo:
         )
 
     def _freeze(self, zombie: Child, held: list[PaymentJob], view: View) -> None:
-        for _ in range(20):
+        # A checkout's step holds the write lock while the PSP answers: up to STEP_TIMEOUT.
+        for _ in range(100):
             zombie.signal(signal.SIGSTOP)
             if not self._froze_inside_a_write():
                 break
@@ -526,17 +565,8 @@ class Demo:
 
     @staticmethod
     def _froze_inside_a_write() -> bool:
-        if connection.vendor != "sqlite":
-            return False
-        probe = sqlite3.connect(str(connection.settings_dict["NAME"]), timeout=0.2)
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.execute("ROLLBACK")
-            return False
-        except sqlite3.OperationalError:
-            return True
-        finally:
-            probe.close()
+        files = {connections[alias].settings_dict["NAME"] for alias in ("default", BOOKS)}
+        return connection.vendor == "sqlite" and any(map(write_locked, sorted(files)))
 
     def _record(self, view: View, text: str) -> None:
         self.events.append(text)
@@ -559,6 +589,7 @@ class Demo:
             sweeps=scope.sweeps().filter(status=PaymentJob.Status.COMPLETED).count(),
             audit=psp.audit(scope.payments()),
             refunds_before_capture=refunds_before_capture(scope),
+            flows=audit_flows(scope.jobs()),
             seconds=seconds,
             events=self.events,
             logs=self.logs,
@@ -581,6 +612,19 @@ def refunds_before_capture(scope: Scope) -> int:
     return refunds.filter(early, started__isnull=False).count()
 
 
+def write_locked(path: str) -> bool:
+    """Whether a process holds the write lock of the SQLite file `path`."""
+    probe = sqlite3.connect(path, timeout=0.2)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        probe.close()
+
+
 def count_by(queryset: QuerySet[Any], column: str) -> Counter[str]:
     return Counter(dict(queryset.order_by().values_list(column).annotate(n=Count("pk"))))
 
@@ -592,7 +636,10 @@ def counts_of(jobs: QuerySet[PaymentJob], kind: str, statuses: tuple[str, ...]) 
 def describe(jobs: list[PaymentJob]) -> str:
     if not jobs:
         return "no job"
-    return ", ".join(f"{job.kind} job {job.pk}" for job in jobs)
+    return ", ".join(
+        f"{job.kind} job {job.pk}" + (f" (at {job.checkpoint})" if job.checkpoint else "")
+        for job in jobs
+    )
 
 
 def render(report: Report, console: Console, database_url: str | None) -> None:
@@ -645,10 +692,30 @@ def render(report: Report, console: Console, database_url: str | None) -> None:
         str(audit.replays),
         "PSP calls answered from an earlier result: no money moved",
     )
+    flows = report.flows
     table.add_row(
-        "refunds before capture",
-        str(report.refunds_before_capture),
-        "refunds enqueued right behind their capture that started before it settled",
+        "checkout steps",
+        str(flows.steps_recorded),
+        f"authorize, capture, notify, each recorded once; {flows.resumed} checkout(s) resumed "
+        f"in a later attempt, skipping {flows.steps_skipped} recorded step(s)",
+    )
+    table.add_row(
+        "step re-runs",
+        str(flows.step_reruns),
+        "PSP calls of a step already recorded, from a later attempt; "
+        f"{flows.step_replays} call(s) of a step not yet recorded answered from its key",
+    )
+    table.add_row(
+        "follow-ups",
+        str(flows.follow_ups),
+        f"webhooks and ledger postings run after their capture, {flows.ran_twice} twice; "
+        f"{flows.held} job(s) held behind a failed capture for an operator",
+    )
+    table.add_row(
+        "before their capture",
+        str(report.refunds_before_capture + flows.started_early),
+        "refunds, webhooks and ledger postings enqueued after= a capture that started "
+        "before it completed",
     )
     style = "bold red" if audit.double_charges else "bold green"
     table.add_row(

@@ -16,16 +16,24 @@ the payments the PSP captured while the shop still shows them pending and enqueu
 
 `refund` is an `async def` handler, as a shop calling its PSP with an async HTTP client would
 write it: the same steps with `await lease.acheckpoint()` and `await lease.aatomic()`.
+
+`checkout` is a customer's whole checkout as resumable steps (`lease.step()`): authorize, capture,
+notify, each recorded with its own writes, each PSP call under the step's own idempotency key
+(`lease.step_key()`); a later attempt resumes after the last recorded step. `webhook` and
+`ledger` are enqueued `after=[capture]`: they start once the capture completed, with the payment
+already settled.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from django.db.models.functions import Now
 
 from django_leases import PermanentError, job_handler
 from django_leases.models import PaymentJob
 from example_project.payments import psp
-from example_project.payments.models import Payment
+from example_project.payments.models import Followup, Payment
 
 Status = Payment.Status
 
@@ -122,3 +130,80 @@ def reconcile_sweep(job, lease):
             idempotency_key=f"reconcile-{payment_ref}",
             max_attempts=8,
         )
+
+
+# A step holds its transaction open while the PSP answers (on SQLite, the database's write
+# lock): the checkout's calls give up after this many seconds instead of hanging.
+STEP_TIMEOUT = 1.0
+
+
+def ask_psp(call: Any, payment: Payment, key: str, attempt: int) -> psp.PspResult:
+    """Send `call` (`psp.authorize`, `psp.capture`) for the payment, under the step's key."""
+    metadata = {"attempt": attempt}
+    options = {"idempotency_key": key, "timeout": STEP_TIMEOUT, "metadata": metadata}
+    return call(str(payment.pk), payment.amount, payment.currency, **options)
+
+
+def authorize_card(payment: Payment, key: str, attempt: int) -> dict[str, Any]:
+    """Authorize the payment's amount at the PSP; the payment's new status commits with the
+    step's record."""
+    result = ask_psp(psp.authorize, payment, key, attempt)
+    status = Status.AUTHORIZED if result.succeeded else Status.DECLINED
+    Payment.objects.filter(pk=payment.pk).update(status=status, updated_at=Now())
+    return {"outcome": result.outcome, "reference": result.reference}
+
+
+def capture_payment(payment: Payment, key: str, attempt: int) -> dict[str, Any]:
+    """Capture the authorized amount; the payment's new status commits with the step's record."""
+    result = ask_psp(psp.capture, payment, key, attempt)
+    if result.outcome != psp.REJECTED:
+        record_capture(str(payment.pk), result)
+    return {"outcome": result.outcome, "reference": result.reference}
+
+
+def send_receipt(payment: Payment, job_ref: int) -> dict[str, Any]:
+    """Queue the customer's receipt in the shop's outbox (a row written with the step's record)."""
+    seen = Payment.objects.values_list("status", flat=True).get(pk=payment.pk)
+    receipt = Followup.objects.create(
+        kind=Followup.Kind.RECEIPT, payment=payment, job_ref=job_ref, payment_status=seen
+    )
+    return {"receipt": receipt.pk}
+
+
+@job_handler("checkout")
+def checkout(job, lease):
+    """authorize -> capture -> notify, each recorded once; a retry resumes after the last one."""
+    payment = Payment.objects.get(pk=job.payment_id)
+    key = lease.step_key
+    authorized = lease.step("authorize", authorize_card, payment, key("authorize"), lease.attempt)
+    if authorized["outcome"] != psp.SUCCEEDED:
+        return  # declined: nothing to capture, the payment says so
+    captured = lease.step("capture", capture_payment, payment, key("capture"), lease.attempt)
+    if captured["outcome"] == psp.REJECTED:
+        raise PermanentError("the PSP rejected the capture")
+    lease.step("notify", send_receipt, payment, job.pk)
+
+
+def follow_up(job, lease, kind: str) -> None:
+    """Record `kind` for the job's payment with the job's completion, and the payment's status as
+    the job found it when it started (settled: the capture it waits for has completed)."""
+    payment = Payment.objects.get(pk=job.payment_id)
+    amount = (
+        payment.amount if kind == Followup.Kind.LEDGER and payment.status == Status.CAPTURED else 0
+    )
+    with lease.atomic():
+        Followup.objects.create(
+            kind=kind, payment=payment, job_ref=job.pk, payment_status=payment.status, amount=amount
+        )
+
+
+@job_handler("webhook")
+def webhook(job, lease):
+    """Tell the merchant's order system what became of the capture."""
+    follow_up(job, lease, Followup.Kind.WEBHOOK)
+
+
+@job_handler("ledger")
+def ledger(job, lease):
+    """Post the captured amount to the shop's accounts (nothing for a declined capture)."""
+    follow_up(job, lease, Followup.Kind.LEDGER)

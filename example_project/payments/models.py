@@ -1,4 +1,5 @@
-"""The demo's shop side (`Payment`) and the fake PSP's own books (`FakePspCharge`)."""
+"""The demo's shop side (`Payment`, `Followup`) and the fake PSP's own books (`FakePspCharge`,
+`FakePspCall`), which live in a database of their own (`routers.py`)."""
 
 from django.db import models
 from django.db.models import Q
@@ -7,6 +8,8 @@ from django.utils.translation import gettext_lazy as _
 
 
 class PaymentStatus(models.TextChoices):
+    NEW = "new", _("New")
+    """The customer placed the order; its checkout job has not authorized the card yet."""
     PENDING = "pending", _("Pending")
     """Checkout started; the shop has not heard back from the PSP yet."""
     AUTHORIZED = "authorized", _("Authorized")
@@ -60,6 +63,7 @@ class FakePspCharge(models.Model):
     """
 
     class Operation(models.TextChoices):
+        AUTHORIZE = "authorize", _("Authorize")
         CAPTURE = "capture", _("Capture")
         REFUND = "refund", _("Refund")
 
@@ -89,3 +93,55 @@ class FakePspCharge(models.Model):
 
     def __str__(self) -> str:
         return f"{self.operation} {self.reference}: {self.outcome}"
+
+
+class FakePspCall(models.Model):
+    """One call that reached the fake PSP, answered afresh or replayed from its idempotency key.
+
+    `metadata` is what the caller sent along (the demo's checkout sends its attempt), as a real
+    PSP keeps a request's metadata: the audit holds the calls of each step against its record.
+    """
+
+    idempotency_key = models.CharField(_("idempotency key"), max_length=255, db_index=True)
+    operation = models.CharField(
+        _("operation"), max_length=10, choices=FakePspCharge.Operation.choices
+    )
+    replayed = models.BooleanField(_("replayed"))
+    metadata = models.JSONField(_("metadata"), default=dict, blank=True)
+    created_at = models.DateTimeField(_("created at"), db_default=Now())
+
+    class Meta:
+        verbose_name = _("fake PSP call")
+        verbose_name_plural = _("fake PSP calls")
+
+    def __str__(self) -> str:
+        return f"{self.operation} {self.idempotency_key}{' (replayed)' if self.replayed else ''}"
+
+
+class Followup(models.Model):
+    """What the shop did once a payment moved: a webhook sent, a ledger posting, a receipt.
+
+    Written with the completion of the job (or the step) that did it, so it exists once per
+    completed job; `payment_status` is the payment's status as the job found it when it started.
+    """
+
+    class Kind(models.TextChoices):
+        WEBHOOK = "webhook", _("Webhook")
+        LEDGER = "ledger", _("Ledger posting")
+        RECEIPT = "receipt", _("Receipt")
+
+    kind = models.CharField(_("kind"), max_length=10, choices=Kind.choices)
+    payment = models.ForeignKey(Payment, on_delete=models.CASCADE, verbose_name=_("payment"))
+    job_ref = models.BigIntegerField(_("job id"))
+    payment_status = models.CharField(
+        _("payment status seen"), max_length=20, choices=PaymentStatus.choices
+    )
+    amount = models.PositiveBigIntegerField(_("amount posted"), default=0)
+    created_at = models.DateTimeField(_("created at"), db_default=Now())
+
+    class Meta:
+        verbose_name = _("follow-up")
+        verbose_name_plural = _("follow-ups")
+
+    def __str__(self) -> str:
+        return f"{self.kind} of payment {self.payment_id} (job {self.job_ref})"

@@ -3,17 +3,21 @@
 Like a real PSP it honours idempotency keys: a second call with a key it has seen returns the
 first call's result and moves no money. That is what makes a retried (or zombie) capture safe.
 
-Its books are the `FakePspCharge` table, kept in the shop's database only so that separate worker
-processes share them. Its moods come from the environment, so the demo can set them for the worker
-processes it starts:
+Its books are the `FakePspCharge` table (one row per money movement) and `FakePspCall` (one row per
+call that reached it), in a database of their own (`routers.BOOKS`) that separate worker processes
+share; they commit apart from the shop's transactions, as a real PSP's do. Its moods come from the
+environment, so the demo can set them for the worker processes it starts:
 
 - `FAKE_PSP_LATENCY`: mean seconds of a call (default 0.3);
 - `FAKE_PSP_ERROR_RATE`: share of calls that fail with a 503 before doing anything (0.06);
 - `FAKE_PSP_TIMEOUT_RATE`: share of calls that move the money, then lose the answer (0.03);
-- `FAKE_PSP_STALL_RATE`: share of calls that hang for `FAKE_PSP_STALL_SECONDS` (0.02, 10 s).
+- `FAKE_PSP_STALL_RATE`: share of calls that hang for `FAKE_PSP_STALL_SECONDS` (0.02, 10 s); a
+  caller that gives a client `timeout=` gets `PspTimeoutError` after it instead, the PSP acting
+  on the call all the same.
 
 Which payments are declined is decided by the merchant reference, so every retry of a payment
-gets the same answer: about 4 in 100 are declined, 2 in 100 rejected (authorization expired).
+gets the same answer: about 4 in 100 are declined (at authorization, or at capture if there was
+none), 2 in 100 captures rejected (authorization expired).
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ import random
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Required, TypedDict, Unpack
 
 from asgiref.sync import sync_to_async
 from django.db import IntegrityError, transaction
-from django.db.models import F, QuerySet
+from django.db.models import F, QuerySet, Sum
+from django.db.models.functions import Coalesce
 
-from example_project.payments.models import FakePspCharge, Payment
+from example_project.payments.models import FakePspCall, FakePspCharge, Payment
+from example_project.payments.routers import BOOKS
 
+AUTHORIZE = FakePspCharge.Operation.AUTHORIZE
 CAPTURE = FakePspCharge.Operation.CAPTURE
 REFUND = FakePspCharge.Operation.REFUND
 SUCCEEDED = FakePspCharge.Outcome.SUCCEEDED
@@ -88,14 +95,42 @@ class PspResult:
         return cls(charge.reference, charge.operation, charge.outcome, charge.message, replayed)
 
 
-def capture(payment_ref: str, amount: int, currency: str, *, idempotency_key: str) -> PspResult:
+@dataclass(frozen=True)
+class Request:
+    """What a call sends besides its operation."""
+
+    payment_ref: str
+    amount: int
+    currency: str
+    idempotency_key: str
+    timeout: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class CallOptions(TypedDict, total=False):
+    """A call's keywords: its `idempotency_key` (required), a client `timeout` in seconds (none:
+    wait as long as the PSP takes), `metadata` the PSP keeps with the call."""
+
+    idempotency_key: Required[str]
+    timeout: float | None
+    metadata: dict[str, Any]
+
+
+def authorize(
+    payment_ref: str, amount: int, currency: str, **call: Unpack[CallOptions]
+) -> PspResult:
+    """Hold `amount` (minor units) on the card of the payment `payment_ref`; moves no money."""
+    return _call(AUTHORIZE, Request(payment_ref, amount, currency, **call))
+
+
+def capture(payment_ref: str, amount: int, currency: str, **call: Unpack[CallOptions]) -> PspResult:
     """Take `amount` (minor units) for the payment `payment_ref`."""
-    return _call(CAPTURE, payment_ref, amount, currency, idempotency_key)
+    return _call(CAPTURE, Request(payment_ref, amount, currency, **call))
 
 
 def refund(payment_ref: str, amount: int, currency: str, *, idempotency_key: str) -> PspResult:
     """Give `amount` back for the payment `payment_ref`."""
-    return _call(REFUND, payment_ref, amount, currency, idempotency_key)
+    return _call(REFUND, Request(payment_ref, amount, currency, idempotency_key))
 
 
 async def arefund(
@@ -110,7 +145,8 @@ async def arefund(
         raise PspUnavailableError("503 Service Unavailable")
     if random.random() < moods.stall_rate:  # noqa: S311
         await asyncio.sleep(moods.stall_seconds)
-    result = await sync_to_async(_act)(REFUND, payment_ref, amount, currency, idempotency_key)
+    request = Request(payment_ref, amount, currency, idempotency_key)
+    result = await sync_to_async(_act)(REFUND, request)
     await _apause(moods.latency / 2)
     if not result.replayed and random.random() < moods.timeout_rate:  # noqa: S311
         raise PspTimeoutError("read timed out; the request may have been processed")
@@ -145,18 +181,27 @@ def act_now(
     operation: str, payment_ref: str, amount: int, currency: str, *, idempotency_key: str
 ) -> PspResult:
     """Make the PSP succeed at once, in no mood: for writing a demo's history (a past capture)."""
-    return _act(operation, payment_ref, amount, currency, idempotency_key, (SUCCEEDED, ""))
+    request = Request(payment_ref, amount, currency, idempotency_key)
+    return _act(operation, request, (SUCCEEDED, ""))
 
 
-def _call(operation: str, payment_ref: str, amount: int, currency: str, key: str) -> PspResult:
+def _call(operation: str, request: Request) -> PspResult:
     moods = Moods.from_env()
+    timeout = request.timeout
     # The request travels, is answered, travels back: half the latency on each leg.
     _pause(moods.latency / 2)
     if random.random() < moods.error_rate:  # noqa: S311 - a fake's mood, not cryptography
         raise PspUnavailableError("503 Service Unavailable")
     if random.random() < moods.stall_rate:  # noqa: S311
+        if timeout is not None and timeout < moods.stall_seconds:
+            time.sleep(timeout)
+            # The client gave up; the PSP gets to the request all the same.
+            _act(operation, request)
+            raise PspTimeoutError(
+                f"no answer within {timeout:g}s; the request may have been processed"
+            )
         time.sleep(moods.stall_seconds)
-    result = _act(operation, payment_ref, amount, currency, key)
+    result = _act(operation, request)
     _pause(moods.latency / 2)
     if not result.replayed and random.random() < moods.timeout_rate:  # noqa: S311
         raise PspTimeoutError("read timed out; the request may have been processed")
@@ -171,42 +216,45 @@ async def _apause(mean: float) -> None:
     await asyncio.sleep(mean * random.uniform(0.5, 1.5))  # noqa: S311
 
 
-def _act(
-    operation: str,
-    payment_ref: str,
-    amount: int,
-    currency: str,
-    key: str,
-    decided: tuple[str, str] | None = None,
-) -> PspResult:
-    outcome, message = decided or _decide(operation, payment_ref)
+def _act(operation: str, request: Request, decided: tuple[str, str] | None = None) -> PspResult:
+    outcome, message = decided or _decide(operation, request.payment_ref)
+    key = request.idempotency_key
     try:
-        # The unique key decides between two calls racing with one key, not a prior read.
-        with transaction.atomic():
+        # The unique key decides between two calls racing with one key, not a prior read. The
+        # books' own transaction: it commits whatever becomes of the caller's.
+        with transaction.atomic(using=BOOKS):
             charge = FakePspCharge.objects.create(
                 idempotency_key=key,
                 operation=operation,
-                payment_ref=payment_ref,
-                amount=amount,
-                currency=currency,
+                payment_ref=request.payment_ref,
+                amount=request.amount,
+                currency=request.currency,
                 outcome=outcome,
                 message=message,
                 reference=f"psp_{secrets.token_hex(8)}",
             )
+            _book_call(operation, request, replayed=False)
         return PspResult.of(charge, replayed=False)
     except IntegrityError:
         charge = FakePspCharge.objects.get(idempotency_key=key)
-    if (charge.operation, charge.payment_ref, charge.amount, charge.currency) != (
-        operation,
-        payment_ref,
-        amount,
-        currency,
-    ):
+    asked = (operation, request.payment_ref, request.amount, request.currency)
+    if (charge.operation, charge.payment_ref, charge.amount, charge.currency) != asked:
         raise IdempotencyConflictError(
             f"idempotency key {key!r} was already used for another request"
         )
-    FakePspCharge.objects.filter(pk=charge.pk).update(replays=F("replays") + 1)
+    with transaction.atomic(using=BOOKS):
+        FakePspCharge.objects.filter(pk=charge.pk).update(replays=F("replays") + 1)
+        _book_call(operation, request, replayed=True)
     return PspResult.of(charge, replayed=True)
+
+
+def _book_call(operation: str, request: Request, *, replayed: bool) -> None:
+    FakePspCall.objects.create(
+        idempotency_key=request.idempotency_key,
+        operation=operation,
+        replayed=replayed,
+        metadata=request.metadata,
+    )
 
 
 def _decide(operation: str, payment_ref: str) -> tuple[str, str]:
@@ -215,9 +263,12 @@ def _decide(operation: str, payment_ref: str) -> tuple[str, str]:
             return REJECTED, "nothing was captured for this payment"
         return SUCCEEDED, ""
     luck = int(hashlib.sha256(payment_ref.encode()).hexdigest()[:8], 16) % 100
-    if luck < 4:
+    authorized = FakePspCharge.objects.filter(
+        payment_ref=payment_ref, operation=AUTHORIZE, outcome=SUCCEEDED
+    ).exists()
+    if luck < 4 and not authorized:
         return DECLINED, "insufficient funds"
-    if luck < 6:
+    if luck < 6 and operation == CAPTURE:
         return REJECTED, "authorization expired"
     return SUCCEEDED, ""
 
@@ -244,9 +295,9 @@ def audit(payments: QuerySet[Payment]) -> Audit:
     """Hold the PSP's successful charges of `payments` against their statuses."""
     statuses = {str(pk): status for pk, status in payments.values_list("pk", "status")}
     charges: list[dict[str, Any]] = list(
-        FakePspCharge.objects.filter(payment_ref__in=list(statuses)).values(
-            "payment_ref", "operation", "outcome", "replays"
-        )
+        FakePspCharge.objects.filter(
+            payment_ref__in=list(statuses), operation__in=[CAPTURE, REFUND]
+        ).values("payment_ref", "operation", "outcome", "replays")
     )
     moved = Counter(
         (c["payment_ref"], c["operation"]) for c in charges if c["outcome"] == SUCCEEDED
@@ -266,5 +317,7 @@ def audit(payments: QuerySet[Payment]) -> Audit:
         duplicate_charges=sum(count - 1 for count in moved.values()),
         unrecorded_charges=unrecorded,
         phantom_payments=phantom,
-        replays=sum(c["replays"] for c in charges),
+        replays=FakePspCharge.objects.filter(payment_ref__in=list(statuses)).aggregate(
+            total=Coalesce(Sum("replays"), 0)
+        )["total"],
     )

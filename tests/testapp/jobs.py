@@ -1,9 +1,11 @@
 """Handlers the worker tests run. Behaviour is steered by the payload, never by globals."""
 
 import asyncio
+import re
 import threading
 import time
 from collections import Counter
+from contextlib import ExitStack
 
 from django.db import DataError, connection, transaction
 from django.db.backends.signals import connection_created
@@ -403,3 +405,40 @@ def stepped(job, lease):
         lease.step(name, provider_call, job, lease, name)
         if lease.attempt == 1 and job.payload.get("pause_after") == name:
             time.sleep(float(job.payload["seconds"]))
+
+
+def pause(job) -> None:
+    """Write the job's id to `payload["marker"]`, then sleep `payload["seconds"]`."""
+    with open(job.payload["marker"], "w") as marker:
+        marker.write(str(job.pk))
+    time.sleep(float(job.payload["seconds"]))
+
+
+def after_the_release(job):
+    """A statement wrapper that pauses (`pause()`) right after the UPDATE that counts this job's
+    completion for its dependents (`endings.release_dependents()`), before the commit."""
+
+    def wrapper(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        # Its SET counts one more prerequisite met: `"unmet" = ("table"."unmet" - %s)`.
+        if sql.lstrip().upper().startswith("UPDATE") and re.search(r'[`"]unmet[`"] = \(', sql):
+            pause(job)
+        return result
+
+    return wrapper
+
+
+@job_handler("releases_then_pauses")
+def releases_then_pauses(job, lease):
+    """Record a LockRun and complete in `lease.atomic()`. On the first attempt, pause
+    (`pause()`) where `payload["pause"]` says: "before_commit", inside the completing
+    transaction right after it released the dependents; "after_commit", right after it
+    committed."""
+    where = job.payload.get("pause") if lease.attempt == 1 else None
+    with ExitStack() as stack:
+        if where == "before_commit":
+            stack.enter_context(connection.execute_wrapper(after_the_release(job)))
+        with lease.atomic():
+            LockRun.objects.create(job_ref=job.pk, lock="", token=lease.token)
+            if where == "after_commit":
+                transaction.on_commit(lambda: pause(job))

@@ -51,7 +51,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "a stuck watcher, SIGKILL one worker mid-job and freeze another past its leases, show "
         "the jobs settle, then audit the fake PSP for double charges. Exit status: 0 all settled "
         "and no double charge; 1 bad options; 2 double charges (or payments the PSP never "
-        "charged); 3 jobs left unsettled after --timeout; 130/143 interrupted by SIGINT/SIGTERM "
+        "charged); 3 jobs left unsettled after --timeout, a recorded step run again, or a "
+        "dependent started before its capture; 130/143 interrupted by SIGINT/SIGTERM "
         "(every worker and watcher is stopped first)."
     )
 
