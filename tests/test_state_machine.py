@@ -79,7 +79,7 @@ jobs of the kind processing at once, across every worker" holds:
     redactor's patterns loop on) is recorded, cut to MAX_ERROR_LENGTH and redacted, on the job
     and on its attempt's row, and its failure follows the same rules as any other.
 
-18. A paused kind: no claim (of its kind, of every kind, of one job, with completions) takes a
+19. A paused kind: no claim (of its kind, of every kind, of one job, with completions) takes a
     job of it after its pause committed (no ledger row of the kind has a `claimed_at` past its
     `paused_at`); running jobs of it go on and end as before; its pending job holding a lock
     keeps the jobs behind it waiting; a limited kind's slots are counted as before. Pausing a
@@ -1411,7 +1411,7 @@ class LeaseMachine(RuleBasedStateMachine):
         requeued = job_rows()
         started = self.clocks[owner]()
         again = PaymentJob.objects.claim_job(lease.pk, owner, ttl=TTL)
-        if requeued[lease.pk]["paused"]:  # 18: its kind is paused, the requeued job waits
+        if requeued[lease.pk]["paused"]:  # 19: its kind is paused, the requeued job waits
             assert again is None
             return multiple()
         assert again is not None and again.lease_token > lease.lease_token
