@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from django.conf import settings
 
@@ -167,7 +167,6 @@ class Child:
     start_at: float = 0.0
     failures: int = 0
     done: bool = False
-    messages: bytearray = field(default_factory=bytearray)
 
 
 class Supervisor:
@@ -286,7 +285,6 @@ class Supervisor:
         mine.setblocking(False)
         child.end = mine
         child.started_at = time.monotonic()
-        child.messages.clear()
         self._selector.register(mine, selectors.EVENT_READ, child)
         logger.info("worker process %s started pid=%s", child.number, child.proc.pid)
 
