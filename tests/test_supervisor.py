@@ -10,6 +10,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
+from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -250,7 +251,13 @@ class DispatchMachine(RuleBasedStateMachine):
 
 
 TestDispatchMachine = DispatchMachine.TestCase
-TestDispatchMachine.settings = hypothesis_settings(max_examples=50, stateful_step_count=30)
+# No deadline or speed checks: a loaded machine makes even socket calls slow.
+TestDispatchMachine.settings = hypothesis_settings(
+    max_examples=50,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 def test_link__says_when_it_waits_and_stops_the_worker_when_the_supervisor_is_gone() -> None:
