@@ -429,14 +429,21 @@ class Processes:
         return self.spawn(child_command(target, **kwargs), child_env(db), target.split(":")[-1])
 
     def release_barrier(
-        self, procs: Sequence[subprocess.Popen[str]], target: str, timeout: float = 1800
+        self,
+        procs: Sequence[subprocess.Popen[str]],
+        target: str,
+        timeout: float = 1800,
+        at_go: Callable[[], None] | None = None,
     ) -> list[Any]:
-        """Wait until every child in `procs` is READY, let them all go, return their results."""
+        """Wait until every child in `procs` is READY, call `at_go`, let them all go, return
+        their results."""
         for proc in procs:
             line = proc.stdout.readline() if proc.stdout else ""
             if line.strip() != READY:
                 proc.wait(timeout=30)
                 raise ChildError(f"{target} did not get ready", proc)
+        if at_go is not None:
+            at_go()
         for proc in procs:
             if proc.stdin:
                 proc.stdin.write(GO + "\n")

@@ -19,8 +19,12 @@ taking turns; every job of the stream is a sample. The first second of the strea
 ramp) is not counted. The claim is where the handler starts: the slot runs it as soon as the
 claim returns.
 
-`--systems` runs the same stream against peers too (PostgreSQL only), each on a database of its
+`--systems` runs the same stream against other set-ups and peers too, each on a database of its
 own, alternating over --rounds:
+- "django-leases-processes": one `run_lease_worker --processes W` (W = --workers, --concurrency
+  slots each): W worker processes under a supervisor that holds the only LISTEN connection and
+  wakes one idle process per notification, where "django-leases" runs W processes that each
+  listen (and each wake at every notification);
 - "bare": --bare-processes processes of a bare psycopg loop on the same job table, no ledger:
   LISTEN on the channel the enqueue notifies, then claim one job and complete it until none is
   left. The floor of this table and this machine; its claim stamps `heartbeat_at` with the
@@ -30,12 +34,17 @@ own, alternating over --rounds:
   trigger, --pgq-batch), the stream enqueued with its `SyncQueries.enqueue()` or its statement.
   What is timed is `updated - created` of the job it hands to the entrypoint: both its
   database's NOW(), at the enqueue and at the dequeue that picks the job.
+The peers run on PostgreSQL only. Beside the latencies, each run reports the CPU a job cost,
+from the stream's start to its drain: the worker processes' (their process trees, from
+`/proc/<pid>/stat`), the database server's for this database (its backends' on PostgreSQL, the
+enqueuers' included) and the whole machine's (`/proc/stat`: another tenant's load included).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import random
 import statistics
 import sys
@@ -270,7 +279,8 @@ def measure(
     return results
 
 
-LOAD_SYSTEMS = ("django-leases", "bare", "pgqueuer")
+LOAD_SYSTEMS = ("django-leases", "django-leases-processes", "bare", "pgqueuer")
+OURS = ("django-leases", "django-leases-processes")
 PEERS_ON = "postgresql"  # the peers of --systems listen for NOTIFY: PostgreSQL only
 
 
@@ -289,6 +299,18 @@ def load_workers(
                 f"--ttl={args.ttl}",
                 f"--worker-id=bench-load-{n}",
             )
+        elif system == "django-leases-processes":
+            if n:
+                break  # one supervisor starts them all
+            argv = common.django_command(
+                "run_lease_worker",
+                f"--processes={args.workers}",
+                f"--kind={args.kind}",
+                f"--concurrency={args.concurrency}",
+                f"--poll-interval={args.poll_interval}",
+                f"--ttl={args.ttl}",
+                "--worker-id=bench-load",
+            )
         elif system == "bare":
             argv = common.child_command("bench.wakeup_latency:bare_listen_loop", ttl=args.ttl)
         else:
@@ -303,7 +325,7 @@ def wait_for_workers(
     """Return once every worker is up: registered (django-leases), LISTENing (bare: its
     listening connection sends nothing else), or connected (pgqueuer: one connection a worker;
     jobs of the stream's first second, the ramp, are not counted)."""
-    if system == "django-leases":
+    if system in OURS:
         ready = (
             f"SELECT CASE WHEN count(*) >= {args.workers} THEN 1 END FROM "
             f"{common.WORKER_TABLE} WHERE worker_id LIKE 'bench-load-%'"
@@ -350,11 +372,15 @@ def stream_through(
                 by=args.enqueue_by,
                 system=system,
                 latency_dir=latency_dir,
-                kind=args.kind if system == "django-leases" else "noop",
+                kind=args.kind if system in OURS else "noop",
             )
             for share in range(args.enqueuers)
         ]
-        parts = procs.release_barrier(enqueuers, target, timeout=args.seconds + 2 * args.timeout)
+        meter = CpuMeter(db, conn, workers)
+        parts = procs.release_barrier(
+            enqueuers, target, timeout=args.seconds + 2 * args.timeout, at_go=meter.start
+        )
+        cpu = meter.used()
     finally:
         conn.close()
         for worker in workers:
@@ -364,7 +390,70 @@ def stream_through(
         "at": [at for part in parts for at in part["at"]],
         "late": sum(part["late"] for part in parts),
         "rate": sum(part["rate"] for part in parts),
+        "cpu": cpu,
     }
+
+
+class CpuMeter:
+    """CPU seconds used from `start()` to `used()`: by the process trees of `workers`, by the
+    database server's backends of `db` (PostgreSQL; None elsewhere) and by the whole machine
+    (None without /proc)."""
+
+    def __init__(self, db: common.BenchDB, conn: Any, workers: list[Any]) -> None:
+        self.db, self.conn, self.workers = db, conn, workers
+        self.began: tuple[float, float | None, float | None] = (0.0, None, None)
+        self.backends: list[int] = []
+
+    def start(self) -> None:
+        if self.db.vendor == "postgresql":
+            with self.conn.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                )
+                self.backends = [row[0] for row in cursor.fetchall()]
+        self.began = self._now()
+
+    def used(self) -> dict[str, float | None]:
+        now = self._now()
+        return {
+            name: None if now[n] is None or self.began[n] is None else now[n] - self.began[n]
+            for n, name in enumerate(("workers", "server", "machine"))
+        }
+
+    def _now(self) -> tuple[float, float | None, float | None]:
+        from bench.throughput import machine_cpu
+
+        tree = descendants([proc.pid for proc in self.workers])
+        server = sum(map(process_cpu, self.backends)) if self.backends else None
+        return sum(map(process_cpu, tree)), server, machine_cpu()
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` used so far; 0 if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """`roots` and every live process below them."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += parents.get(pid, [])
+    return found
 
 
 def measure_loaded(
@@ -391,7 +480,7 @@ def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
         turn = n % len(args.systems)  # each round starts with the next system
         for system in args.systems[turn:] + args.systems[:turn]:
             on = args
-            if system != "django-leases":
+            if system not in OURS:
                 for vendor in set(args.databases) - {PEERS_ON}:
                     skipped[f"{system} on {vendor}"] = "it listens for PostgreSQL's NOTIFY"
                 on = argparse.Namespace(**{**vars(args), "databases": [PEERS_ON]})
@@ -413,6 +502,7 @@ def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
     rows = []
     for system, vendor, notify, result in results:
         ms = result["ms"]
+        jobs = args.load * args.seconds
         rows.append(
             [
                 system,
@@ -423,6 +513,10 @@ def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
                 len(ms),
                 *(f"{common.percentile(ms, q):.1f}" for q in (50, 95, 99)),
                 f"{max(ms):.1f}",
+                *(
+                    "-" if seconds is None else f"{seconds * 1000 / jobs:.3f}"
+                    for seconds in result["cpu"].values()
+                ),
             ]
         )
     common.print_table(
@@ -442,11 +536,15 @@ def run_loaded(args: argparse.Namespace, procs: common.Processes) -> None:
             "p95",
             "p99",
             "max",
+            "workers CPU ms/job",
+            "server CPU ms/job",
+            "machine CPU ms/job",
         ],
         rows,
     )
     common.print_skipped(skipped)
     print("\n'late' = enqueues more than 10 ms behind the stream's schedule.")
+    print("CPU from the stream's start to its drain, divided by the jobs of the stream.")
 
 
 NAMES = {"postgresql": "PostgreSQL", "sqlite": "SQLite", "mysql": "MariaDB/MySQL"}

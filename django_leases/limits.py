@@ -74,6 +74,8 @@ KIND_LIMIT = (1, 1_000_000)
 # Rows the admin counts exactly before it estimates.
 EXACT_COUNT_LIMIT = (1, 100_000_000)
 MAX_JOBS = (1, 2**31 - 1)
+# Worker processes under one `run_lease_worker --processes` supervisor.
+PROCESSES = (1, 256)
 # A job's id: a BIGINT.
 JOB_ID = (1, 2**63 - 1)
 # The characters of an error's text stored in `last_error` and the attempt ledger (and logged).

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 from django.db import connections
 
@@ -30,6 +30,19 @@ RETRY_FIRST = 0.5
 RETRY_MAX = 30.0
 STILL_DOWN_EVERY = 300.0
 """Seconds between two "still failing" lines of one outage of the listening connection."""
+
+
+class Wakeups(Protocol):
+    """What wakes an idle worker loop: its own `Listener`, or its supervisor's
+    (`supervisor.Link`)."""
+
+    def waiting(self) -> AbstractContextManager[None]:
+        """Say that the loop waits for work while the block runs."""
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a wake-up; return whether one came."""
+
+    def close(self) -> None: ...
 
 
 class Listener:
@@ -60,6 +73,9 @@ class Listener:
         guard = watchdog_guard(None if timeout is None else timeout + CLIENT_SLACK)
         params = connection.get_connection_params()
         return cls(dialect_of(connection).listening(params, notify_channel(model), guard))
+
+    def waiting(self) -> AbstractContextManager[None]:
+        return nullcontext()  # the notifications come whether or not the loop waits
 
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for an enqueue notification; return whether one came."""

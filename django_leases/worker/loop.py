@@ -21,6 +21,7 @@ import secrets
 import threading
 import time
 from collections.abc import Collection
+from contextlib import nullcontext
 from typing import Any
 
 from django.db import DatabaseError, connections
@@ -31,7 +32,7 @@ from django_leases.exceptions import DatabaseMisconfigured
 from django_leases.handlers import ACK_BATCH, get_handler, lease_length, min_lease, registered_kinds
 from django_leases.lease import Lease, Presence
 from django_leases.limits import MIN_HEARTBEAT, MIN_POLL_INTERVAL, MIN_TTL, check_kind, check_owner
-from django_leases.listener import Listener
+from django_leases.listener import Listener, Wakeups
 from django_leases.network import harden, keep_usable
 from django_leases.outages import Outages, check_tables, outage_or_raise
 from django_leases.querysets.claims import failures_of
@@ -77,6 +78,7 @@ class LeaseWorker:
         ack_batch_size: int | None = None,
         ack_flush_interval: float | None = None,
         recorder: Recorder | None = None,
+        wakeups: Wakeups | None = None,
     ) -> None:
         jobs = leased_jobs(model, using)
         self.model: type[Any] = jobs.model
@@ -131,9 +133,7 @@ class LeaseWorker:
             "poll_interval",
             MIN_POLL_INTERVAL,
         )
-        self.grace_period = (
-            grace_period if grace_period is not None else leases_settings.GRACE_PERIOD
-        )
+        self.grace_period = leases_settings.GRACE_PERIOD if grace_period is None else grace_period
         self.using = jobs.db
         # One unevaluated queryset for every thread: its methods clone it or write through it,
         # and none fills its result cache. Building one per statement was ~7% of a busy worker.
@@ -149,6 +149,7 @@ class LeaseWorker:
         self._stopped = threading.Event()
         self._slot_free = threading.Event()
         self._ticker = Ticker(model=self.model, using=self.using)
+        self._wakeups = wakeups  # what wakes the idle loop; default: a LISTEN of its own
         self._loop = Owner("loop")
         """The thread that calls `run()`: it alone starts and replaces the parts' threads."""
         self._checked_at = time.monotonic()
@@ -271,7 +272,7 @@ class LeaseWorker:
                 self.presence.gone_after,
                 self.presence.gone_after,
             )
-        listener = Listener.for_model(self.model, self.using, self.min_lease)
+        listener = self._wakeups or Listener.for_model(self.model, self.using, self.min_lease)
         try:
             self._ack_writer.start()
             self._row.take(self._outages, self._stopping)
@@ -384,20 +385,21 @@ class LeaseWorker:
         self._slot_free.wait(timeout=self._next_wakeup(self.poll_interval))
         self._slot_free.clear()
 
-    def _wait_for_work(self, listener: Listener | None) -> None:
+    def _wait_for_work(self, listener: Wakeups | None) -> None:
         if self.burst and self._pool.in_flight() + self._owed() == 0:
             return
         # Jitter keeps idle workers from polling in lockstep.
         wait = self.poll_interval * random.uniform(0.5, 1.5)  # noqa: S311
         deadline = time.monotonic() + self._next_wakeup(wait)
-        while not self._stopping.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._slot_free.is_set():
-                break
-            if listener is not None and listener.wait(min(remaining, 0.25)):
-                break
-            if listener is None:
-                self._slot_free.wait(timeout=min(remaining, 0.25))
+        with listener.waiting() if listener is not None else nullcontext():
+            while not self._stopping.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._slot_free.is_set():
+                    break
+                if listener is not None and listener.wait(min(remaining, 0.25)):
+                    break
+                if listener is None:
+                    self._slot_free.wait(timeout=min(remaining, 0.25))
         self._slot_free.clear()
 
     def _tidy_connections(self) -> None:

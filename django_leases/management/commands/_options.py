@@ -191,8 +191,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextmanager
-def stop_signals(stop: Callable[[], None]) -> Iterator[None]:
-    """Call `stop` on the first SIGTERM/SIGINT; exit at once with 128 + signum on a second.
+def stop_signals(
+    stop: Callable[[], None], at_second: Callable[[int], None] | None = None
+) -> Iterator[None]:
+    """Call `stop` on the first SIGTERM/SIGINT; exit at once with 128 + signum on a second,
+    after `at_second(signum)` (in the handler: it must take no lock).
 
     Installed only on the main thread; the previous handlers are restored on exit. `stop` runs
     on a thread of its own, woken through `signal.set_wakeup_fd()`, never in the handler: a
@@ -207,6 +210,8 @@ def stop_signals(stop: Callable[[], None]) -> Iterator[None]:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if received:
+            if at_second is not None:
+                at_second(signum)
             os._exit(128 + signum)  # second signal: leave at once; leases expire
         received.append(signum)
 

@@ -1,5 +1,6 @@
 """`manage.py run_lease_worker`: run jobs from the table until stopped."""
 
+import argparse
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -15,6 +16,7 @@ from django_leases.limits import (
     MIN_HEARTBEAT,
     MIN_POLL_INTERVAL,
     MIN_TTL,
+    PROCESSES,
 )
 from django_leases.management.commands._options import (
     OneLineErrorsMixin,
@@ -32,6 +34,8 @@ from django_leases.management.commands._options import (
     whole_number,
     worker_id,
 )
+from django_leases.management.commands._processes import supervise
+from django_leases.supervisor import Link
 from django_leases.worker import LeaseWorker
 
 # The worker stopped itself and wants a fresh process (documented in --help).
@@ -51,7 +55,10 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "or another live worker process running under "
         "the same --worker-id. Exit status 3: the worker stopped itself for its supervisor to "
         "restart it (more handler threads still running past their kind's timeout than "
-        "--concurrency)."
+        "--concurrency). "
+        "With --processes N it supervises N worker processes (one starts again when it "
+        "exits) and exits 0 once they stopped after a SIGTERM/SIGINT (or, with --burst, "
+        "found nothing left), 1 if one of them exited 1."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -134,6 +141,19 @@ class Command(OneLineErrorsMixin, BaseCommand):
             help='seconds a completion of an ack="batch" kind waits at most for its batch '
             f"(default: DJANGO_LEASES['ACK_FLUSH_INTERVAL'], {leases_settings.ACK_FLUSH_INTERVAL})",
         )
+        parser.add_argument(
+            "--processes",
+            type=whole_number(PROCESSES),
+            default=None,
+            metavar="N",
+            help="run N worker processes of these options under this one, which starts a "
+            "process again when it dies, passes SIGTERM/SIGINT on, and holds the host's only "
+            "LISTEN connection, handing each enqueue to one idle process (on PostgreSQL); "
+            "--worker-id ID names them ID-1, ID-2, ... (numbered by start), --metrics-port P "
+            "serves them on P, P+1, ... (default: one process, no supervisor)",
+        )
+        # The socket of a worker process started by `--processes` (the supervisor's link).
+        parser.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
         add_metrics_arguments(parser, "this process's counters and histograms per job kind")
 
     def check(self, *args: Any, **kwargs: Any) -> None:
@@ -159,13 +179,16 @@ class Command(OneLineErrorsMixin, BaseCommand):
         database: str | None,
         metrics_port: int | None,
         metrics_address: str,
+        processes: int | None,
+        supervisor_fd: int | None,
         verbosity: int,
         **options: Any,
     ) -> None:
         configure_logging("django_leases.worker", verbosity)
+        link = None if supervisor_fd is None else Link(supervisor_fd)
         recorder = (
             None
-            if metrics_port is None
+            if metrics_port is None or processes is not None
             else prometheus_metrics().WorkerMetrics(
                 model=model, using=database, kinds=kinds or registered_kinds()
             )
@@ -186,9 +209,37 @@ class Command(OneLineErrorsMixin, BaseCommand):
                 ack_batch_size=ack_batch_size,
                 ack_flush_interval=ack_flush_interval,
                 recorder=recorder,
+                wakeups=link,
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from None
+        if processes is not None:
+            if metrics_port is not None:
+                prometheus_metrics()  # the extra's absence said once, not by every process
+            given = {
+                "ttl": ttl,
+                "heartbeat": heartbeat,
+                "concurrency": concurrency,
+                "kinds": kinds,
+                "burst": burst,
+                "max_jobs": max_jobs,
+                "worker_id": worker_id,
+                "poll_interval": poll_interval,
+                "grace_period": grace_period,
+                "ack_batch_size": ack_batch_size,
+                "ack_flush_interval": ack_flush_interval,
+                "model": model,
+                "database": database,
+                "metrics_port": metrics_port,
+                "metrics_address": metrics_address,
+                "verbosity": verbosity,
+                **options,
+            }
+            supervise(worker, processes, given)
+            self.stdout.write(self.style.SUCCESS(f"{processes} worker processes stopped"))
+            return
+        if link is not None:
+            link.start(worker.stop)
         registry = None if recorder is None else recorder.registry
         with metrics_endpoint(self, registry, metrics_port or 0, metrics_address):
             with stop_signals(worker.stop):
