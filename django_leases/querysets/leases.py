@@ -26,7 +26,17 @@ from django_leases.limits import (
     check_json_size,
     check_text,
 )
-from django_leases.querysets import acks, base, claims, endings, ledger, operators, pauses, steps
+from django_leases.querysets import (
+    acks,
+    base,
+    claims,
+    endings,
+    groups,
+    ledger,
+    operators,
+    pauses,
+    steps,
+)
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -112,6 +122,8 @@ class LeaseQuerySet(LeaseReads[J]):
     enqueue_many = enqueueing.enqueue_many
     aenqueue = enqueueing.aenqueue
     aenqueue_many = enqueueing.aenqueue_many
+    enqueue_group = groups.enqueue_group
+    aenqueue_group = groups.aenqueue_group
     writing_to = base.writing_to
 
     # ---- retention (prune.py) and the ledger (ledger.py) ----------------------------------------
