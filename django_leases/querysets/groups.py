@@ -60,6 +60,8 @@ class Group(Generic[J]):
 
 
 class EnqueuesGroups(Enqueues[J], Protocol[J]):
+    """A queryset with `enqueue_group()` too: the awaitable form calls its own."""
+
     def enqueue_group(
         self, members: Iterable[Mapping[str, Any]], then: str, payload: Any = None, **options: Any
     ) -> Group[J]: ...
