@@ -19,6 +19,7 @@ from django_leases.conf import leases_settings, to_seconds
 from django_leases.exceptions import Cancelled, InvalidArgument, LeaseError, LeaseLost
 from django_leases.limits import STEP_NAME_LENGTH, check_json, check_json_size, check_text
 from django_leases.querysets import LeaseQuerySet
+from django_leases.querysets.groups import GroupMember, ended_members
 from django_leases.status import FAILED, TIMED_OUT, AttemptOutcome
 from django_leases.tables import leased_jobs
 
@@ -218,6 +219,13 @@ class Lease:
     def kind_paused(self) -> bool:
         """Whether the job's kind is paused now (`LeaseQuerySet.pause_kind()`), by the database."""
         return self._jobs().kind_paused(self.job.kind)
+
+    def group(self) -> list[GroupMember]:
+        """Return how each member of the group ended, in the group's order, if this job is a
+        group's callback (`enqueue_group()`): id, kind, final status and last error, as the
+        transactions that ended them wrote it on this job's row (no statement). Raises
+        `LeaseError` for a job that is no group's callback."""
+        return ended_members(self.job)
 
     def heartbeat(self) -> None:
         """Renew the lease now for another TTL; raise `LeaseLost` if it was lost."""

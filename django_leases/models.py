@@ -131,6 +131,18 @@ class AbstractLeasedJob(models.Model):
         editable=False,
         help_text=_("The jobs enqueued after this one (their ids): released when it completes."),
     )
+    # Groups (`enqueue_group()`, querysets/groups.py): set on a group's callback only, `{}` at
+    # its enqueue; each member's end is written in by the transaction that ended it.
+    group_results = models.JSONField(
+        _("group results"),
+        null=True,
+        blank=True,
+        editable=False,
+        help_text=_(
+            "A group's callback: how each member ended (id: kind, status, last error), "
+            "filled as they end."
+        ),
+    )
     created_at = models.DateTimeField(_("created at"), db_default=Now())
     completed_at = models.DateTimeField(
         _("completed at"),

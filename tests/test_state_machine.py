@@ -91,6 +91,14 @@ jobs of the kind processing at once, across every worker" holds:
     their `completed_at`). A failed or cancelled prerequisite holds it; an operator's requeue
     of it, cancelled meanwhile, leaves it waiting for what is left.
 
+21. A group's callback (`enqueue_group()`) runs once every member has ended: until then it
+    counts exactly the members not ended, records each ended member as it is (kind, final
+    status, last error), holds no lock and has no attempt; it is released in the step that
+    ended the last member (every member final then, as recorded), once: its results never
+    change after. Members and callbacks are of every kind (the limited one, paused or not) and
+    lock, a member may wait for another job (`after=`), and every rule (claims, completions,
+    failures, time-outs, stops, cancels, operator actions, the watcher) acts on them.
+
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
 pass as the database clock moves) through passes of the schedulers, ticks passing (or the clock
@@ -418,11 +426,18 @@ def completing(rows: dict[int, dict[str, Any]], completed: Collection[int]) -> d
     after them counts them as met, and one waiting whose last prerequisite they were is
     released: pending, or of a lock, holding it if it is free, else waiting in its line."""
     changed = passed_on(rows, completed)
-    done = {pk: {**rows[pk], "status": COMPLETED, "lock_holder": None} for pk in completed}
+    done = {
+        pk: {**rows[pk], "status": COMPLETED, "lock_holder": None, "last_error": ""}
+        for pk in completed
+    }
     now = {**rows, **done, **changed}
     for pk, row in now.items():
         met = [p for p in completed if pk in (rows[p]["dependents"] or [])]
         if not met or not row["unmet"]:
+            continue
+        if row["group_results"] is not None:
+            holders = {other["lock_holder"] for other in now.values()}
+            changed[pk] = now[pk] = noted(row, {p: now[p] for p in met}, holders)
             continue
         new = {**row, "unmet": row["unmet"] - len(met)}
         if new["unmet"] == 0 and row["status"] == WAITING:
@@ -431,6 +446,48 @@ def completing(rows: dict[int, dict[str, Any]], completed: Collection[int]) -> d
                 new = {**new, "status": PENDING, "lock_holder": row["lock"] or None}
         changed[pk] = now[pk] = new
     return changed
+
+
+def noted(
+    row: dict[str, Any], members: dict[int, dict[str, Any]], holders: Collection[str | None]
+) -> dict[str, Any]:
+    """The group's callback `row` once its `members` (their rows now; each listing it) ended
+    or were requeued: a final one recorded as it is, counted once; another one taken back. With
+    none left it is released: pending, or of a lock, holding it if it is free (`holders`),
+    else waiting in its line. A callback released already no longer changes (21)."""
+    if not row["unmet"]:
+        return row
+    results = dict(row["group_results"])
+    for pk, member in members.items():
+        if member["status"] in FINAL:
+            results[str(pk)] = {
+                "pk": pk,
+                "kind": member["kind"],
+                "status": member["status"],
+                "last_error": member["last_error"],
+            }
+        else:
+            results.pop(str(pk), None)
+    left = row["unmet"] - (len(results) - len(row["group_results"]))
+    new = {**row, "group_results": results, "unmet": left}
+    if left == 0 and row["status"] == WAITING and (not row["lock"] or row["lock"] not in holders):
+        new |= {"status": PENDING, "lock_holder": row["lock"] or None}
+    return new
+
+
+def callbacks_noting(
+    before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]], ended: Collection[int]
+) -> dict[int, dict[str, Any]]:
+    """The group callbacks the ends of the jobs `ended` (their executions, or an operator's
+    action) change, as `noted()` makes them from those jobs as they are `after`."""
+    expected = {}
+    for pk, row in before.items():
+        members = {m: after[m] for m in ended if pk in (before[m]["dependents"] or [])}
+        if row["group_results"] is None or not members or not row["unmet"]:
+            continue
+        holders = {other["lock_holder"] for o, other in after.items() if o != pk}
+        expected[pk] = noted(row, members, holders)
+    return expected
 
 
 def expired(row: dict[str, Any]) -> bool:
@@ -576,6 +633,8 @@ class LeaseMachine(RuleBasedStateMachine):
         # (job id, token) of the leases whose handler still runs (16): claimed, and neither
         # ended by a write of its holder nor by the acknowledgement of a stop.
         self.running: set[tuple[int, int]] = set()
+        # The results of each group's callback, as they were when it was released (21).
+        self.released_groups: dict[int, dict[str, Any]] = {}
         for owner in OWNERS:
             self.worker_beats(owner)
 
@@ -727,6 +786,57 @@ class LeaseMachine(RuleBasedStateMachine):
                 listed = [*(listed or []), job.pk]
             assert stored({pk: rows[pk]}) == stored({pk: {**old, "dependents": listed}}), pk
         return int(job.pk)
+
+    @rule(
+        target=jobs,
+        members=st.lists(st.tuples(KINDS, LOCKING), min_size=1, max_size=2),
+        prerequisite=st.none() | jobs,
+        then=KINDS,
+        locking=LOCKING,
+    )
+    def enqueue_group(
+        self,
+        members: list[tuple[str, tuple[str | None, str | None]]],
+        prerequisite: int | None,
+        then: str,
+        locking: tuple[str | None, str | None],
+    ) -> Any:
+        """A group (21): its members enqueued as `enqueue()` would (the first one after
+        `prerequisite`, if it is still there), its callback waiting for every one of them,
+        listed on each; nothing else changes but the prerequisite's list of dependents."""
+        before = job_rows()
+        after = [prerequisite] if prerequisite in before else None
+        specs = [
+            {"kind": kind, "payload": {"amount": 100}, "lock": lock, "payment_id": payment_id}
+            for kind, (lock, payment_id) in members
+        ]
+        if after:
+            specs[0]["after"] = after
+        lock, payment_id = locking
+        group = PaymentJob.objects.enqueue_group(
+            specs, then, {"amount": 100}, lock=lock, payment_id=payment_id
+        )
+        rows = job_rows()
+        pks = [job.pk for job in group.members]
+        callback = rows[group.callback.pk]
+        assert (callback["waits_for"], callback["unmet"], callback["group_results"]) == (
+            pks,
+            len(pks),
+            {},
+        )
+        assert (callback["status"], callback["attempts"], callback["lock_holder"]) == (
+            WAITING,
+            0,
+            None,
+        )
+        for pk in pks:
+            assert pk not in before and rows[pk]["attempts"] == 0
+            assert rows[pk]["dependents"] == [group.callback.pk]
+        for pk, old in before.items():
+            if after and pk == prerequisite and old["status"] != COMPLETED:
+                old = {**old, "dependents": [*(old["dependents"] or []), pks[0]]}
+            assert stored({pk: rows[pk]}) == stored({pk: old}), pk
+        return multiple(*pks, group.callback.pk)
 
     @rule(
         key=st.sampled_from(["batch-1", "batch-2", "batch-3"]),
@@ -888,6 +998,7 @@ class LeaseMachine(RuleBasedStateMachine):
         "finished_by_holder",
         "requeued_behind",
         "cancelled",
+        "released_groups",
     )
 
     @rule()
@@ -1293,6 +1404,7 @@ class LeaseMachine(RuleBasedStateMachine):
             return
         self._stop_ended(lease.pk, key(lease), row, after)
         promoted = passed_on(before, [lease.pk] if row["ends_as"] in (CANCELLED, FAILED) else [])
+        promoted |= callbacks_noting(before, after, [lease.pk])
         for pk, old in before.items():
             if pk != lease.pk:
                 assert stored({pk: after[pk]}) == stored({pk: promoted.get(pk, old)})
@@ -1506,9 +1618,12 @@ class LeaseMachine(RuleBasedStateMachine):
         after = job_rows()
         holders = {row["lock_holder"]: pk for pk, row in after.items() if row["lock_holder"]}
         released = completing(before, eligible) if name == "resolve_review_completed" else {}
+        grouped = callbacks_noting(before, after, eligible)
         for pk, old in before.items():
             if pk in eligible:
                 self._operator_changed(name, pk, old, after[pk], holders)
+            elif pk in grouped:
+                assert stored({pk: after[pk]}) == stored({pk: grouped[pk]}), pk
             elif pk in released:
                 assert stored({pk: after[pk]}) == stored({pk: released[pk]}), pk
             elif old["status"] == WAITING and after[pk]["status"] == PENDING:
@@ -1574,6 +1689,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.recorded_steps_were_held_and_never_change(ledger)
         self.no_attempt_of_a_paused_kind_starts_after_its_pause(jobs, ledger)
         self.a_dependent_starts_after_its_prerequisites_completed(jobs, ledger)
+        self.a_callback_is_released_once_every_member_ended(jobs)
 
     def no_attempt_of_a_paused_kind_starts_after_its_pause(
         self, jobs: dict[int, dict[str, Any]], ledger: dict[int, dict[str, Any]]
@@ -1696,7 +1812,7 @@ class LeaseMachine(RuleBasedStateMachine):
             row["job_ref"]: row["claimed_at"] for row in ledger.values() if row["attempt"] == 1
         }
         for pk, job in jobs.items():
-            if not job["waits_for"]:
+            if not job["waits_for"] or job["group_results"] is not None:
                 continue
             left = [p for p in job["waits_for"] if jobs[p]["status"] != COMPLETED]
             assert job["unmet"] == len(left), f"job {pk} counts {job['unmet']}, left {left}"
@@ -1705,6 +1821,39 @@ class LeaseMachine(RuleBasedStateMachine):
                 assert job["attempts"] == 0 and job["lock_holder"] is None, job
             for p in job["waits_for"] if pk in first else ():
                 assert jobs[p]["completed_at"] <= first[pk], f"job {pk} started before {p}"
+
+    def a_callback_is_released_once_every_member_ended(
+        self, jobs: dict[int, dict[str, Any]]
+    ) -> None:
+        # 21. Until released: the exact count, each ended member recorded as it is, no attempt,
+        # no lock. Released: in the step whose end made every member final, as recorded; once.
+        for pk, job in jobs.items():
+            results = job["group_results"]
+            if results is None:
+                continue
+            members = job["waits_for"]
+            recorded = {
+                str(m): {
+                    "pk": m,
+                    "kind": jobs[m]["kind"],
+                    "status": jobs[m]["status"],
+                    "last_error": jobs[m]["last_error"],
+                }
+                for m in members
+                if jobs[m]["status"] in FINAL
+            }
+            if job["unmet"]:
+                assert results == recorded, f"callback {pk} recorded {results}, not {recorded}"
+                assert job["unmet"] == len(members) - len(results), job
+                assert job["attempts"] == 0 and job["lock_holder"] is None, f"{pk} ran early"
+                assert job["status"] in (WAITING, CANCELLED, FAILED), job
+            elif pk not in self.released_groups:
+                assert results == recorded and len(results) == len(members), (
+                    f"callback {pk} released with {results}; its members are {recorded}"
+                )
+                self.released_groups[pk] = results
+            else:
+                assert results == self.released_groups[pk], f"callback {pk}'s results changed"
 
     def a_limited_kind_never_runs_past_its_limit(self, jobs: dict[int, dict[str, Any]]) -> None:
         # 13. Processing with a live lease, by the database clock.

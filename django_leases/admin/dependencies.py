@@ -1,5 +1,6 @@
 """A job's dependencies on its change page: the jobs it waits for and the jobs waiting on it,
-each with its status, and why a dependent is held (a prerequisite failed or was cancelled)."""
+each with its status, and why a dependent is held (a prerequisite failed or was cancelled);
+its group (`enqueue_group()`): a callback's members and how each ended, a member's callback."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from django_leases.admin.display import EMPTY
+from django_leases.querysets.groups import ended_members
 from django_leases.status import CANCELLED, FAILED, WAITING, JobStatus
 
-DEPENDENCY_FIELDS = ("waits_for_jobs", "waited_on_by")
+DEPENDENCY_FIELDS = ("waits_for_jobs", "waited_on_by", "group")
 """The readonly fields of `DependenciesMixin`, for a job admin's `readonly_fields`."""
 
 HOLDING = (FAILED, CANCELLED)
@@ -22,7 +24,7 @@ HOLDING = (FAILED, CANCELLED)
 
 
 class DependenciesMixin:
-    """`waits_for_jobs` and `waited_on_by` for a `LeasedJobAdmin`'s readonly fields."""
+    """`waits_for_jobs`, `waited_on_by` and `group` for a `LeasedJobAdmin`'s readonly fields."""
 
     admin_site: admin.AdminSite
     opts: Any
@@ -30,6 +32,8 @@ class DependenciesMixin:
     @admin.display(description=_("waits for"))
     def waits_for_jobs(self, job: Any) -> str:
         """The jobs this one was enqueued after; while it waits, what holds it."""
+        if job.group_results is not None:
+            return EMPTY  # a group's callback: its members are under "group"
         statuses = self._statuses(job, job.waits_for)
         if not statuses:
             return EMPTY
@@ -50,6 +54,33 @@ class DependenciesMixin:
     def waited_on_by(self, job: Any) -> str:
         """The jobs enqueued after this one: released when it completes."""
         return self._links(self._statuses(job, job.dependents)) or EMPTY
+
+    @admin.display(description=_("group"))
+    def group(self, job: Any) -> str:
+        """A callback's members, each as it ended (as written on the callback), and how many it
+        waits for; a member's callbacks, with their status."""
+        if job.group_results is not None:
+            ended = {member.pk: member for member in ended_members(job)}
+            listed = self._links(self._statuses(job, job.waits_for))
+            lines = format_html_join(
+                "",
+                "<br>#{}: {} {}",
+                ((pk, JobStatus(m.status).label, m.last_error[:200]) for pk, m in ended.items()),
+            )
+            note = gettext("callback of %(n)d members, %(left)d not ended") % {
+                "n": len(job.waits_for),
+                "left": job.unmet,
+            }
+            return format_html('{}<br><span class="dl-badge">{}</span>{}', listed, note, lines)
+        callbacks = (
+            type(job)
+            ._default_manager.using(job._state.db)
+            .filter(pk__in=job.dependents or [], group_results__isnull=False)
+        )
+        found = dict(callbacks.values_list("pk", "status"))
+        if not found:
+            return EMPTY
+        return format_html("{} {}", gettext("member of the group of"), self._links(found))
 
     def _statuses(self, job: Any, pks: list[int] | None) -> dict[int, str]:
         if not pks:

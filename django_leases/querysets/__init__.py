@@ -2,9 +2,9 @@
 
 `leases.LeaseQuerySet` is the one door to a job table: its reads (`reads`) and every lease
 transition, its own holder writes and, bound as methods, the functions of `claims`, `acks`,
-`operators`, `enqueue` and `prune`, which share the ledger writes (`ledger`), the taking of a
-lock (`locks`), the throttles (`throttles`) and the one seam where an execution ends
-(`endings`). `payments` is `PaymentJob`'s enqueue with a payment id; `workers` the worker
+`operators`, `enqueue`, `groups` and `prune`, which share the ledger writes (`ledger`), the
+taking of a lock (`locks`), the throttles (`throttles`) and the one seam where an execution
+ends (`endings`). `payments` is `PaymentJob`'s enqueue with a payment id; `workers` the worker
 registry; `schedules` the schedules' state rows. Their raw SQL is in `dialects/`, run by each
 database's dialect. The models are built on this package, which never imports them;
 `django_leases.tables` finds a queue's tables.

@@ -47,6 +47,7 @@ from django_leases.querysets.base import (
     quoted_table,
     retry_deadlocks,
 )
+from django_leases.querysets.groups import GroupMember, note_ends
 from django_leases.querysets.ledger import J, job_column, ledger_names, ledger_update
 from django_leases.querysets.locks import in_lock_rounds, table_jobs
 from django_leases.querysets.reads import LeaseReads
@@ -199,9 +200,10 @@ def give_back(qs: LeaseReads[J], pks: Iterable[int], *, contested: bool = False)
       (`pass_lock()`), in id order, the order the rows were locked.
     - Its `limit=` slot: given back by the UPDATE's status itself (a kind's limit counts its
       processing and stopping jobs); nothing to do here.
-    - The jobs waiting on it (`enqueue(after=...)`): a completed job counts for each of them,
-      and those whose last prerequisite it was are released (`release_dependents()`), after
-      the locks passed on, in the same transaction: exactly once, whoever completes last.
+    - The jobs waiting on it (`enqueue(after=...)`, a group's callback): a completed job
+      counts for each of them, any end for a callback (`groups`), and those whose last
+      prerequisite it was are released (`release_dependents()`), after the locks passed on, in
+      the same transaction: exactly once, whoever ends last.
     """
     ended = sorted(pks)
     for pk in ended:
@@ -269,33 +271,46 @@ def pass_lock(qs: LeaseReads[J], pk: int, *, contested: bool = False) -> None:
         return  # an enqueue took the free lock first: our job waits behind it
 
 
-def release_dependents(qs: LeaseReads[J], completed_pks: Collection[int]) -> list[int]:
-    """Count the completion of the jobs `completed_pks` for each job waiting on them, and
-    release those whose last prerequisite it was; return their ids.
+def release_dependents(qs: LeaseReads[J], ended_pks: Collection[int]) -> list[int]:
+    """Count the ends of the jobs `ended_pks` for each job waiting on them, and release those
+    whose last prerequisite (or group member) it was; return their ids.
 
-    Call it in the transaction that completed them, after their UPDATE (which holds their
-    rows) and after their locks were passed on. A released job without a lock becomes pending
-    (due at its `run_at`); one with a lock takes it if free, else waits in its lock's line.
+    Call it in the transaction that ended them, after their UPDATE (which holds their rows)
+    and after their locks were passed on. A dependent counts a completion; a group's callback
+    counts any final status, and takes back a member requeued (`groups.note_ends()`). A
+    released job without a lock becomes pending (due at its `run_at`); one with a lock takes it
+    if free, else waits in its lock's line.
     """
     jobs = table_jobs(qs)
-    listed = jobs.filter(pk__in=list(completed_pks), status=COMPLETED, dependents__isnull=False)
-    # How many of its prerequisites complete here, per dependent: two may complete in one batch.
-    met = Counter(pk for pks in listed.values_list("dependents", flat=True) for pk in pks)
-    if not met:
+    listed = jobs.filter(pk__in=list(ended_pks), dependents__isnull=False)
+    # How many of its prerequisites complete here, per dependent: two may complete in one batch;
+    # and how each job listing it is now, per dependent (a callback reads every end).
+    met: Counter[int] = Counter()
+    ends: dict[int, list[GroupMember]] = {}
+    for pk, kind, status, error, dependents in listed.values_list(
+        "pk", "kind", "status", "last_error", "dependents"
+    ):
+        for dependent in dependents:
+            met[dependent] += status == COMPLETED
+            ends.setdefault(dependent, []).append(GroupMember(pk, kind, status, error))
+    if not ends:
         return []
     # Lock the dependents (FOR UPDATE reads the latest committed count under READ COMMITTED
     # and REPEATABLE READ alike), then UPDATE exactly those rows. A prerequisite completing
     # at the same moment in another transaction waits here for our commit. A dependent
-    # cancelled while it waited is counted too: requeued, it waits for what is left.
+    # cancelled while it waited is counted too: requeued, it waits for what is left. Those
+    # that nothing here completed for are locked only if they are callbacks.
+    counted = Q(pk__in=[pk for pk in ends if met[pk]])
     rows = list(
         jobs.select_for_update()
-        .filter(pk__in=sorted(met), unmet__gt=0)
+        .filter(counted | Q(pk__in=sorted(ends), group_results__isnull=False), unmet__gt=0)
         .order_by("pk")
-        .values_list("pk", "unmet", "lock", "status")
+        .values_list("pk", "unmet", "lock", "status", "group_results")
     )
     by_count: dict[int, list[int]] = {}
-    for pk, _, _, _ in rows:
-        by_count.setdefault(met[pk], []).append(pk)
+    for pk, _, _, _, results in rows:
+        if results is None and met[pk]:
+            by_count.setdefault(met[pk], []).append(pk)
     for count, pks in by_count.items():
         jobs.filter(pk__in=pks, unmet__gte=count).update(
             # MariaDB/MySQL evaluate SET left to right, each assignment seeing the columns set
@@ -307,9 +322,14 @@ def release_dependents(qs: LeaseReads[J], completed_pks: Collection[int]) -> lis
             unmet=F("unmet") - count,
         )
     released = [
-        (pk, lock) for pk, unmet, lock, status in rows if unmet == met[pk] and status == WAITING
+        (pk, lock)
+        for pk, unmet, lock, status, results in rows
+        if results is None and unmet == met[pk] and status == WAITING
     ]
-    for pk, lock in released:
+    callbacks = [row for row in rows if row[4] is not None]
+    released += note_ends(qs, callbacks, ends) if callbacks else []
+    # In id order, dependents and callbacks alike: the order of a lock's line.
+    for pk, lock in sorted(released):
         if lock:
             join_lock(qs, pk, lock)
     return [pk for pk, _ in released]

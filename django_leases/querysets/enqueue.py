@@ -164,7 +164,7 @@ def enqueue_all(
     keyed = next((i for i, (_, key) in enumerate(jobs) if key is not None), None)
     if keyed is not None:
         try:
-            _check_idempotency_field(qs.model)
+            check_idempotency_field(qs.model)
         except InvalidArgument as exc:
             raise type(exc)(f"payloads[{keyed}]: {exc}") from None
     rows = []
@@ -209,7 +209,7 @@ def enqueue_one(
         qs, kind, run_at=run_at, priority=priority, max_attempts=max_attempts, lock=lock, **fields
     )
     if idempotency_key is not None:
-        _check_idempotency_field(qs.model)
+        check_idempotency_field(qs.model)
     row = job_row(payload, idempotency_key)
     pks = None if after is None else prerequisite_pks(qs, after)
     if pks:
@@ -439,7 +439,7 @@ def _own_fields(model: type[AbstractLeasedJob], fields: dict[str, Any]) -> dict[
     return fields
 
 
-def _check_idempotency_field(model: type[models.Model]) -> None:
+def check_idempotency_field(model: type[models.Model]) -> None:
     try:
         unique = is_unique(model, "idempotency_key")
     except FieldDoesNotExist:

@@ -32,6 +32,7 @@ from django_leases.querysets import (
     claim_by_id,
     claims,
     endings,
+    groups,
     ledger,
     operators,
     pauses,
@@ -122,6 +123,8 @@ class LeaseQuerySet(LeaseReads[J]):
     enqueue_many = enqueueing.enqueue_many
     aenqueue = enqueueing.aenqueue
     aenqueue_many = enqueueing.aenqueue_many
+    enqueue_group = groups.enqueue_group
+    aenqueue_group = groups.aenqueue_group
     writing_to = base.writing_to
 
     # ---- retention (prune.py) and the ledger (ledger.py) ----------------------------------------

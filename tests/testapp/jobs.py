@@ -152,6 +152,13 @@ def locked_step(job, lease):
     LockRun.objects.filter(pk=run.pk).update(finished_at=Now())
 
 
+@job_handler("group_callback")
+def group_callback(job, lease):
+    """Record this execution's start, and complete with how each member of the group ended."""
+    LockRun.objects.create(job_ref=job.pk, lock=job.lock, token=lease.token)
+    lease.complete([member._asdict() for member in lease.group()])
+
+
 @job_handler("risky")
 def risky(job, lease):
     """Reach the risky checkpoint, then take as long as the payload says."""
