@@ -119,8 +119,10 @@ class KindMinute:
         self.retried += other.retried
         if other.depth is not None:
             self.depth = (self.depth or 0) + other.depth
-        self.wait = merged([self.wait, other.wait])
-        self.run = merged([self.run, other.run])
+        # In place: a week's chart adds 10,080 minutes up.
+        for mine, theirs in ((self.wait, other.wait), (self.run, other.run)):
+            for i, n in enumerate(theirs):
+                mine[i] += n
 
     def fields(self) -> dict[str, Any]:
         """The history row's columns."""
