@@ -72,7 +72,7 @@ def kind_rows(
     kinds = sorted(set(backlog) | set(running) | set(failed) | set(recent) | paused | set(limits))
     rows = []
     for kind in kinds:
-        serving = [w for w in fleet.workers if not w.late and (not w.kinds or kind in w.kinds)]
+        serving = [w for w in fleet.workers if not w.late and kind in w.kinds]
         hour = recent.get(kind)
         throttle = limits.get(kind)
         due, wait = backlog.get(kind, (0, None))

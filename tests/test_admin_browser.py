@@ -251,7 +251,12 @@ def test_admin__the_overview_refreshes_while_jobs_change_state(
     PaymentJob.objects.enqueue("refund", {"amount": 120})
     PaymentJob.objects.filter(kind="capture").update(run_at=Now() - timedelta(seconds=95))
     Worker.objects.register(
-        "host-1:1234:ab12", instance="t", hostname="host-1", pid=1234, kinds=[], concurrency=4
+        "host-1:1234:ab12",
+        instance="t",
+        hostname="host-1",
+        pid=1234,
+        kinds=["capture", "refund"],
+        concurrency=4,
     )
     DOC_IMAGES.mkdir(parents=True, exist_ok=True)
 

@@ -82,7 +82,9 @@ def test_kinds__each_cell_counts_what_it_links_to(admin_client: Client, settings
     PaymentJob.objects.filter(kind="capture", status="pending").exclude(pk=later.pk).update(
         run_at=Now() - timedelta(minutes=2)
     )
-    Worker.objects.register("w-a", instance="t", hostname="h", pid=1, kinds=[], concurrency=4)
+    Worker.objects.register(
+        "w-a", instance="t", hostname="h", pid=1, kinds=["capture", "refund"], concurrency=4
+    )
     Worker.objects.register(
         "w-b", instance="t", hostname="h", pid=2, kinds=["refund"], concurrency=2
     )
