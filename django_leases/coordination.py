@@ -97,6 +97,8 @@ class ScheduleState(models.Model):
         verbose_name = _("schedule state")
         verbose_name_plural = _("schedule states")
         ordering = ["job_model", "name"]
+        # The admin's "Run now": enqueue a schedule's job at once, outside its ticks.
+        permissions = [("run_schedule", "Can run a schedule now")]
         constraints = [
             # One row per schedule: of racing first runs, one INSERT wins; an edit moves the row.
             models.UniqueConstraint(fields=["job_model", "name"], name="dl_schedule_name_uniq")

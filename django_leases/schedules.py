@@ -43,14 +43,14 @@ from zoneinfo import ZoneInfo
 
 from cronsim import CronSim, CronSimError
 from django.db import DatabaseError
-from django.db.models.functions import Now
-from django.db.models.sql import Query
 from django.utils.crypto import salted_hmac
 
 from django_leases.conf import leases_settings, to_seconds
+from django_leases.exceptions import InvalidArgument
 from django_leases.limits import shown
 from django_leases.outages import is_outage
 from django_leases.querysets import LeaseQuerySet
+from django_leases.querysets.base import database_now
 from django_leases.querysets.schedules import CRON_LENGTH, Recorded, Series
 from django_leases.tables import leased_jobs, schedule_states
 
@@ -65,6 +65,8 @@ SCHEDULE_NAME_LENGTH = 100
 KEY_SALT = "django_leases.schedules.key"
 # Hex digits of the key's MAC: 128 bits, not to be guessed.
 MAC_LENGTH = 32
+# The longest request of `run_now()`: its key stays within 255 characters.
+REQUEST_LENGTH = 64
 # Shortest period: each tick is a row and a wake-up of every worker.
 MIN_EVERY = 1.0
 # Spreads the workers that wake up at one tick boundary, so that the first one's INSERT is
@@ -200,15 +202,6 @@ def configured() -> list[Schedule]:
     return [Schedule.from_setting(name, entry) for name, entry in sorted(entries.items())]
 
 
-def database_now(using: str) -> datetime:
-    """Return the database clock's current time (one `SELECT` of `Now()`, no table read)."""
-    query = Query(None)
-    query.add_annotation(Now(), "now")
-    row = next(query.get_compiler(using).results_iter())
-    now: datetime = row[0]
-    return now
-
-
 @dataclass(frozen=True)
 class Upcoming:
     """A schedule as the admin's overview shows it."""
@@ -246,6 +239,39 @@ def upcoming(jobs: LeaseQuerySet[Any]) -> list[Upcoming]:
             )
         )
     return shown
+
+
+def run_now(
+    name: str,
+    *,
+    by: str,
+    request: str | None = None,
+    model: type[Any] | None = None,
+    using: str | None = None,
+) -> Any:
+    """Enqueue the job of schedule `name` at once, outside its ticks, and record who asked (a
+    `run_now` operator event); return the job. The schedule's own ticks go on as before.
+
+    The job's idempotency key is `schedule:<name>:now:<request>`, apart from every tick's:
+    the same `request` again returns the job it enqueued and records nothing; without one, a
+    random request is made up. An unknown schedule, or a request longer than
+    REQUEST_LENGTH, raises `InvalidArgument` and enqueues nothing.
+    """
+    schedule = next((s for s in configured() if s.name == name), None)
+    if schedule is None:
+        raise InvalidArgument(f"no schedule is named {shown(name)} in DJANGO_LEASES['SCHEDULES']")
+    request = secrets.token_hex(8) if request is None else request
+    if not request or len(request) > REQUEST_LENGTH:
+        raise InvalidArgument(
+            f"a run's request must be 1 to {REQUEST_LENGTH} characters, got {shown(request)}"
+        )
+    return leased_jobs(model, using).enqueue_now(
+        schedule.kind,
+        schedule.payload,
+        key=f"schedule:{name}:now:{request}",
+        by=by,
+        reason=f"schedule {name}",
+    )
 
 
 def _last_enqueued(schedule: Schedule, recorded: Recorded | None) -> int | None:

@@ -5,7 +5,7 @@ GROUP BY or a bounded list, each served by an index of `PaymentJob` — the over
 counts stop at a limit (`status_tallies()`: partial indexes of live rows, `dl_job_finished_idx
 (status, completed_at)` for the others, the database's statistics beyond), lease counts walk
 the processing-only `dl_job_lease_idx`, the oldest due job the pending-only `dl_job_due_idx`
-and the last hour's throughput a range of `dl_job_finished_idx`; long runners are processing
+and the last hour's finished jobs a range of `dl_job_finished_idx`; long runners are processing
 jobs, each probing the ledger's unique (job_ref, token) index for its open attempt. So the
 overview costs the same number of queries however many rows pile up. Every "now" is the
 database clock.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from django.db.models import (
@@ -30,7 +30,7 @@ from django.db.models import (
     Subquery,
     When,
 )
-from django.db.models.functions import Now, TruncMinute
+from django.db.models.functions import Now
 
 from django_leases.conf import leases_settings
 from django_leases.handlers import get_handler, registered_kinds
@@ -38,8 +38,6 @@ from django_leases.horizon import HorizonPin, oldest_pin
 from django_leases.querysets import LeaseQuerySet, WorkerQuerySet
 from django_leases.querysets.workers import LATE_AFTER, Role
 from django_leases.status import (
-    COMPLETED,
-    FAILED,
     FINAL_STATUSES,
     LEASED_STATUSES,
     PENDING,
@@ -54,7 +52,7 @@ from django_leases.tables import registered_workers
 STUCK, NEAR_EXPIRY, HEALTHY = "stuck", "near_expiry", "healthy"
 # Not a lease state of its own: a processing job whose attempt has run longer than its limit.
 RUNNING_LONG = "running_long"
-# The overview's window: its chart, and the jobs it counts as completed or failed lately.
+# The overview's window: the jobs it counts as completed or failed lately, and its table per kind.
 RECENT_MINUTES = 60
 # The admin's time filter: due pending jobs, and jobs finished within RECENT_MINUTES (what the
 # overview's cards count).
@@ -241,54 +239,11 @@ def kinds(jobs: LeaseQuerySet[Any]) -> list[str]:
     return sorted(set(registered_kinds()) | set(live.distinct()))
 
 
-@dataclass(frozen=True)
-class Minute:
-    """Jobs finished in one minute of the throughput chart."""
-
-    start: datetime
-    completed: int = 0
-    failed: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.completed + self.failed
-
-
-def throughput(
-    jobs: LeaseQuerySet[Any], *, minutes: int = RECENT_MINUTES
-) -> tuple[list[Minute], Counter[str]]:
-    """Return the jobs completed and failed per minute over the last `minutes`, oldest first,
-    and the number of jobs per final status over the same window. One query.
-
-    Minutes are aligned to the database clock: the query groups by the minute of each
-    `completed_at` and also returns the database's current minute.
-    """
-    rows = (
-        jobs.finished_within(timedelta(minutes=minutes))
-        .annotate(
-            minute=TruncMinute("completed_at", tzinfo=UTC),
-            now_minute=TruncMinute(Now(), tzinfo=UTC),
-        )
-        .order_by()
-        .values_list("status", "minute", "now_minute")
-        .annotate(n=Count("*"))
-    )
-    totals: Counter[str] = Counter()
-    per_minute: dict[datetime, Counter[str]] = {}
-    now_minute: datetime | None = None
-    for status, minute, current, n in rows:
-        totals[status] += n
-        per_minute.setdefault(minute, Counter())[status] += n
-        now_minute = current if now_minute is None else max(now_minute, current)
-    if now_minute is None:
-        # Nothing finished in the window: every bar is empty, whatever the clock says.
-        now_minute = datetime.now(UTC).replace(second=0, microsecond=0)
-    chart = []
-    for back in range(minutes - 1, -1, -1):
-        start = now_minute - timedelta(minutes=back)
-        counts = per_minute.get(start, Counter())
-        chart.append(Minute(start, counts[COMPLETED], counts[FAILED]))
-    return chart, totals
+def finished_counts(jobs: LeaseQuerySet[Any], *, minutes: int = RECENT_MINUTES) -> Counter[str]:
+    """Return the number of jobs per final status that reached it within the last `minutes`, by
+    the database clock. One GROUP BY over a range of the (status, completed_at) index."""
+    rows = jobs.finished_within(timedelta(minutes=minutes)).order_by().values_list("status")
+    return Counter(dict(rows.annotate(n=Count("*"))))
 
 
 @dataclass(frozen=True)
@@ -299,7 +254,6 @@ class Overview:
     stuck: int
     near_expiry: int
     oldest_due: OldestDue
-    chart: list[Minute]
     finished: Counter[str]
     fleet: Fleet
     unserved: list[str]
@@ -424,7 +378,7 @@ def overview(
 ) -> Overview:
     """Read the queue overview in seventeen queries (and the horizon's), whatever the number
     of jobs (and one estimate per final status beyond ADMIN_EXACT_COUNT_LIMIT)."""
-    chart, finished = throughput(jobs, minutes=minutes)
+    finished = finished_counts(jobs, minutes=minutes)
     live = fleet(workers)
     long_runners = with_lease_clock(running_long(jobs))
     return Overview(
@@ -432,7 +386,6 @@ def overview(
         stuck=jobs.expired().count(),
         near_expiry=jobs.near_expiry(near_expiry).count(),
         oldest_due=oldest_due(jobs),
-        chart=chart,
         finished=finished,
         # The registry holds a row per worker process; the live ones are the fleet.
         fleet=live,

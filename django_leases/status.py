@@ -54,6 +54,7 @@ class EventAction(models.TextChoices):
     REVIEW_COMPLETED = "review_completed", _("Review resolved: completed")
     REVIEW_RETRY = "review_retry", _("Review resolved: retry")
     REVIEW_FAILED = "review_failed", _("Review resolved: failed")
+    RUN_NOW = "run_now", _("Enqueued by running its schedule now")
 
 
 class Verdict(models.TextChoices):
@@ -92,6 +93,9 @@ LEASED_STATUSES = (PROCESSING, STOPPING)
 against its kind's `limit=`."""
 TIMED_OUT = AttemptOutcome.TIMED_OUT.value
 """The outcome of an attempt still running past its kind's `timeout`."""
+HISTORY_COUNTS = (COMPLETED, FAILED, AttemptOutcome.RETRIED.value)
+"""What the queue history counts per kind and minute, its columns named so: jobs completed,
+jobs failed, attempts retried."""
 HOLDER_OUTCOMES = (
     AttemptOutcome.COMPLETED.value,
     AttemptOutcome.FAILED.value,

@@ -15,7 +15,12 @@ from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import models, router
 
 from django_leases.conf import leases_settings
-from django_leases.querysets import LeaseQuerySet, ScheduleStateQuerySet, WorkerQuerySet
+from django_leases.querysets import (
+    LeaseQuerySet,
+    QueueMinuteQuerySet,
+    ScheduleStateQuerySet,
+    WorkerQuerySet,
+)
 from django_leases.querysets.reads import attempt_ledger
 
 if TYPE_CHECKING:
@@ -136,3 +141,10 @@ def schedule_states(using: str) -> ScheduleStateQuerySet:
     from django_leases.models import ScheduleState
 
     return cast(ScheduleStateQuerySet, ScheduleState.objects.db_manager(using).all())
+
+
+def queue_history(using: str) -> QueueMinuteQuerySet:
+    """Return the queue history's rows on `using`: the database of the job table they count."""
+    from django_leases.models import QueueMinute
+
+    return cast(QueueMinuteQuerySet, QueueMinute.objects.db_manager(using).all())

@@ -37,7 +37,7 @@ from django_leases.querysets.workers import Role
 from django_leases.redaction import error_text
 from django_leases.schedules import enqueue_due
 from django_leases.status import StuckPolicy, Verdict
-from django_leases.tables import leased_jobs, queue_models, registered_workers
+from django_leases.tables import leased_jobs, queue_history, queue_models, registered_workers
 
 logger = logging.getLogger("django_leases.watcher")
 
@@ -252,6 +252,8 @@ class StuckWatcher:
         actions += self._reconcile_reviews()
         # What keeps vacuum from removing the rows this queue leaves behind, told early.
         self._horizon.look(self.using)
+        # The minutes closed since the last pass of any watcher, each written once.
+        queue_history(self.using).record(self._jobs())
         return actions
 
     @staticmethod

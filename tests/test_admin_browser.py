@@ -2,10 +2,12 @@
 
 Playwright's sync API runs an event loop in this thread, and Django refuses ORM calls while one
 runs: so each test writes its rows first, drives the browser, and reads the rows after.
-Screenshots land in build/screenshots/.
+Screenshots land in build/screenshots/, those the docs show in docs/images/.
 """
 
+import math
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -13,16 +15,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.db import connection, connections
 from django.db.models.functions import Now
 from django.test import override_settings
 from playwright.sync_api import Page, expect, sync_playwright
 
-from django_leases.models import JobAttempt, PaymentJob, Worker
+from django_leases.admin.payments import PaymentJobAdmin
+from django_leases.models import JobAttempt, PaymentJob, QueueMinute, Worker
+from django_leases.querysets.base import database_now
+from django_leases.querysets.history import MINUTE, KindMinute, bucket_of
 
 from .conftest import ROOT
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = ROOT / "build" / "screenshots"
+# The screenshots docs/operations.md shows, made again by each run.
+DOC_IMAGES = ROOT / "docs" / "images"
 
 pytestmark = [
     pytest.mark.browser,
@@ -32,7 +40,7 @@ pytestmark = [
 
 
 @contextmanager
-def chromium_page(base_url: str) -> Iterator[Page]:
+def chromium_page(base_url: str, width: int = 1400) -> Iterator[Page]:
     """A page of a fresh headless Chromium; never a browser downloaded by Playwright."""
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
@@ -49,7 +57,7 @@ def chromium_page(base_url: str) -> Iterator[Page]:
         )
         try:
             context = browser.new_context(
-                base_url=base_url, viewport={"width": 1400, "height": 900}
+                base_url=base_url, viewport={"width": width, "height": 900}
             )
             context.set_default_timeout(15_000)
             yield context.new_page()
@@ -189,3 +197,107 @@ def test_admin__find_a_long_runner_through_the_filter(live_server: Any, admin_us
         expect(rows.first).to_contain_text("pay_marathon")
 
     assert PaymentJob.objects.get(pk=made["marathon"]).status == "processing"
+
+
+def two_days_of_history() -> None:
+    """Minutes of history as the watcher writes them: a daily wave of captures, refunds, a
+    failure now and then, waits that grow with the backlog."""
+    now = database_now(connection.alias).replace(second=0, microsecond=0)
+    label = PaymentJob._meta.label_lower
+    rows = []
+    for back in range(1, 2 * 24 * 60):
+        minute = now - back * MINUTE
+        wave = 1 + math.sin(back / 240)
+        kinds: dict[str, KindMinute] = {}
+        for kind, scale, took in (("capture", 40, 0.3), ("refund", 8, 1.5)):
+            done = round(scale * wave)
+            row = KindMinute(done, int(back % 37 == 0) * 2, int(back % 11 == 0), round(30 * wave))
+            row.wait[bucket_of(0.05 * wave * wave)] = done
+            row.run[bucket_of(took)] = done
+            kinds[kind] = row
+        total = KindMinute(depth=0)
+        for kind, row in kinds.items():
+            total.add(row)
+            rows.append(QueueMinute(job_model=label, kind=kind, minute=minute, **row.fields()))
+        rows.append(QueueMinute(job_model=label, kind="", minute=minute, **total.fields()))
+    QueueMinute.objects.bulk_create(rows, batch_size=500)
+
+
+def finish(pks: list[int]) -> None:
+    """Claim and complete the jobs `pks` through the lease API, on a thread of its own: this
+    thread runs Playwright's event loop, where Django refuses ORM calls."""
+
+    def work() -> None:
+        try:
+            for pk in pks:
+                job = PaymentJob.objects.claim_job(pk, "host-2:finisher", ttl=60)
+                assert job is not None
+                PaymentJob.objects.complete(pk, "host-2:finisher", job.lease_token)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(60)
+
+
+@pytest.mark.slow
+def test_admin__the_overview_refreshes_while_jobs_change_state(
+    live_server: Any, admin_user: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(PaymentJobAdmin, "refresh_every", 0.5)
+    two_days_of_history()
+    due = [PaymentJob.objects.enqueue("capture", {"amount": 900 + i}).pk for i in range(5)]
+    PaymentJob.objects.enqueue("refund", {"amount": 120})
+    PaymentJob.objects.filter(kind="capture").update(run_at=Now() - timedelta(seconds=95))
+    Worker.objects.register(
+        "host-1:1234:ab12",
+        instance="t",
+        hostname="host-1",
+        pid=1234,
+        kinds=["capture", "refund"],
+        concurrency=4,
+    )
+    DOC_IMAGES.mkdir(parents=True, exist_ok=True)
+
+    with chromium_page(live_server.url, width=1440) as page:
+        log_in(page, "/admin/django_leases/paymentjob/overview/")
+        live = page.locator("#dl-live")
+        capture = page.locator('#dl-kinds tr[data-kind="capture"]')
+        expect(capture.locator("a.dl-due")).to_have_text("5")
+        expect(capture.locator("a.dl-running")).to_have_text("0 / 4")
+        expect(page.locator("#dl-throughput rect.dl-bar-hover")).to_have_count(60)
+        # Every recorded minute of the hour has a bar (the seeded ones end a minute ago).
+        assert page.locator("#dl-throughput rect.dl-bar-completed").count() >= 58
+        page.screenshot(path=DOC_IMAGES / "overview-live.png", full_page=True)
+
+        # Jobs finish while the page is open: it shows them without a reload.
+        finish(due[:2])
+        expect(capture.locator("a.dl-due")).to_have_text("3")
+        expect(page.locator("#dl-completed .dl-value")).to_have_text("2")
+
+        # Paused, it stays as it was; resumed, it catches up.
+        page.click("#dl-refresh-toggle")
+        expect(page.locator("#dl-refresh-toggle")).to_have_attribute("aria-pressed", "true")
+        expect(page.locator("#dl-refresh-state")).to_have_text("Refresh paused.")
+        refreshes = live.get_attribute("data-refreshes")
+        finish(due[2:3])
+        page.wait_for_timeout(2000)  # four refresh periods
+        expect(live).to_have_attribute("data-refreshes", refreshes or "")
+        expect(capture.locator("a.dl-due")).to_have_text("3")
+        page.click("#dl-refresh-toggle")
+        expect(capture.locator("a.dl-due")).to_have_text("2")
+
+        # The history over a week, then one kind's.
+        page.click("#dl-span-week")
+        expect(page.locator("#dl-history h2")).to_contain_text("last week: every kind")
+        expect(page.locator("#dl-throughput rect.dl-bar-hover")).to_have_count(168)
+        page.locator("#dl-history").screenshot(path=DOC_IMAGES / "history-week.png")
+        page.locator("#dl-history .dl-spans").get_by_role("link", name="refund").click()
+        expect(page.locator("#dl-history h2")).to_contain_text("last week: refund")
+        # A cell links to the jobs it counts.
+        page.locator('#dl-kinds tr[data-kind="capture"] a.dl-due').click()
+        expect(page.locator("#result_list tbody tr")).to_have_count(2)
+
+    left = PaymentJob.objects.filter(kind="capture", status="pending").count()
+    assert left == 2

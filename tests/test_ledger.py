@@ -116,10 +116,13 @@ REVIEW_CAPTURE = {"STUCK_POLICY_BY_KIND": {"capture": "review"}}
 @pytest.mark.parametrize("model", [JobAttempt, PayoutAttempt], ids=lambda m: m.__name__)
 def test_ledger__no_index_holds_a_column_an_attempts_end_writes(model: type[JobAttempt]) -> None:
     # So that closing an attempt enters no index (a HOT update on PostgreSQL): its open row is
-    # found by the (job_ref, token) index. A row's identity (id, job, job_ref, token) is all an
-    # index may hold; every other column is one an attempt's end may write (`ledger.close()`,
-    # PostgreSQL's completion and takeover), now or in a later release.
-    identity = {model._meta.get_field(name).column for name in ("id", "job", "job_ref", "token")}
+    # found by the (job_ref, token) index. A row's identity (id, job, job_ref, token) and when
+    # it began (claimed_at, written by its insert only: the queue history counts the attempts
+    # claimed in a minute) are all an index may hold; every other column is one an attempt's
+    # end may write (`ledger.close()`, PostgreSQL's completion and takeover), now or in a later
+    # release.
+    names = ("id", "job", "job_ref", "token", "claimed_at")
+    identity = {model._meta.get_field(name).column for name in names}
     written_later = {field.column for field in model._meta.concrete_fields} - identity
     assert {"ended_at", "outcome", "ended_by", "error_class"} <= written_later
     with connection.cursor() as cursor:

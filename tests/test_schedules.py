@@ -18,8 +18,16 @@ from django.db.migrations.executor import MigrationExecutor
 from django.test import override_settings
 from django.utils import timezone
 
-from django_leases.models import JobAttempt, PaymentJob, ScheduleState, Worker
-from django_leases.schedules import Schedule, Ticker, configured, database_now, enqueue_due
+from django_leases.exceptions import InvalidArgument
+from django_leases.models import JobAttempt, JobEvent, PaymentJob, ScheduleState, Worker
+from django_leases.schedules import (
+    Schedule,
+    Ticker,
+    configured,
+    database_now,
+    enqueue_due,
+    run_now,
+)
 from django_leases.watcher import StuckWatcher
 
 from .conftest import ON_SQLITE, Processes, subprocess_env, wait_for
@@ -906,3 +914,79 @@ def test_overview__shows_each_schedules_next_fire_time_and_last_job(admin_client
     assert f"/admin/django_leases/paymentjob/{nightly_job.pk}/change/" in page
     assert "of 2027-01-13 12:00:00 UTC, pruned" in after_prune
     assert "of 2027-01-13 12:00:00 UTC, pruned" not in page
+
+
+# ---- run a schedule now ---------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@schedules(beat={"kind": "noop", "every": 10**7, "payload": {"report": "daily"}})
+def test_run_now__enqueues_at_once_with_a_key_of_its_own_and_records_who() -> None:
+    ticked = enqueue_due()  # the schedule's series starts: its current tick has no job
+    first = run_now("beat", by="ops:alice", request="r1")
+    again = run_now("beat", by="ops:bob", request="r1")
+    other = run_now("beat", by="ops:alice")
+
+    assert ticked == []
+    assert first.pk == again.pk != other.pk
+    assert (first.kind, first.payload, first.status) == ("noop", {"report": "daily"}, "pending")
+    assert first.idempotency_key == "schedule:beat:now:r1"
+    assert re.fullmatch(r"schedule:beat:now:[0-9a-f]{16}", other.idempotency_key)
+    assert PaymentJob.objects.get(pk=first.pk).run_at <= database_now(connection.alias)
+    # One event per job enqueued, naming who asked; the repeat recorded nothing.
+    events = JobEvent.objects.filter(action="run_now").order_by("id")
+    assert [(e.job_ref, e.by, e.reason) for e in events] == [
+        (first.pk, "ops:alice", "schedule beat"),
+        (other.pk, "ops:alice", "schedule beat"),
+    ]
+    # The schedule's own state is untouched: its ticks go on as before.
+    assert (
+        ScheduleState.objects.get(name="beat").start_tick
+        == ScheduleState.objects.get(name="beat").last_tick
+    )
+
+
+@pytest.mark.django_db
+@schedules(beat=LONG)
+@pytest.mark.parametrize(
+    ("name", "request_id", "error"),
+    [
+        ("nightly", None, "no schedule is named 'nightly'"),
+        ("beat", "x" * 65, "a run's request must be 1 to 64 characters"),
+        ("beat", "", "a run's request must be 1 to 64 characters"),
+    ],
+)
+def test_run_now__refuses_bad_input_and_writes_nothing(
+    name: str, request_id: str | None, error: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(error)):
+        run_now(name, by="ops", request=request_id)
+    assert not PaymentJob.objects.exists() and not JobEvent.objects.exists()
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+@schedules(beat=LONG)
+def test_run_now__the_same_request_at_once_from_two_connections_enqueues_one_job() -> None:
+    start = threading.Barrier(2)
+    jobs: list[int] = []
+    errors: list[BaseException] = []
+
+    def operator() -> None:
+        try:
+            start.wait()
+            jobs.append(run_now("beat", by="ops", request="double-click").pk)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=operator) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert len(jobs) == 2 and jobs[0] == jobs[1]
+    assert PaymentJob.objects.count() == 1
+    assert JobEvent.objects.filter(job_ref=jobs[0], action="run_now").count() == 1

@@ -98,6 +98,11 @@ jobs of the kind processing at once, across every worker" holds:
     change after. Members and callbacks are of every kind (the limited one, paused or not) and
     lock, a member may wait for another job (`after=`), and every rule (claims, completions,
     failures, time-outs, stops, cancels, operator actions, the watcher) acts on them.
+22. The queue history counts what happened: the watcher's aggregation of a minute (here the
+    current one) gives, per kind, the jobs completed and failed in it, the retried attempts
+    that ended in it (claimed within LONG_RUNNING before it), the due backlog, and the wait and
+    run time of the attempt that finished each finished job, bucket by bucket as the rows say,
+    whatever locks, limits, cancels, time-outs, pauses, dependencies and rescues did.
 
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
@@ -105,6 +110,10 @@ pass as the database clock moves) through passes of the schedulers, ticks passin
 going back), their jobs running or failing, `prune()` between ticks, and edits of the schedules
 (and their rollbacks) between ticks, and checks the README's "exactly one job per tick" (per
 fire time), whatever was pruned or edited:
+
+23. A schedule run now by an operator enqueues one job of its own key, apart from every tick
+    (which go on as before), recorded once as the operator's; the same request again, while its
+    job is kept, is that job.
 
 12. A pass enqueues exactly the ticks due (the current one unless enqueued already; with
     `catch_up` also the one before it, if it was missed), and never a tick enqueued before;
@@ -133,7 +142,7 @@ import logging
 import math
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Collection, Iterator
 from datetime import UTC, datetime, timedelta
 from itertools import combinations, takewhile
@@ -160,6 +169,7 @@ from hypothesis.stateful import (
 
 from django_leases import job_handler
 from django_leases.backoff import retry_delay
+from django_leases.conf import leases_settings
 from django_leases.exceptions import Cancelled, IdempotencyKeyReused, InvalidArgument, LeaseLost
 from django_leases.handlers import registered_kinds, unregister
 from django_leases.lease import Lease, Presence
@@ -175,8 +185,9 @@ from django_leases.models import (
     Worker,
 )
 from django_leases.querysets.claims import failures_of
+from django_leases.querysets.history import MINUTE, KindMinute, aggregate_minute, bucket_of
 from django_leases.querysets.schedules import Series
-from django_leases.schedules import Schedule, configured, database_now, enqueue_due
+from django_leases.schedules import Schedule, configured, database_now, enqueue_due, run_now
 from django_leases.status import (
     CANCELLED,
     COMPLETED,
@@ -186,6 +197,7 @@ from django_leases.status import (
     REVIEW,
     STOPPING,
     WAITING,
+    AttemptOutcome,
 )
 from django_leases.watcher import StuckWatcher
 
@@ -328,6 +340,10 @@ def stored(rows: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """`job_rows()` without what the clock decides (`live`, `due`) and the kind's pause."""
     clocked = {"live", "due", "paused"}
     return {pk: {k: v for k, v in row.items() if k not in clocked} for pk, row in rows.items()}
+
+
+def seconds(duration: timedelta) -> float:
+    return duration.total_seconds()
 
 
 def ledger_rows() -> dict[int, dict[str, Any]]:
@@ -1673,6 +1689,38 @@ class LeaseMachine(RuleBasedStateMachine):
             self.requeued_behind.setdefault(holders[row["lock"]], set()).add(pk)
         assert row["status"] == expected, f"{name} made job {pk} {row['status']}"
 
+    # ---- the queue history ------------------------------------------------------------------
+
+    @rule()
+    def the_watcher_counts_this_minute(self) -> None:
+        """22. The history's aggregation of the current minute, against the rows."""
+        start = database_now(PaymentJob.objects.db).replace(second=0, microsecond=0)
+        counted = aggregate_minute(PaymentJob.objects.all(), start, depth=True)
+        jobs, ledger = job_rows(), ledger_rows()
+        end = start + MINUTE
+        window = start - timedelta(seconds=leases_settings.LONG_RUNNING)
+        expected: dict[str, KindMinute] = defaultdict(KindMinute)
+        attempts = {(row["job_ref"], row["token"]): row for row in ledger.values()}
+        for job in jobs.values():
+            kind = expected[job["kind"]]
+            finished = job["completed_at"] is not None and start <= job["completed_at"] < end
+            if job["status"] in (COMPLETED, FAILED) and finished:
+                setattr(kind, job["status"], getattr(kind, job["status"]) + 1)
+                final = attempts.get((job["id"], job["lease_token"]))
+                if final is not None and final["ended_at"] is not None:
+                    kind.wait[bucket_of(seconds(final["claimed_at"] - job["run_at"]))] += 1
+                    kind.run[bucket_of(seconds(final["ended_at"] - final["claimed_at"]))] += 1
+            if job["status"] == PENDING and job["due"]:
+                kind.depth = (kind.depth or 0) + 1
+        for row in ledger.values():
+            ended = row["ended_at"] is not None and start <= row["ended_at"] < end
+            recent = window <= row["claimed_at"] < end
+            if row["outcome"] == AttemptOutcome.RETRIED and ended and recent:
+                expected[jobs[row["job_ref"]]["kind"]].retried += 1
+        empty = KindMinute().fields()
+        wanted = {k: v.fields() for k, v in expected.items() if v.fields() != empty}
+        assert {k: v.fields() for k, v in counted.items()} == wanted
+
     # ---- invariants, read from the database -------------------------------------------------
 
     @invariant()
@@ -2003,6 +2051,8 @@ class ScheduleMachine(RuleBasedStateMachine):
         self.rows: dict[str, tuple[Series, int]] = {}
         self.starts: dict[Series, int] = {}
         self.clock = DatabaseClock(PaymentJob.objects.db)
+        # Per (schedule, request) run now, the job it enqueued last.
+        self.run_now_jobs: dict[tuple[str, str], int] = {}
         self.moment = self.furthest = DST_EVES[0]
         self.passed = self.most_passed = 0
 
@@ -2099,11 +2149,31 @@ class ScheduleMachine(RuleBasedStateMachine):
         if pending:
             run(pending[which % len(pending)], fail=fail)
 
+    @rule(name=st.sampled_from(sorted(DEFINITIONS)), request=st.sampled_from(["r1", "r2"]))
+    def run_now(self, name: str, request: str) -> None:
+        """23. An operator runs a schedule now."""
+        kept = self.run_now_jobs.get((name, request))
+        job = run_now(name, by="ops", request=request)
+        assert not any(of_series(s, job.idempotency_key) for s in self.series.values())
+        if kept is not None and PaymentJob.objects.filter(pk=kept).exists():
+            assert job.pk == kept, f"{name}/{request}: a second job"
+        self.run_now_jobs[(name, request)] = job.pk
+
     @rule(statuses=st.sampled_from([("completed",), ("completed", "failed")]))
     def prune(self, statuses: tuple[str, ...]) -> None:
         """`prune_jobs` with a retention shorter than a tick."""
         before = PaymentJob.objects.filter(status__in=statuses).count()
         assert sum(prune_finished(statuses).values()) == before
+
+    @invariant()
+    def each_job_run_now_recorded_once(self) -> None:
+        """23. One operator event per job run now, and none for a tick's."""
+        now = PaymentJob.objects.filter(idempotency_key__contains=":now:")
+        events = JobEvent.objects.filter(action="run_now")
+        # A pruned job's events go with it.
+        assert Counter(events.values_list("job_ref", flat=True)) == Counter(
+            now.values_list("pk", flat=True)
+        )
 
     @invariant()
     def one_job_per_tick(self) -> None:

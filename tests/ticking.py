@@ -24,7 +24,11 @@ def tick_of(key: str) -> int:
 def of_series(schedule: Schedule, key: str) -> bool:
     """Tell whether `key` is the key of a tick of `schedule`'s series (not of an earlier
     definition of the same name)."""
-    return key.startswith(f"schedule:{schedule.name}:") and key == schedule.key(tick_of(key))
+    if not key.startswith(f"schedule:{schedule.name}:"):
+        return False
+    tick = key.split(":")[2]
+    # `schedule:<name>:now:<request>`: a job an operator ran now (`run_now()`), not a tick's.
+    return tick.lstrip("-").isdigit() and key == schedule.key(int(tick))
 
 
 def begin() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import cache, wraps
 from typing import Any, TypeVar
 
@@ -149,6 +149,15 @@ def lease_until(seconds: float, lengths: Lengths = ()) -> Any:
         return after(seconds)
     arms = [When(kind=kind, then=after(length)) for kind, length in lengths]
     return Case(*arms, default=after(seconds), output_field=models.DateTimeField())
+
+
+def database_now(using: str) -> datetime:
+    """Return the database clock's current time (one `SELECT` of `Now()`, no table read)."""
+    query = Query(None)
+    query.add_annotation(Now(), "now")
+    row = next(query.get_compiler(using).results_iter())
+    now: datetime = row[0]
+    return now
 
 
 def ago(seconds: float) -> Any:

@@ -104,6 +104,7 @@ class LeaseQuerySet(LeaseReads[J]):
     cancel = writes(operators.cancel)
     cancelled_leases = writes(operators.cancelled_leases)
     resolve_review = writes(operators.resolve_review)
+    enqueue_now = writes(operators.enqueue_now)
 
     # ---- where an execution ends (endings.py) -------------------------------------------------
 

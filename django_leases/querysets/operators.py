@@ -1,5 +1,6 @@
 """Decisions on jobs their holder no longer speaks for: the watcher's rescue of an expired or
-orphaned lease, and the operator actions (requeue, release, fail, cancel, review verdicts).
+orphaned lease, and the operator actions (requeue, release, fail, cancel, review verdicts, a
+job enqueued at once by an operator: `enqueue_now()`).
 
 The watcher, the admin's actions and any operator script call these, never their own UPDATEs.
 Each is conditional per row: it changes only the rows still eligible when its UPDATE runs (a
@@ -31,6 +32,7 @@ from django_leases.querysets.base import (
     retry_deadlocks,
 )
 from django_leases.querysets.endings import Ending, end_executions, end_one
+from django_leases.querysets.enqueue import enqueue
 from django_leases.querysets.ledger import MAX_ERROR_LENGTH, J, ledger_update, storable
 from django_leases.querysets.reads import LeaseReads, takeover_guard
 from django_leases.status import (
@@ -366,6 +368,34 @@ def operator_batch(
             )
         record_events(qs, [row[:3] for row in rows], event, ending.by, reason)
     return len(rows), rows[-1].pk
+
+
+@retry_deadlocks
+def enqueue_now(qs: LeaseReads[J], kind: str, payload: Any, *, key: str, by: str, reason: str) -> J:
+    """Enqueue a job of `kind` under idempotency key `key` for the operator `by`, with its
+    operator event (`EventAction.RUN_NOW`); a job already under `key` is returned as it is, and
+    nothing is recorded again."""
+    # The job and its event commit together: a job enqueued this way always names who asked.
+    with transaction.atomic(using=qs.db):
+        found = qs.filter(idempotency_key=key).first()
+        if found is not None:
+            return found
+        job = enqueue(qs, kind, payload, idempotency_key=key)
+        if not recorded(qs, job.pk, EventAction.RUN_NOW):
+            # Else a process racing this one with the same key enqueued the job first.
+            row = (job.pk, job.lease_token, job.attempts)
+            record_events(qs, [row], EventAction.RUN_NOW, by, reason)
+    return job
+
+
+def recorded(qs: LeaseReads[J], pk: int, action: str) -> bool:
+    """Whether job `pk` has an operator event `action`, as committed now (a locking read:
+    MariaDB's plain reads keep the transaction's first snapshot); True without an event log."""
+    label = qs.model.event_model
+    if not label:
+        return True
+    events = apps.get_model(label).objects.using(qs.db).filter(job_ref=pk, action=action)
+    return bool(list(events.select_for_update().values_list("pk", flat=True)[:1]))
 
 
 def record_events(

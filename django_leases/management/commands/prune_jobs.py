@@ -21,7 +21,7 @@ from django_leases.management.commands._options import (
 )
 from django_leases.outages import check_tables
 from django_leases.querysets import LeaseQuerySet, PrunedBatch
-from django_leases.tables import leased_jobs, queue_models, registered_workers
+from django_leases.tables import leased_jobs, queue_history, queue_models, registered_workers
 
 logger = logging.getLogger("django_leases.prune")
 
@@ -34,7 +34,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
         "of PRUNE_BATCH_SIZE, one transaction each. Their attempt ledger is deleted with them, "
         "or kept (detached) when PRUNE_LEDGER is False. Pending, processing and under-review "
         "jobs are never touched. Registry rows of workers stopped or unseen for longer than "
-        "WORKER_RETENTION are deleted too. Safe while workers run; meant for cron. -v 2 logs "
+        "WORKER_RETENTION are deleted too, and the queue history's minutes older than 8 days. "
+        "Safe while workers run; meant for cron. -v 2 logs "
         "each batch. "
         "Exit status 1: bad options; a database that is down or read-only, refuses the "
         "connection settings (login, database name, options), is not migrated, or whose "
@@ -98,6 +99,7 @@ class Command(OneLineErrorsMixin, BaseCommand):
         batch_size: int | None,
     ) -> None:
         workers = registered_workers(jobs.db)
+        history = queue_history(jobs.db)
         if dry_run:
             counts = dict(
                 jobs.prunable(retention).order_by().values_list("status").annotate(n=Count("pk"))
@@ -106,7 +108,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
             self.stdout.write(
                 f"would prune {sum(counts.values())} job(s): {self._per_status(retention, counts)}"
                 f"; their attempt ledger would be {ledger}; "
-                f"{workers.long_gone().count()} worker registry row(s) would be pruned"
+                f"{workers.long_gone().count()} worker registry row(s) would be pruned; "
+                f"{history.prunable(jobs.model).count()} history row(s) would be pruned"
             )
             return
         started = time.monotonic()
@@ -129,7 +132,8 @@ class Command(OneLineErrorsMixin, BaseCommand):
                 f"pruned {sum(deleted.values())} job(s) in {len(attempts)} batch(es) and "
                 f"{time.monotonic() - started:.1f}s: {self._per_status(retention, deleted)}; "
                 f"{sum(attempts)} attempt ledger row(s) {ledger}; "
-                f"{workers.prune()} worker registry row(s) pruned"
+                f"{workers.prune()} worker registry row(s) pruned; "
+                f"{history.prune(jobs.model)} history row(s) pruned"
             )
         )
 
