@@ -26,7 +26,17 @@ from django_leases.limits import (
     check_json_size,
     check_text,
 )
-from django_leases.querysets import acks, base, claims, endings, ledger, operators, pauses, steps
+from django_leases.querysets import (
+    acks,
+    base,
+    claims,
+    edits,
+    endings,
+    ledger,
+    operators,
+    pauses,
+    steps,
+)
 from django_leases.querysets import enqueue as enqueueing
 from django_leases.querysets import prune as pruning
 from django_leases.querysets.base import (
@@ -93,6 +103,7 @@ class LeaseQuerySet(LeaseReads[J]):
     cancel = writes(operators.cancel)
     cancelled_leases = writes(operators.cancelled_leases)
     resolve_review = writes(operators.resolve_review)
+    edit_pending = writes(edits.edit_pending)
 
     # ---- where an execution ends (endings.py) -------------------------------------------------
 
