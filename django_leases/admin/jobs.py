@@ -88,9 +88,6 @@ LEASE_FIELDS = (
     "last_error",
     *(f"shown_{name}" for name in TIMES),
 )
-# The only fields an operator edits (`querysets.edits.EDITABLE_FIELDS`), and only while the job
-# is pending: a running job's payload is in its handler's hands; the payload only with the
-# permission `edit_payload_<model name>`, and with a reason.
 # The kinds of `LeaseBackend` tasks (backends.TASK_KIND_PREFIX, not imported here: that module
 # needs the Tasks framework). Their payload names the callable to run, so it is never edited.
 TASK_KINDS = "tasks."
@@ -247,6 +244,8 @@ class LeasedJobAdmin(
         return False
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # An operator edits EDITABLE_FIELDS only while the job is pending (a running job's payload
+        # is in its handler's hands), the payload only with `edit_payload_<model name>`.
         fields = tuple(super().get_readonly_fields(request, obj))
         if obj is None or obj.status != PENDING:
             return (*fields, *EDITABLE_FIELDS, "reason")
