@@ -1,6 +1,7 @@
 """Prometheus metrics, with the `prometheus` extra: `pip install "django-leases[prometheus]"`.
 
-- `WorkerMetrics`: one worker process's counters and histograms per job kind, served by
+- `WorkerMetrics`: one worker process's counters and histograms per job kind, and its busy
+  slots per kind, served by
   `run_lease_worker --metrics-port N` (one port per process: several processes on a host each
   get their own, and Prometheus adds the `instance` label).
 - `QueueCollector`: gauges read from the database at each scrape (jobs per status and kind, stuck,
@@ -21,7 +22,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from wsgiref.simple_server import make_server
 
@@ -98,6 +99,7 @@ class WorkerMetrics:
         kinds: Iterable[str] = (),
     ) -> None:
         self.registry = CollectorRegistry()
+        self.kinds = tuple(kinds)
         describe_queue(self.registry, model, using)
         self.counters = {
             str(event): Counter(f"{PREFIX}_{name}", text, ["kind"], registry=self.registry)
@@ -117,7 +119,7 @@ class WorkerMetrics:
         )
         # Each series of the kinds served exists from the start, at 0: `increase()` and an
         # alert on a counter see the process's first event, not only the ones after it.
-        for kind in kinds:
+        for kind in self.kinds:
             for metric in (*self.counters.values(), self.run_seconds, self.wait_seconds):
                 metric.labels(kind=kind)
 
@@ -131,6 +133,35 @@ class WorkerMetrics:
 
     def waited(self, kind: str, seconds: float) -> None:
         self.wait_seconds.labels(kind=kind).observe(seconds)
+
+    def serve_slots(self, busy: Callable[[], Mapping[str, int]], total: int) -> None:
+        self.registry.register(SlotCollector(busy, total, self.kinds))
+
+
+class SlotCollector(Collector):
+    """A worker's slots, read at each scrape: `slots` (its `--concurrency`) and `busy_slots`
+    per kind (a job handed to the slot or running), 0 for each kind it serves."""
+
+    def __init__(
+        self, busy: Callable[[], Mapping[str, int]], total: int, kinds: Iterable[str]
+    ) -> None:
+        self.busy = busy
+        self.total = total
+        self.kinds = tuple(kinds)
+
+    def collect(self) -> Iterable[Metric]:
+        busy = self.busy()
+        yield GaugeMetricFamily(
+            f"{PREFIX}_slots", "Jobs this worker process runs at once, at most", value=self.total
+        )
+        family = GaugeMetricFamily(
+            f"{PREFIX}_busy_slots",
+            "Slots of this worker process holding a job now (running or about to), per kind",
+            labels=["kind"],
+        )
+        for kind in sorted({*self.kinds, *busy}):
+            family.add_metric([kind], busy.get(kind, 0))
+        yield family
 
 
 class GaugeCache:

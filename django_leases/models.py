@@ -1,7 +1,7 @@
 """Leased jobs: the abstract base, `PaymentJob`, the attempt ledger and the operator events; the
 tables the queue's processes coordinate through (`coordination`) are exported from here too."""
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from django.db import models
 from django.db.models import F, Q
@@ -36,6 +36,8 @@ __all__ = [
     "AbstractJobStep",
     "AttemptOutcome",
     "EventAction",
+    "GUARDED_ACTIONS",
+    "job_permissions",
     "attempt_constraints",
     "attempt_indexes",
     "JobAttempt",
@@ -262,6 +264,23 @@ def lease_constraints(prefix: str) -> list[models.BaseConstraint]:
     ]
 
 
+# The operator actions that each need a permission of their own, beside "change": they take a
+# live lease, move money's outcome by hand, or change what a handler will be given.
+GUARDED_ACTIONS = {
+    "force_requeue": _("Can force requeue (fences out a live lease)"),
+    "force_cancel": _("Can force cancel (running jobs too)"),
+    "resolve_review_completed": _("Can resolve a review as completed"),
+    "resolve_review_failed": _("Can resolve a review as failed"),
+    "edit_payload": _("Can edit the payload of a pending job"),
+}
+
+
+def job_permissions(model_name: str) -> list[tuple[str, Any]]:
+    """Return the `Meta.permissions` of a job table's guarded actions, named as Django names its
+    own (`force_requeue_paymentjob`): give them to a project's own table with its model name."""
+    return [(f"{action}_{model_name}", text) for action, text in GUARDED_ACTIONS.items()]
+
+
 class PaymentJob(AbstractLeasedJob):
     """A payment job: capture, refund, webhook delivery, reconciliation."""
 
@@ -291,6 +310,7 @@ class PaymentJob(AbstractLeasedJob):
             *lease_constraints("dl_job"),
             UniqueWhenSet(fields=["idempotency_key"], name="dl_job_idempotency_key_uniq"),
         ]
+        permissions = job_permissions("paymentjob")
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.pk} ({self.status})"
@@ -413,6 +433,12 @@ class AbstractJobEvent(models.Model):
     token = models.PositiveBigIntegerField(
         _("fencing token"), help_text=_("The job's fencing token when the action applied.")
     )
+    changes = models.JSONField(
+        _("changes"),
+        null=True,
+        blank=True,
+        help_text=_("What an edit changed: each field's old and new value."),
+    )
 
     class Meta:
         abstract = True
@@ -432,8 +458,8 @@ class JobEvent(AbstractJobEvent):
     )
 
     class Meta:
-        verbose_name = _("job event")
-        verbose_name_plural = _("job events")
+        verbose_name = _("operator event")
+        verbose_name_plural = _("operator events")
         ordering = ["-id"]
         indexes = [models.Index(fields=["job_ref", "at"], name="dl_event_job_idx")]
 

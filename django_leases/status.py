@@ -48,9 +48,12 @@ class EventAction(models.TextChoices):
     """What an operator action (or a review verdict) did to a job: the operator events."""
 
     REQUEUED = "requeued", _("Requeued")
+    FORCE_REQUEUED = "force_requeued", _("Requeued by force (a live lease fenced out)")
     RELEASED = "released", _("Stuck lease released")
     FAILED = "failed", _("Marked failed")
     CANCELLED = "cancelled", _("Cancelled")
+    FORCE_CANCELLED = "force_cancelled", _("Cancelled by force (running jobs too)")
+    EDITED = "edited", _("Edited (priority or payload)")
     REVIEW_COMPLETED = "review_completed", _("Review resolved: completed")
     REVIEW_RETRY = "review_retry", _("Review resolved: retry")
     REVIEW_FAILED = "review_failed", _("Review resolved: failed")

@@ -99,11 +99,20 @@ def row(response: Any, job: PaymentJob) -> str:
     return match
 
 
-def act(client: Client, action: str, *selected: PaymentJob) -> list[str]:
+# The reason an operator gives in the action bar (the dangerous actions refuse to run without).
+REASON = "checked with the PSP"
+
+
+def act(client: Client, action: str, *selected: PaymentJob, reason: str = REASON) -> list[str]:
     response = client.post(
         reverse(CHANGELIST),
         # "post": what an action's confirmation page sends once the operator confirms.
-        {"action": action, "_selected_action": [job.pk for job in selected], "post": "yes"},
+        {
+            "action": action,
+            "_selected_action": [job.pk for job in selected],
+            "post": "yes",
+            "reason": reason,
+        },
         follow=True,
     )
     assert response.status_code == 200
@@ -158,7 +167,12 @@ def test_changelist__renders_every_column(
     assert '<span class="dl-badge dl-processing">Processing</span>' in stuck
     assert ">worker-stuck<" in stuck and ">1 / 5<" in stuck
     assert re.search(r'dl-stuck">Stuck</span> <span class="dl-when">expired [5-9] s ago', stuck)
-    assert re.search(r"<td class=\"field-heartbeat\">\d+ s ago</td>", stuck)
+    assert re.search(
+        r'<td class="field-heartbeat"><time datetime="[^"]+" title="[^"]+">'
+        r"(\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d</time>"
+        r' <span class="dl-when">\d+ s ago</span></td>',
+        stuck,
+    )
 
     near = row(response, jobs["near"])
     assert re.search(
@@ -436,10 +450,10 @@ ACTIONS: dict[str, Callable[[LeaseQuerySet[Any]], int]] = {
     "force_requeue": lambda jobs: jobs.requeue(force=True, by=OPERATOR),
     "release_stuck": lambda jobs: jobs.release_stuck(by=OPERATOR),
     "mark_failed": lambda jobs: jobs.mark_failed(
-        reason=f"marked failed by {OPERATOR}", by=OPERATOR
+        reason=f"marked failed by {OPERATOR}: {REASON}", by=OPERATOR
     ),
-    "cancel": lambda jobs: jobs.cancel(running=False, by=OPERATOR),
-    "force_cancel": lambda jobs: jobs.cancel(by=OPERATOR),
+    "cancel": lambda jobs: jobs.cancel(running=False, by=OPERATOR, reason=REASON),
+    "force_cancel": lambda jobs: jobs.cancel(by=OPERATOR, reason=REASON),
     "resolve_review_completed": lambda jobs: jobs.resolve_review("completed", by=OPERATOR),
     "resolve_review_retry": lambda jobs: jobs.resolve_review("retry", by=OPERATOR),
     "resolve_review_failed": lambda jobs: jobs.resolve_review("failed", by=OPERATOR),
@@ -551,7 +565,10 @@ def test_mark_failed__never_a_live_lease(admin_client: Client, jobs: dict[str, P
     ]
     rows = dict(PaymentJob.objects.values_list("pk", "status"))
     assert [rows[j.pk] for j in picked] == ["failed", "failed", "processing", "completed"]
-    assert PaymentJob.objects.get(pk=jobs["stuck"].pk).last_error == f"marked failed by {OPERATOR}"
+    assert (
+        PaymentJob.objects.get(pk=jobs["stuck"].pk).last_error
+        == f"marked failed by {OPERATOR}: {REASON}"
+    )
 
 
 def test_cancel__pending_only(admin_client: Client, jobs: dict[str, PaymentJob]) -> None:
@@ -567,7 +584,11 @@ def test_force_cancel__asks_first_then_tells_the_running_holder_to_stop(
     admin_client: Client, jobs: dict[str, PaymentJob]
 ) -> None:
     healthy, before = jobs["healthy"], snapshot()
-    data = {"action": "force_cancel", "_selected_action": [healthy.pk, jobs["completed"].pk]}
+    data = {
+        "action": "force_cancel",
+        "_selected_action": [healthy.pk, jobs["completed"].pk],
+        "reason": REASON,
+    }
     page = admin_client.post(reverse(CHANGELIST), data)
     assert page.status_code == 200
     text = page.content.decode()
@@ -583,7 +604,7 @@ def test_force_cancel__asks_first_then_tells_the_running_holder_to_stop(
     assert (job.status, job.ends_as, job.last_error) == (
         Status.STOPPING,
         Status.CANCELLED,
-        f"cancelled by {OPERATOR}",
+        f"cancelled by {OPERATOR}: {REASON}",
     )
     with pytest.raises(Cancelled):
         PaymentJob.objects.complete(healthy.pk, "worker-healthy", healthy.lease_token)
@@ -708,7 +729,7 @@ def form_data(**fields: str) -> dict[str, str]:
         for inline in ("attempt_log", "event_log")
         for name in ("TOTAL_FORMS", "INITIAL_FORMS", "MIN_NUM_FORMS", "MAX_NUM_FORMS")
     }
-    return {**fields, **management, "_save": "Save"}
+    return {"reason": REASON, **fields, **management, "_save": "Save"}
 
 
 def warnings_of(response: Any) -> list[str]:
@@ -769,6 +790,7 @@ def test_change_form__job_claimed_while_the_form_was_open_is_not_changed(
     assert set(admin_client.get(change_url(job)).context["adminform"].form.fields) == {
         "priority",
         "payload",
+        "reason",
     }
     # A worker claims the job while the operator's form is open.
     claimed = claim(job.pk, "w1")
@@ -817,7 +839,8 @@ def test_change_form__only_pending_jobs_are_editable(
 ) -> None:
     for name, job in jobs.items():
         fields = set(admin_client.get(change_url(job)).context["adminform"].form.fields)
-        assert fields == ({"priority", "payload"} if name == "pending" else set()), name
+        expected = {"priority", "payload", "reason"} if name == "pending" else set()
+        assert fields == expected, name
 
 
 def test_change_form__task_payload_is_never_editable(admin_client: Client) -> None:
@@ -829,7 +852,7 @@ def test_change_form__task_payload_is_never_editable(admin_client: Client) -> No
     }
     job = PaymentJob.objects.enqueue("tasks.default", payload)
     form = admin_client.get(change_url(job)).context["adminform"].form
-    assert set(form.fields) == {"priority"}
+    assert set(form.fields) == {"priority", "reason"}
 
     crafted = {**payload, "task": "os.system", "args": ["id"]}
     response = admin_client.post(
@@ -993,8 +1016,12 @@ def test_history__shows_the_payload_and_priority_edits(admin_client: Client, mod
     response = admin_client.get(reverse(f"admin:{model}_history", args=[job.pk]))
     assert response.status_code == 200
     (entry,) = response.context["action_list"]
-    assert entry.get_change_message() == "Changed Priority and Payload."
-    assert "Changed Priority and Payload." in response.content.decode()
+    message = (
+        "Edited (priority or payload); priority: 0 → 7; payload: {'amount': 1} → {'amount': 2}; "
+        f"reason: {REASON}"
+    )
+    assert entry.get_change_message() == message
+    assert "priority: 0 → 7" in response.content.decode()
 
 
 @pytest.mark.parametrize(
@@ -1373,7 +1400,13 @@ def test_force_cancel__every_page_of_more_than_a_thousand_jobs(admin_client: Cli
     other = PaymentJob.objects.enqueue("refund")
     url = reverse(CHANGELIST) + "?kind=capture"
     page = [job.pk for job in jobs][-100:]  # the first page, newest first
-    data = {"action": "force_cancel", "select_across": "1", "index": "0", "_selected_action": page}
+    data = {
+        "action": "force_cancel",
+        "select_across": "1",
+        "index": "0",
+        "_selected_action": page,
+        "reason": REASON,
+    }
     confirmation = admin_client.post(url, data)
     assert confirmation.status_code == 200
     assert "1200 jobs selected" in confirmation.content.decode()

@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.db import connection, connections
 from django.db.models.functions import Now
 from django.test import override_settings
 from playwright.sync_api import Page, expect, sync_playwright
 
 from django_leases.admin.payments import PaymentJobAdmin
-from django_leases.models import JobAttempt, PaymentJob, QueueMinute, Worker
+from django_leases.models import JobAttempt, JobEvent, PaymentJob, QueueMinute, Worker
 from django_leases.querysets.base import database_now
 from django_leases.querysets.history import MINUTE, KindMinute, bucket_of
 
@@ -301,3 +302,163 @@ def test_admin__the_overview_refreshes_while_jobs_change_state(
 
     left = PaymentJob.objects.filter(kind="capture", status="pending").count()
     assert left == 2
+
+
+# ---- the audit: permissions per action, the operator events, a payment's timeline -----------
+
+DOCS_IMAGES = ROOT / "docs" / "images"
+PASSWORD = "pw-support-1"  # noqa: S105 - a test user's, on a throwaway database
+# Each guarded action, the job of `review_queue()` it acts on, and what it then says.
+GUARDED = {
+    "force_requeue": ("running", "1 job requeued by force"),
+    "force_cancel": ("running", "1 job cancelled by force"),
+    "resolve_review_completed": ("review", "1 job under review completed"),
+    "resolve_review_failed": ("review", "1 job under review failed"),
+}
+
+
+@contextmanager
+def wide_page(base_url: str) -> Iterator[Page]:
+    """A page of 1440 x 900, an operator's laptop screen."""
+    with chromium_page(base_url) as page:
+        page.set_viewport_size({"width": 1440, "height": 900})
+        yield page
+
+
+def review_queue() -> dict[str, int]:
+    """A running job (payment pay_77) and one under review (pay_78)."""
+    made = {}
+    for name, payment in (("running", "pay_77"), ("review", "pay_78")):
+        made[name] = PaymentJob.objects.enqueue(
+            "capture", {"amount": 990}, payment_id=payment, idempotency_key=f"k-{name}"
+        ).pk
+        # An owner as long as the default's: host name, process id, random part.
+        PaymentJob.objects.claim_job(
+            made[name], f"app-7.eu-west-1:4821{len(name)}:5f2a9c1d", ttl=600
+        )
+    PaymentJob.objects.filter(pk=made["review"]).update(lease_until=Now() - timedelta(minutes=1))
+    review = PaymentJob.objects.get(pk=made["review"])
+    assert PaymentJob.objects.rescue(review, "review", by="watcher")
+    return made
+
+
+def grant(user: Any, *codenames: str) -> None:
+    for codename in codenames:
+        user.user_permissions.add(Permission.objects.get(codename=codename))
+
+
+def log_in_as(page: Page, username: str, then: str) -> None:
+    page.goto(f"/admin/login/?next={then}")
+    page.fill("#id_username", username)
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", list(GUARDED))
+def test_admin__each_dangerous_action_needs_its_permission(
+    live_server: Any, django_user_model: Any, action: str
+) -> None:
+    made = review_queue()
+    name, done = GUARDED[action]
+    support = django_user_model.objects.create_user("support", password=PASSWORD, is_staff=True)
+    grant(support, "view_paymentjob", "change_paymentjob")
+    lead = django_user_model.objects.create_user("lead", password=PASSWORD, is_staff=True)
+    grant(lead, "view_paymentjob", "change_paymentjob", f"{action}_paymentjob")
+    options = "select[name=action] option"
+
+    with wide_page(live_server.url) as page:
+        log_in_as(page, "support", "/admin/django_leases/paymentjob/")
+        expect(page.locator("#result_list tbody tr")).to_have_count(2)
+        expect(page.locator(f"{options}[value={action}]")).to_have_count(0)
+        expect(page.locator(f"{options}[value=requeue]")).to_have_count(1)
+        page.context.clear_cookies()
+
+        log_in_as(page, "lead", "/admin/django_leases/paymentjob/")
+        page.check(f"input[name=_selected_action][value='{made[name]}']")
+        page.select_option("select[name=action]", action)
+        page.click("button[name=index]")  # no reason: refused
+        expect(page.locator("ul.messagelist")).to_contain_text("needs a reason")
+        page.check(f"input[name=_selected_action][value='{made[name]}']")
+        page.select_option("select[name=action]", action)
+        page.fill("input[name=reason]", "PSP says the capture went through")
+        page.click("button[name=index]")
+        if action == "force_cancel":
+            expect(page.locator("p.dl-reason")).to_contain_text("PSP says")
+            page.click("input[type=submit]")
+        expect(page.locator("ul.messagelist")).to_contain_text(done)
+
+    event = JobEvent.objects.get(job_ref=made[name])
+    assert (event.by, event.reason) == ("admin:lead", "PSP says the capture went through")
+
+
+@pytest.mark.slow
+def test_admin__audit_list_timeline_and_a_readable_job_list(
+    live_server: Any, admin_user: Any
+) -> None:
+    made = review_queue()
+    PaymentJob.objects.filter(pk=made["running"]).update(
+        last_error="ConnectionError: PSP gateway timed out after 30 s (attempt 1 of 5, retrying)"
+    )
+    refund = PaymentJob.objects.enqueue("refund", {"amount": 990}, payment_id="pay_78").pk
+    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
+
+    with wide_page(live_server.url) as page:
+        log_in(page, "/admin/django_leases/paymentjob/")
+        rows = page.locator("#result_list tbody tr")
+        expect(rows).to_have_count(3)
+        page.screenshot(path=SCREENSHOTS / "job-list-1440.png", full_page=True)
+        # At 1440 px nothing is cut: the table fits the page, and the owner, attempts, last
+        # heartbeat and last error cells show their whole text on one line or wrap.
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1440
+        results = page.locator("#changelist .results")
+        widths = "r => [r.scrollWidth, r.clientWidth]"
+        assert results.evaluate("r => r.scrollWidth <= r.clientWidth"), results.evaluate(widths)
+        running = rows.filter(has_text="pay_77")
+        right = results.evaluate("r => r.getBoundingClientRect().right")
+        for column in ("owner", "attempts_of_max", "heartbeat", "last_error_short"):
+            cell = running.locator(f"td.field-{column}")
+            assert cell.evaluate("c => c.scrollWidth <= c.clientWidth"), column
+            assert cell.evaluate("c => c.getBoundingClientRect().right") <= right, column
+        expect(running.locator("td.field-heartbeat")).to_contain_text(
+            re.compile(r"\d\d:\d\d:\d\d\s+\d+ s ago")
+        )
+
+        page.check(f"input[name=_selected_action][value='{made['review']}']")
+        page.select_option("select[name=action]", "resolve_review_failed")
+        page.fill("input[name=reason]", "PSP: capture declined, card expired")
+        page.click("button[name=index]")
+        expect(page.locator("ul.messagelist")).to_contain_text("1 job under review failed")
+        page.goto(f"/admin/django_leases/paymentjob/{refund}/change/")
+        page.fill("textarea[name=payload]", '{"amount": 500}')
+        page.fill("textarea[name=reason]", "partial refund agreed with the customer")
+        page.click("input[name=_save]")
+        expect(page.locator("ul.messagelist")).to_contain_text("was changed successfully")
+
+        page.goto("/admin/django_leases/jobevent/")
+        events = page.locator("#result_list tbody tr")
+        expect(events).to_have_count(2)
+        expect(events.first).to_contain_text("partial refund agreed")
+        expect(events.first).to_contain_text("payload: {'amount': 990} → {'amount': 500}")
+        expect(page.locator("#changelist-filter")).to_contain_text("Review resolved: failed")
+        page.screenshot(path=DOCS_IMAGES / "operator-events.png", full_page=True)
+
+        page.goto(f"/admin/django_leases/paymentjob/{made['review']}/history/")
+        expect(page.locator("#change-history")).to_contain_text("PSP: capture declined")
+
+        page.goto(f"/admin/django_leases/paymentjob/{made['review']}/change/")
+        page.get_by_role("link", name="every job of this payment").click()
+        timeline = page.locator("#dl-timeline tbody tr")
+        expect(timeline.first).to_contain_text("enqueued")
+        expect(page.locator("#dl-timeline")).to_contain_text(
+            "attempt 1 claimed by app-7.eu-west-1:48216"
+        )
+        expect(page.locator("#dl-timeline")).to_contain_text("Held for review by the watcher")
+        expect(page.locator("#dl-timeline")).to_contain_text(
+            "Review resolved: failed by admin:admin"
+        )
+        expect(page.locator("#dl-timeline")).to_contain_text("Edited (priority or payload)")
+        page.screenshot(path=DOCS_IMAGES / "payment-timeline.png", full_page=True)
+
+    assert PaymentJob.objects.get(pk=made["review"]).status == "failed"
+    assert PaymentJob.objects.get(pk=refund).payload == {"amount": 500}

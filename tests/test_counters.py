@@ -2,6 +2,7 @@
 reports to its `Recorder`."""
 
 import threading
+from collections.abc import Callable, Mapping
 
 from django_leases.worker.counters import WorkerStats
 
@@ -19,6 +20,9 @@ class Recorded:
         raise AssertionError("not reported by add()")
 
     def waited(self, kind: str, seconds: float) -> None:
+        raise AssertionError("not reported by add()")
+
+    def serve_slots(self, busy: Callable[[], Mapping[str, int]], total: int) -> None:
         raise AssertionError("not reported by add()")
 
 

@@ -439,10 +439,10 @@ def test_routers__admin_actions_write_where_the_routers_send_writes(
         stale(job)
     url = admin_url("admin", "paymentjob_changelist")
     with override_settings(DATABASE_ROUTERS=[ReplicaRouter()]):
-        asked = admin_client.post(url, {"action": action, "_selected_action": [job.pk]})
-        done = admin_client.post(
-            url, {"action": action, "_selected_action": [job.pk], "post": "yes"}
-        )
+        # The reason the dangerous actions need (force requeue, force cancel, mark failed).
+        chosen = {"action": action, "_selected_action": [job.pk], "reason": "router test"}
+        asked = admin_client.post(url, chosen)
+        done = admin_client.post(url, {**chosen, "post": "yes"})
     assert asked.status_code in (200, 302) and done.status_code == 302
     assert on_default(job) == status
     nothing_on_the_replica()

@@ -4,6 +4,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -170,6 +172,45 @@ def test_worker_metrics__counters_move_with_the_jobs_it_ran(processes: Processes
     assert proc.returncode == 0, out
     with pytest.raises(OSError):  # the endpoint went with the process
         scrape(url)
+
+
+@pytest.mark.concurrency
+@pytest.mark.django_db(transaction=True)
+def test_worker_metrics__busy_slots_per_kind_while_handlers_run(processes: Processes) -> None:
+    sleeping = [PaymentJob.objects.enqueue("sleep", {"seconds": 4}) for _ in range(2)]
+    proc = processes.manage(
+        "run_lease_worker",
+        "--concurrency",
+        "3",
+        "--poll-interval",
+        "0.1",
+        "--kind",
+        "sleep",
+        "--kind",
+        "noop",
+        *LOCAL,
+    )
+    url = endpoint(proc)
+
+    def busy(samples: Samples) -> dict[str, float | None]:
+        keys = {kind: ("django_leases_busy_slots", (("kind", kind),)) for kind in ("sleep", "noop")}
+        return {kind: samples.get(key) for kind, key in keys.items()}
+
+    def both_busy() -> Samples | None:
+        samples = scrape(url)
+        return samples if busy(samples)["sleep"] == 2 else None
+
+    samples = wait_for(both_busy)
+    assert isinstance(samples, dict)
+    # The kind it serves and runs nothing of is there, at 0; the slots it has, beside.
+    assert busy(samples) == {"sleep": 2, "noop": 0}
+    assert value(samples, "django_leases_slots") == 3
+    assert (
+        PaymentJob.objects.filter(pk__in=[j.pk for j in sleeping], status="processing").count() == 2
+    )
+    # Once the handlers return, the slots are free again.
+    wait_for(lambda: busy(scrape(url)) == {"sleep": 0, "noop": 0}, timeout=30)
+    assert PaymentJob.objects.filter(kind="sleep", status=Status.COMPLETED).count() == 2
 
 
 @pytest.mark.concurrency
@@ -579,3 +620,21 @@ def test_worker_metrics__every_series_of_the_kinds_served_exists_from_the_start(
             assert (f"django_leases_{name}_total", (("kind", kind),)) in samples
         assert value(samples, "django_leases_job_run_seconds_count", kind=kind) == 0
     assert not [key for key in samples if key[0].endswith("_created")], samples
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_docs__alert_rules_pass_promtool(tmp_path: Path) -> None:
+    """The alert rules of docs/metrics.md, as a user copies them, are valid Prometheus rules."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    match = re.search(r"```yaml\n(# leases-rules\.yml\n.*?)```", text, re.S)
+    assert match, "docs/metrics.md has no leases-rules.yml block"
+    rules = tmp_path / "leases-rules.yml"
+    rules.write_text(match.group(1))
+    checked = subprocess.run(
+        ["promtool", "check", "rules", str(rules)],  # noqa: S607 - found on PATH above
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 8 rules found" in checked.stdout

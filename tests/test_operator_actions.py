@@ -109,7 +109,8 @@ def test_force_requeue__of_a_live_lease_ends_its_attempt_as_requeued_by_the_oper
     assert PaymentJob.objects.filter(pk=job.pk).requeue(by="admin:ops") == 0
     assert PaymentJob.objects.filter(pk=job.pk).requeue(force=True, by="admin:ops") == 1
     assert [r[3:5] for r in rows(job)] == [("requeued", "admin:ops")]
-    assert [e[:2] for e in events(job)] == [("requeued", "admin:ops")]
+    # The event says it was forced; the attempt's outcome is the requeue's, as without force.
+    assert [e[:2] for e in events(job)] == [("force_requeued", "admin:ops")]
 
 
 def test_release_stuck_cancel_and_review_verdicts__each_record_one_event() -> None:
@@ -126,7 +127,8 @@ def test_release_stuck_cancel_and_review_verdicts__each_record_one_event() -> No
 
     assert [e[:2] for e in events(stuck)] == [("released", "admin:ops")]
     assert [r[3:5] for r in rows(stuck)] == [("rescued", "admin:ops")]
-    assert [e[:2] for e in events(pending)] == [("cancelled", "admin:ops")]
+    # cancel() reaches running jobs unless told not to (running=False): a force cancel.
+    assert [e[:2] for e in events(pending)] == [("force_cancelled", "admin:ops")]
     assert [e[:2] for e in events(review)] == [("review_retry", "admin:ops")]
     # Nothing changed, nothing recorded.
     assert PaymentJob.objects.filter(pk=pending.pk).cancel(by="admin:ops") == 0
@@ -320,7 +322,7 @@ def test_cancel__a_running_job_stops_fenced_out_and_ends_cancelled_once_its_hold
         Status.WAITING,
     )
     assert [r[3:5] + r[-1:] for r in rows(job)] == [("cancelled", "admin:ops", None)]
-    assert events(job) == [("cancelled", "admin:ops", 1, held.lease_token, "refunded")]
+    assert events(job) == [("force_cancelled", "admin:ops", 1, held.lease_token, "refunded")]
     assert PaymentJob.objects.cancelled_leases([key]) == {key: "admin:ops"}
     before = (rows(job), PaymentJob.objects.filter(pk=job.pk).values().get())
     assert PaymentJob.objects.heartbeat("w1", [key], ttl=60) == set()

@@ -15,7 +15,8 @@ step, reading the database, the guarantees the README makes:
 4. The ledger is append-only: a closed row never changes again, except that `fenced_at` may be
    set once (its holder came back and was refused) and the row that put its job under review (a
    watcher's review, a timeout or a cancel after a checkpoint) gets its verdict once. Operator
-   actions are recorded beside it: one event per job changed, never changed afterwards.
+   actions are recorded beside it: one event per job changed, with who and why (an edit of a
+   pending job also each old and new value), never changed afterwards.
 5. A worker that lost its lease cannot write: its write raises `LeaseLost` (`Cancelled` exactly
    when an operator's `cancel()` ended that lease) and leaves every job row and every ledger row
    as they were (only `fenced_at` of its own attempt may be set).
@@ -542,12 +543,12 @@ def operator_eligible(name: str, row: dict[str, Any]) -> bool:
 # The event each admin action records beside the ledger.
 OPERATOR_EVENT = {
     "requeue": "requeued",
-    "force_requeue": "requeued",
+    "force_requeue": "force_requeued",
     "release_stuck": "released",
     "mark_failed": "failed",
     "force_mark_failed": "failed",
     "cancel": "cancelled",
-    "force_cancel": "cancelled",
+    "force_cancel": "force_cancelled",
     "resolve_review_completed": "review_completed",
     "resolve_review_retry": "review_retry",
     "resolve_review_failed": "review_failed",
@@ -566,22 +567,23 @@ OPERATOR_STATUS = {
 }
 
 
-def operator_call(name: str, jobs: Any, by: str) -> int:
-    """Call the queryset method behind the admin action `name`, as the admin does."""
+def operator_call(name: str, jobs: Any, by: str, why: str = "") -> int:
+    """Call the queryset method behind the admin action `name`, as the admin does, with the
+    operator's reason `why` (which the event records)."""
     if name == "requeue":
-        return int(jobs.requeue(by=by))
+        return int(jobs.requeue(by=by, reason=why))
     if name == "force_requeue":
-        return int(jobs.requeue(force=True, by=by))
+        return int(jobs.requeue(force=True, by=by, reason=why))
     if name == "release_stuck":
-        return int(jobs.release_stuck(by=by))
+        return int(jobs.release_stuck(by=by, reason=why))
     if name in ("mark_failed", "force_mark_failed"):
         force = name == "force_mark_failed"
-        return int(jobs.mark_failed(reason=f"marked failed by {by}", force=force, by=by))
+        return int(jobs.mark_failed(reason=why, force=force, by=by))
     if name == "cancel":
-        return int(jobs.cancel(running=False, by=by))
+        return int(jobs.cancel(running=False, by=by, reason=why))
     if name == "force_cancel":
-        return int(jobs.cancel(by=by))
-    return int(jobs.resolve_review(name.removeprefix("resolve_review_"), by=by))
+        return int(jobs.cancel(by=by, reason=why))
+    return int(jobs.resolve_review(name.removeprefix("resolve_review_"), by=by, reason=why))
 
 
 class WorkerClock:
@@ -1621,12 +1623,14 @@ class LeaseMachine(RuleBasedStateMachine):
         before = job_rows()
         last_event = max(event_rows(), default=0)
         eligible = {pk for pk in selected if operator_eligible(name, before[pk])}
-        changed = operator_call(name, PaymentJob.objects.filter(pk__in=selected).order_by(), "op")
+        selection = PaymentJob.objects.filter(pk__in=selected).order_by()
+        changed = operator_call(name, selection, "op", why=f"why {name}")
         assert changed == len(eligible), f"{name} changed {changed} of {sorted(eligible)}"
-        # Recorded beside the attempts: one event per job changed, as it was when changed.
+        # Recorded beside the attempts: one event per job changed, as it was when changed, with
+        # who and why.
         added = [event for pk, event in event_rows().items() if pk > last_event]
-        assert sorted((e["job_ref"], e["action"], e["by"]) for e in added) == sorted(
-            (pk, OPERATOR_EVENT[name], "op") for pk in eligible
+        assert sorted((e["job_ref"], e["action"], e["by"], e["reason"]) for e in added) == sorted(
+            (pk, OPERATOR_EVENT[name], "op", f"why {name}") for pk in eligible
         )
         for event in added:
             old = before[event["job_ref"]]
@@ -1654,6 +1658,35 @@ class LeaseMachine(RuleBasedStateMachine):
             if pk in eligible and name in ("force_requeue", "force_mark_failed"):
                 # It fences the holder out on purpose: 15 no longer holds its handler.
                 self.running = {pair for pair in self.running if pair[0] != pk}
+
+    @rule(
+        job=jobs,
+        priority=st.integers(min_value=-3, max_value=3),
+        payload=st.sampled_from([None, {"v": 1}, {"v": 2}]),
+    )
+    def edit(self, job: int, priority: int, payload: dict[str, int] | None) -> None:
+        """An operator's edit (`edit_pending()`) changes a pending job's priority and payload,
+        nothing else, and records each old and new value in one event; a job that is not pending
+        (claimed, waiting for its lock or its prerequisites, stopping, finished, paused or not)
+        it leaves alone and records nothing."""
+        before = job_rows()
+        edits: dict[str, Any] = {"priority": priority}
+        if payload is not None:
+            edits["payload"] = payload
+        last_event = max(event_rows(), default=0)
+        changes = PaymentJob.objects.edit_pending(job, edits, by="op", reason="why edit")
+        added = [event for pk, event in event_rows().items() if pk > last_event]
+        after = job_rows()
+        if before[job]["status"] != PENDING:
+            assert changes is None and not added, f"edited job {job}, {before[job]['status']}"
+            assert stored(after) == stored(before)
+            return
+        old = before[job]
+        expected = {name: [old[name], new] for name, new in edits.items() if old[name] != new}
+        assert changes == expected
+        recorded = [(e["job_ref"], e["action"], e["changes"], e["reason"]) for e in added]
+        assert recorded == ([(job, "edited", expected, "why edit")] if expected else [])
+        assert stored(after) == stored({**before, job: {**old, **edits}})
 
     def _operator_changed(
         self, name: str, pk: int, old: dict[str, Any], row: dict[str, Any], holders: dict[str, int]

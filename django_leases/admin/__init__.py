@@ -10,7 +10,7 @@ database clock. A project registers `LeasedJobAdmin` for its own job table to ge
 
 from django.contrib import admin
 
-from django_leases.admin import jobs, kinds, ledger, payments, schedules, workers
+from django_leases.admin import audit, jobs, kinds, ledger, payments, schedules, workers
 from django_leases.admin.jobs import LeasedJobAdmin
 from django_leases.admin.payments import PaymentJobAdmin
 
@@ -22,6 +22,7 @@ if admin.site.index_template is None:
 __all__ = [
     "LeasedJobAdmin",
     "PaymentJobAdmin",
+    "audit",
     "jobs",
     "kinds",
     "ledger",

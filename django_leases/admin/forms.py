@@ -10,11 +10,13 @@ from django import forms
 from django.core.exceptions import ValidationError
 from django.forms.fields import InvalidJSONInput
 from django.utils.translation import gettext
+from django.utils.translation import gettext_lazy as _
 
 from django_leases.conf import leases_settings
 from django_leases.exceptions import InvalidArgument, InvalidPayload
 from django_leases.limits import (
     JSON_INT,
+    MAX_ERROR_LENGTH,
     MAX_JSON_DEPTH,
     PRIORITY,
     check_int,
@@ -78,10 +80,24 @@ class PayloadField(forms.JSONField):
 
 class LeasedJobForm(forms.ModelForm):
     """The change form: the bounds of `enqueue()`, the same on every database (SQLite would
-    store a priority PostgreSQL refuses)."""
+    store a priority PostgreSQL refuses), and why the operator edits (required for a payload)."""
+
+    reason = forms.CharField(
+        label=_("reason"),
+        required=False,
+        max_length=MAX_ERROR_LENGTH,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        help_text=_("Kept in the job's operator events and history; required to edit a payload."),
+    )
 
     class Meta:
         field_classes = {"payload": PayloadField}
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if "payload" in self.changed_data and not cleaned.get("reason", "").strip():
+            self.add_error("reason", gettext("Say why the payload is changed."))
+        return cleaned
 
     def clean_payload(self) -> Any:
         payload = self.cleaned_data["payload"]

@@ -13,20 +13,34 @@ from weakref import WeakKeyDictionary
 from django.apps import apps
 from django.contrib import admin, messages
 from django.contrib.admin.options import InlineModelAdmin
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
 from django.forms import ModelForm
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import format_html
-from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from django_leases import stats
-from django_leases.admin.actions import STATE_LABELS, Skip, operator_action, skip_all_but
+from django_leases.admin.actions import (
+    OPERATOR_ACTIONS,
+    STATE_LABELS,
+    OperatorActionsMixin,
+    operator,
+)
+from django_leases.admin.audit import log_history
 from django_leases.admin.counts import CountingChangeList, CountingPaginator
 from django_leases.admin.dependencies import DEPENDENCY_FIELDS, DependenciesMixin
-from django_leases.admin.display import EMPTY, human_duration, short_text
+from django_leases.admin.display import (
+    EMPTY,
+    breakable,
+    human_duration,
+    short_text,
+    stamp,
+    to_the_second,
+)
 from django_leases.admin.filters import (
     KindFilter,
     LeaseStateFilter,
@@ -51,44 +65,36 @@ from django_leases.models import (
     PaymentJob,
 )
 from django_leases.querysets import LeaseQuerySet
-from django_leases.status import (
-    CANCELLED,
-    COMPLETED,
-    FAILED,
-    LEASED_STATUSES,
-    PENDING,
-    REVIEW,
-    STOPPING,
-    WAITING,
-    JobStatus,
-    Verdict,
-)
+from django_leases.querysets.edits import EDITABLE_FIELDS
+from django_leases.status import LEASED_STATUSES, PENDING, EventAction, JobStatus
 from django_leases.tables import ledger_model
 
+# The job's times, shown to the second (`display.to_the_second()`) as "shown_<field>".
+TIMES = {
+    "run_at": _("run at"),
+    "lease_until": _("lease until"),
+    "heartbeat_at": _("last heartbeat at"),
+    "created_at": _("created at"),
+    "completed_at": _("completed at"),
+}
 LEASE_FIELDS = (
     "status",
     "ends_as",
-    "run_at",
     "attempts",
     "max_attempts",
     "lease_owner",
-    "lease_until",
     "lease_token",
-    "heartbeat_at",
     "checkpoint",
     "last_error",
-    "created_at",
-    "completed_at",
+    *(f"shown_{name}" for name in TIMES),
 )
-# The only fields an operator edits, and only while the job is pending: a running job's payload
-# is in its handler's hands. The save is one UPDATE that restates `status = pending`, so a job
-# claimed while the form was open is left alone, and it never writes a lease field.
-EDITABLE_FIELDS = ("priority", "payload")
 # The kinds of `LeaseBackend` tasks (backends.TASK_KIND_PREFIX, not imported here: that module
 # needs the Tasks framework). Their payload names the callable to run, so it is never edited.
 TASK_KINDS = "tasks."
 # Why a change form's save wrote nothing, per request, for `response_change()` to say.
 NOT_SAVED: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
+# What a change form's save changed, per request (field -> [old, new]), for `log_change()`.
+EDITED: WeakKeyDictionary[HttpRequest, tuple[dict[str, list[Any]], str]] = WeakKeyDictionary()
 
 
 class JobChangeList(CountingChangeList):
@@ -100,6 +106,7 @@ class JobChangeList(CountingChangeList):
 
 
 class LeasedJobAdmin(
+    OperatorActionsMixin,
     RecordedStepsMixin,
     DependenciesMixin,
     OverviewMixin,
@@ -160,27 +167,19 @@ class LeasedJobAdmin(
                     "lease",
                     "lease_owner",
                     "lease_token",
-                    "lease_until",
+                    "shown_lease_until",
                     "heartbeat",
-                    "heartbeat_at",
                     "checkpoint",
                     ("attempts", "max_attempts"),
-                    "run_at",
+                    "shown_run_at",
                 )
             },
         ),
-        (_("Outcome"), {"fields": ("last_error", "created_at", "completed_at")}),
+        (_("Outcome"), {"fields": ("last_error", "shown_created_at", "shown_completed_at")}),
     )
-    actions = (
-        "requeue",
-        "force_requeue",
-        "release_stuck",
-        "mark_failed",
-        "cancel",
-        "force_cancel",
-        "resolve_review_completed",
-        "resolve_review_retry",
-        "resolve_review_failed",
+    actions = OPERATOR_ACTIONS
+    shown_run_at, shown_lease_until, shown_heartbeat_at, shown_created_at, shown_completed_at = (
+        to_the_second(name, text) for name, text in TIMES.items()
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
@@ -245,12 +244,36 @@ class LeasedJobAdmin(
         return False
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # An operator edits EDITABLE_FIELDS only while the job is pending (a running job's payload
+        # is in its handler's hands), the payload only with `edit_payload_<model name>`.
         fields = tuple(super().get_readonly_fields(request, obj))
         if obj is None or obj.status != PENDING:
-            return (*fields, *EDITABLE_FIELDS)
-        if obj.kind.startswith(TASK_KINDS):
+            return (*fields, *EDITABLE_FIELDS, "reason")
+        if obj.kind.startswith(TASK_KINDS) or not self.has_edit_payload_permission(request):
             return (*fields, "payload")
         return fields
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> list[Any]:
+        fieldsets = list(super().get_fieldsets(request, obj))
+        if obj is not None and obj.status == PENDING and self.has_change_permission(request, obj):
+            # Why the operator edits: kept in the job's operator event and history.
+            fieldsets.append((_("Reason"), {"fields": ("reason",)}))
+        return fieldsets
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        if (
+            request.method == "POST"
+            and "payload" in request.POST
+            and not self.has_edit_payload_permission(request)
+        ):
+            raise PermissionDenied  # a payload field the page never offered this user
+        return super().changeform_view(request, object_id, form_url, extra_context)
 
     def save_model(
         self, request: HttpRequest, obj: Any, form: ModelForm[Any], change: bool
@@ -275,19 +298,25 @@ class LeasedJobAdmin(
             return
         if not edits:
             return
-        jobs = cast(LeaseQuerySet[Any], self.all_rows()).pending()
+        jobs = cast(LeaseQuerySet[Any], self.all_rows())
         if "payload" in edits:
             jobs = jobs.exclude(kind__startswith=TASK_KINDS)
-        if not jobs.filter(pk=obj.pk).update(**edits):
+        reason = form.cleaned_data.get("reason", "")
+        changes = jobs.edit_pending(obj.pk, edits, by=operator(request), reason=reason)
+        if changes:
+            EDITED[request] = (changes, reason)
+        if changes is None:
             NOT_SAVED[request] = gettext(
                 "Nothing was saved: job %(id)s left pending (a worker claimed it, or an operator "
                 "acted on it) while the form was open."
             ) % {"id": obj.pk}
 
     def log_change(self, request: HttpRequest, obj: Any, message: Any) -> Any:
-        if request in NOT_SAVED:
+        edited = EDITED.pop(request, None)
+        if request in NOT_SAVED or edited is None:
             return None  # nothing changed: the admin's history must not say otherwise
-        return super().log_change(request, obj, message)
+        changes, reason = edited
+        return log_history(self, request, [obj.pk], EventAction.EDITED, reason, changes)
 
     def response_change(self, request: HttpRequest, obj: Any) -> HttpResponse:
         reason = NOT_SAVED.pop(request, None)
@@ -309,10 +338,12 @@ class LeasedJobAdmin(
         if not job.lease_owner:
             return EMPTY
         if job.status in LEASED_STATUSES:
-            return job.lease_owner
+            return breakable(job.lease_owner)
         # A job keeps the owner of its last lease; it holds none now.
         return format_html(
-            '<span class="dl-quiet" title="{}">{}</span>', gettext("last holder"), job.lease_owner
+            '<span class="dl-quiet" title="{}">{}</span>',
+            gettext("last holder"),
+            breakable(job.lease_owner),
         )
 
     @admin.display(description=_("attempts"), ordering="attempts")
@@ -382,9 +413,10 @@ class LeasedJobAdmin(
     @admin.display(description=_("last heartbeat"), ordering="-heartbeat_at")
     def heartbeat(self, job: Any) -> str:
         age: timedelta | None = getattr(job, "heartbeat_age", None)
-        if age is None:
+        if age is None or job.heartbeat_at is None:
             return EMPTY
-        return gettext("%(age)s ago") % {"age": human_duration(age)}
+        # How long ago by the database clock, the lease's own.
+        return stamp(job.heartbeat_at, job.heartbeat_at + age, short=True)
 
     @admin.display(description=_("attempt running for"), ordering="running_for")
     def running_for(self, job: PaymentJob) -> str:
@@ -410,88 +442,3 @@ class LeasedJobAdmin(
         pk = job_id(term)
         by_owner = jobs.processing().filter(lease_owner__startswith=term)
         return by_owner if pk is None else jobs.filter(pk=pk) | by_owner
-
-    # ---- actions ------------------------------------------------------------------------------
-
-    requeue = operator_action(
-        _("Requeue now"),
-        lambda jobs, by: jobs.requeue(by=by),
-        lambda n: ngettext("%d job requeued", "%d jobs requeued", n) % n,
-        {
-            stats.LIVE_LEASE: Skip.LIVE,
-            STOPPING: Skip.STOPPING,
-            COMPLETED: Skip.NEVER_REQUEUED,
-            WAITING: Skip.WAITING,
-        },
-    )
-    force_requeue = operator_action(
-        _("Force requeue — takes a live lease, fencing out its holder"),
-        lambda jobs, by: jobs.requeue(force=True, by=by),
-        lambda n: ngettext("%d job requeued by force", "%d jobs requeued by force", n) % n,
-        {COMPLETED: Skip.NEVER_REQUEUED, WAITING: Skip.WAITING},
-    )
-    release_stuck = operator_action(
-        _("Release stuck lease (back to pending)"),
-        lambda jobs, by: jobs.release_stuck(by=by),
-        lambda n: ngettext("%d stuck job released", "%d stuck jobs released", n) % n,
-        {
-            stats.LIVE_LEASE: Skip.NOT_STUCK,
-            **skip_all_but([stats.LIVE_LEASE, stats.STUCK], Skip.NOT_PROCESSING),
-        },
-    )
-    mark_failed = operator_action(
-        _("Mark failed (no live lease)"),
-        lambda jobs, by: jobs.mark_failed(reason=f"marked failed by {by}", by=by),
-        lambda n: ngettext("%d job marked failed", "%d jobs marked failed", n) % n,
-        {
-            stats.LIVE_LEASE: Skip.HOLDER_WORKING,
-            STOPPING: Skip.HOLDER_WORKING,
-            **dict.fromkeys([COMPLETED, FAILED, CANCELLED], Skip.FINISHED),
-        },
-    )
-    cancel = operator_action(
-        _("Cancel (pending or waiting jobs only)"),
-        lambda jobs, by: jobs.cancel(running=False, by=by),
-        lambda n: ngettext("%d job cancelled", "%d jobs cancelled", n) % n,
-        skip_all_but([PENDING, WAITING], Skip.NOT_PENDING),
-    )
-    force_cancel = operator_action(
-        _("Force cancel — running jobs too: tells their holders to stop"),
-        lambda jobs, by: jobs.cancel(by=by),
-        lambda n: ngettext("%d job cancelled by force", "%d jobs cancelled by force", n) % n,
-        skip_all_but([PENDING, WAITING, stats.LIVE_LEASE, stats.STUCK], Skip.NOT_CANCELLABLE),
-        confirm=_(
-            "Cancel the selected jobs, running ones included? Each running job's worker is "
-            "told to stop within one heartbeat interval and is fenced out of every further "
-            "write; a plain (sync) handler is not interrupted and may still finish a call it "
-            "already started. A job of a review-policy kind past its checkpoint goes to review "
-            "instead: it may have moved money."
-        ),
-    )
-    resolve_review_completed = operator_action(
-        _("Resolve review: completed"),
-        lambda jobs, by: jobs.resolve_review(COMPLETED, by=by),
-        lambda n: (
-            ngettext("%d job under review completed", "%d jobs under review completed", n) % n
-        ),
-        skip_all_but([REVIEW], Skip.NOT_IN_REVIEW),
-    )
-    resolve_review_retry = operator_action(
-        _("Resolve review: retry"),
-        lambda jobs, by: jobs.resolve_review(Verdict.RETRY, by=by),
-        lambda n: (
-            ngettext(
-                "%d job under review sent back to pending",
-                "%d jobs under review sent back to pending",
-                n,
-            )
-            % n
-        ),
-        skip_all_but([REVIEW], Skip.NOT_IN_REVIEW),
-    )
-    resolve_review_failed = operator_action(
-        _("Resolve review: failed"),
-        lambda jobs, by: jobs.resolve_review(FAILED, by=by),
-        lambda n: ngettext("%d job under review failed", "%d jobs under review failed", n) % n,
-        skip_all_but([REVIEW], Skip.NOT_IN_REVIEW),
-    )

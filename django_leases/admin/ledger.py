@@ -11,11 +11,9 @@ from django.contrib import admin
 from django.core.exceptions import ValidationError
 from django.db.models import Exists, OuterRef, QuerySet
 from django.http import HttpRequest
-from django.urls import reverse
-from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 
-from django_leases.admin.display import attempt_error
+from django_leases.admin.display import attempt_error, payment_job_link, to_the_second
 from django_leases.admin.filters import OpenAttemptFilter
 from django_leases.admin.mixins import (
     DatabaseMixin,
@@ -43,20 +41,24 @@ class AttemptInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
         "attempt",
         "token",
         "owner",
-        "claimed_at",
-        "last_heartbeat_at",
-        "ended_at",
+        "shown_claimed_at",
+        "shown_last_heartbeat_at",
+        "shown_ended_at",
         "outcome",
         "ended_by",
         "checkpoint",
         "error",
-        "fenced_at",
+        "shown_fenced_at",
         "resolution",
         "resolved_by",
     )
     # Tokens only grow: the highest is the latest acquisition.
     ordering = ("-token",)
     extra = 0
+    shown_claimed_at = to_the_second("claimed_at", _("claimed at"))
+    shown_last_heartbeat_at = to_the_second("last_heartbeat_at", _("last heartbeat at"))
+    shown_ended_at = to_the_second("ended_at", _("ended at"))
+    shown_fenced_at = to_the_second("fenced_at", _("fenced out at"))
 
     @admin.display(description=_("error"))
     def error(self, attempt: JobAttempt) -> str:
@@ -70,9 +72,18 @@ class EventInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
     fk_name = "job"
     verbose_name = _("operator event")
     verbose_name_plural = _("operator events (newest first)")
-    fields = readonly_fields = ("at", "action", "by", "attempts", "token", "reason")
+    fields = readonly_fields = (
+        "shown_at",
+        "action",
+        "by",
+        "attempts",
+        "token",
+        "reason",
+        "changes",
+    )
     ordering = ("-id",)
     extra = 0
+    shown_at = to_the_second("at", _("at"))
 
 
 class StepInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
@@ -83,9 +94,10 @@ class StepInline(DatabaseMixin, ReadOnlyMixin, admin.TabularInline):
     fk_name = "job"
     verbose_name = _("recorded step")
     verbose_name_plural = _("recorded steps (in order)")
-    fields = readonly_fields = ("name", "attempt", "token", "recorded_at", "result")
+    fields = readonly_fields = ("name", "attempt", "token", "shown_recorded_at", "result")
     ordering = ("id",)
     extra = 0
+    shown_recorded_at = to_the_second("recorded_at", _("recorded at"))
 
 
 @cache
@@ -128,10 +140,10 @@ class JobAttemptAdmin(
         "token",
         "owner",
         "outcome",
-        "claimed_at",
-        "ended_at",
+        "shown_claimed_at",
+        "shown_ended_at",
         "ended_by",
-        "fenced_at",
+        "shown_fenced_at",
         "error",
     )
     list_filter = (OpenAttemptFilter, "outcome")
@@ -140,17 +152,13 @@ class JobAttemptAdmin(
     # The primary key, not Meta.ordering's claimed_at, which has no index.
     ordering = ("-id",)
     show_full_result_count = False
+    shown_claimed_at = AttemptInline.shown_claimed_at
+    shown_ended_at = AttemptInline.shown_ended_at
+    shown_fenced_at = AttemptInline.shown_fenced_at
 
     @admin.display(description=_("job"), ordering="job_ref")
     def job_link(self, attempt: JobAttempt) -> str:
-        if attempt.job_id is None:  # the job was pruned; the ledger keeps its id
-            return str(attempt.job_ref)
-        url = reverse(
-            "admin:django_leases_paymentjob_change",
-            args=[attempt.job_ref],
-            current_app=self.admin_site.name,
-        )
-        return format_html('<a href="{}">{}</a>', url, attempt.job_ref)
+        return payment_job_link(self.admin_site.name, attempt)
 
     @admin.display(description=_("error"))
     def error(self, attempt: JobAttempt) -> str:

@@ -50,7 +50,9 @@ class OfferedFiltersMixin:
 
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
         model: Any = self.model  # type: ignore[attr-defined]
-        for spec in self.list_filter:  # type: ignore[attr-defined]
+        for offered in self.list_filter:  # type: ignore[attr-defined]
+            # A field with a filter class of its own: ("field", FieldListFilter).
+            spec = offered[0] if isinstance(offered, tuple) else offered
             if isinstance(spec, type) and issubclass(spec, admin.SimpleListFilter):
                 if lookup == spec.parameter_name:
                     return True  # the filter itself decides what a value means

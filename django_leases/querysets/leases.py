@@ -31,6 +31,7 @@ from django_leases.querysets import (
     base,
     claim_by_id,
     claims,
+    edits,
     endings,
     groups,
     ledger,
@@ -105,6 +106,7 @@ class LeaseQuerySet(LeaseReads[J]):
     cancelled_leases = writes(operators.cancelled_leases)
     resolve_review = writes(operators.resolve_review)
     enqueue_now = writes(operators.enqueue_now)
+    edit_pending = writes(edits.edit_pending)
 
     # ---- where an execution ends (endings.py) -------------------------------------------------
 

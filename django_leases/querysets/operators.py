@@ -113,7 +113,21 @@ def rescue(
     return end_one(qs, row, (job.pk, job.lease_token), ending) is not None
 
 
-def requeue(qs: LeaseReads[J], *, force: bool = False, by: str = "operator") -> int:
+class Changed(int):
+    """How many jobs an operator action changed, and which (`pks`, in id order)."""
+
+    pks: tuple[int, ...]
+
+    def __new__(cls, pks: Iterable[int]) -> Changed:
+        kept = tuple(pks)
+        changed = super().__new__(cls, len(kept))
+        changed.pks = kept
+        return changed
+
+
+def requeue(
+    qs: LeaseReads[J], *, force: bool = False, by: str = "operator", reason: str = ""
+) -> Changed:
     """Make the selected jobs pending and due now; return how many changed.
 
     Failed, cancelled, under-review and expired jobs are requeued; a processing job with a
@@ -145,10 +159,11 @@ def requeue(qs: LeaseReads[J], *, force: bool = False, by: str = "operator") -> 
         "lease_token": next_token(),
     }
     ending = operator_ending(values, by, AttemptOutcome.REQUEUED, releases=False)
-    return operator_write(qs, eligible, ending, event=EventAction.REQUEUED)
+    event = EventAction.FORCE_REQUEUED if force else EventAction.REQUEUED
+    return operator_write(qs, eligible, ending, event=event, reason=reason)
 
 
-def release_stuck(qs: LeaseReads[J], *, by: str = "operator") -> int:
+def release_stuck(qs: LeaseReads[J], *, by: str = "operator", reason: str = "") -> Changed:
     """Return the selected jobs whose lease expired to pending (the watcher's retry).
 
     A job that used its last attempt gets one more, or it would sit pending unclaimable.
@@ -159,14 +174,13 @@ def release_stuck(qs: LeaseReads[J], *, by: str = "operator") -> int:
         "max_attempts": Greatest(F("max_attempts"), F("attempts") + 1),
     }
     ending = operator_ending(values, by, AttemptOutcome.RESCUED, releases=False)
-    return operator_write(
-        qs, Q(status=PROCESSING, lease_until__lt=Now()), ending, event=EventAction.RELEASED
-    )
+    expired = Q(status=PROCESSING, lease_until__lt=Now())
+    return operator_write(qs, expired, ending, event=EventAction.RELEASED, reason=reason)
 
 
 def mark_failed(
     qs: LeaseReads[J], *, reason: str, force: bool = False, by: str = "operator"
-) -> int:
+) -> Changed:
     """Fail the selected pending, waiting, under-review or expired jobs (any processing or
     stopping one with `force`, fencing out its holder); return how many changed."""
     eligible = Q(status__in=[PENDING, WAITING, REVIEW]) | Q(
@@ -187,7 +201,7 @@ def mark_failed(
 
 def cancel(
     qs: LeaseReads[J], *, by: str = "operator", reason: str = "", running: bool = True
-) -> int:
+) -> Changed:
     """Cancel the selected pending, waiting and processing jobs; return how many changed.
 
     A processing job with a live lease is stopping (`endings`): its holder's renewals and
@@ -195,7 +209,8 @@ def cancel(
     its lock and its `limit=` slot until the holder's execution ends or its lease expires; it
     then ends cancelled, or under review if its kind's review policy applies past its
     checkpoint (it may have moved money). An expired lease's job ends so at once; its holder
-    is fenced out (its token is bumped). `running=False` leaves processing jobs alone.
+    is fenced out (its token is bumped). `running=False` leaves processing jobs alone; the
+    events of a cancel that may reach them (the default) say it was forced.
     """
     note = f"cancelled by {by}" + (f": {reason}" if reason else "")
     eligible = Q(status__in=[PENDING, WAITING])
@@ -227,7 +242,8 @@ def cancel(
     ending = operator_ending(
         values, by, AttemptOutcome.CANCELLED, releases=~keeps, reason=reason, stops=True
     )
-    return operator_write(qs, eligible, ending, event=EventAction.CANCELLED, reason=reason)
+    event = EventAction.FORCE_CANCELLED if running else EventAction.CANCELLED
+    return operator_write(qs, eligible, ending, event=event, reason=reason)
 
 
 def refused(qs: LeaseReads[J], pk: int, token: int, why: str) -> LeaseLost:
@@ -267,7 +283,9 @@ def cancelled_leases(qs: LeaseReads[J], leases: Iterable[LeaseKey]) -> dict[Leas
     return found
 
 
-def resolve_review(qs: LeaseReads[J], verdict: str, *, by: str = "operator") -> int:
+def resolve_review(
+    qs: LeaseReads[J], verdict: str, *, by: str = "operator", reason: str = ""
+) -> Changed:
     """Resolve the selected jobs under review: "completed", "retry" or "failed".
 
     The verdict is an event of the job; it is also noted on the ledger row that put the job
@@ -287,7 +305,12 @@ def resolve_review(qs: LeaseReads[J], verdict: str, *, by: str = "operator") -> 
     # The attempt's row was closed when the job went under review: the verdict is noted on it.
     ending = operator_ending(values, by, None, releases=verdict != Verdict.RETRY)
     return operator_write(
-        qs, Q(status=REVIEW), ending, event=REVIEW_EVENTS[verdict], resolution=verdict
+        qs,
+        Q(status=REVIEW),
+        ending,
+        event=REVIEW_EVENTS[verdict],
+        reason=reason,
+        resolution=verdict,
     )
 
 
@@ -323,19 +346,19 @@ def operator_write(
     event: str,
     reason: str = "",
     resolution: str = "",
-) -> int:
+) -> Changed:
     """Apply an operator action, `ending`, to the selected jobs that are `eligible`, in batches
-    of OPERATOR_BATCH_SIZE; return how many changed.
+    of OPERATOR_BATCH_SIZE; return which changed.
 
     Each changed job gets an event (`event`, by `ending.by`, `reason`); the resolution of a
     review is noted on the ledger row that put the job under review.
     """
-    changed = 0
+    changed: list[int] = []
     after_pk: int | None = 0
     while after_pk is not None:
         won, after_pk = operator_batch(qs, eligible, after_pk, ending, event, reason, resolution)
         changed += won
-    return changed
+    return Changed(changed)
 
 
 @retry_deadlocks
@@ -347,7 +370,7 @@ def operator_batch(
     event: str,
     reason: str,
     resolution: str,
-) -> tuple[int, int | None]:
+) -> tuple[list[int], int | None]:
     # One transaction per batch: the jobs' UPDATE (`end_executions()`: the rows locked, then one
     # UPDATE restating the precondition; the locks released passed on, the attempts it ended
     # closed, or left open while the job is stopping), and the events that record it commit
@@ -356,7 +379,7 @@ def operator_batch(
     with transaction.atomic(using=qs.db):
         rows = end_executions(qs, eligible & Q(pk__gt=after_pk), ending, limit=OPERATOR_BATCH_SIZE)
         if not rows:
-            return 0, None
+            return [], None
         if resolution:
             ledger_update(
                 qs,
@@ -367,7 +390,7 @@ def operator_batch(
                 resolved_at=Now(),
             )
         record_events(qs, [row[:3] for row in rows], event, ending.by, reason)
-    return len(rows), rows[-1].pk
+    return [row.pk for row in rows], rows[-1].pk
 
 
 @retry_deadlocks
@@ -399,8 +422,15 @@ def recorded(qs: LeaseReads[J], pk: int, action: str) -> bool:
 
 
 def record_events(
-    qs: LeaseReads[J], rows: list[tuple[int, int, int]], action: str, by: str, reason: str
+    qs: LeaseReads[J],
+    rows: list[tuple[int, int, int]],
+    action: str,
+    by: str,
+    reason: str,
+    changes: dict[str, Any] | None = None,
 ) -> None:
+    """Record `action` by `by` on each job of `rows` (id, token, attempts), as an operator
+    event: why (`reason`), and what an edit changed (`changes`: field -> [old, new])."""
     label = qs.model.event_model
     if not label:
         return
@@ -415,6 +445,7 @@ def record_events(
             action=action,
             by=by,
             reason=storable(reason)[:MAX_ERROR_LENGTH],
+            changes=changes,
         )
         for pk, token, attempts in rows
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Protocol
@@ -21,6 +22,9 @@ class Recorder(Protocol):
 
     def waited(self, kind: str, seconds: float) -> None:
         """Note how long a job waited from its due time to its claim (database clock)."""
+
+    def serve_slots(self, busy: Callable[[], Mapping[str, int]], total: int) -> None:
+        """Take what reads the worker's busy slots per kind (at a scrape), and how many it has."""
 
 
 @dataclass

@@ -177,6 +177,8 @@ class LeaseWorker:
             lost=outcomes.lost_unstarted,
             loop=self._loop,
         )
+        if self.stats.recorder is not None:
+            self.stats.recorder.serve_slots(self._pool.busy, self.concurrency)
         # A buffered completion's lease is no longer renewed: it is written at the latest one
         # heartbeat interval before the worker would have to take that lease as lost.
         self._acks = AckBuffer.configured(

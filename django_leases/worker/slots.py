@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from django_leases.handlers import get_handler
@@ -209,6 +209,11 @@ class SlotPool:
         """Jobs held and not finished: in the slots, and claimed ahead."""
         with self._lock:
             return len(self._ready) + sum(slot.lease is not None for slot in self._slots)
+
+    def busy(self) -> Counter[str]:
+        """How many slots hold a job now (handed to them or running), per kind."""
+        with self._lock:
+            return Counter(slot.lease.job.kind for slot in self._slots if slot.lease is not None)
 
     def deadlines(self) -> list[float]:
         """The run-time limits of the running slots."""
