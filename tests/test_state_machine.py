@@ -90,6 +90,9 @@ jobs of the kind processing at once, across every worker" holds:
     attempt was claimed after every one of them completed (the ledger's `claimed_at` against
     their `completed_at`). A failed or cancelled prerequisite holds it; an operator's requeue
     of it, cancelled meanwhile, leaves it waiting for what is left.
+21. A job enqueued under a span keeps the trace context its enqueue stored (the span's W3C
+    `traceparent`), through every claim, ending, lock passed on, rescue, operator action and
+    failover; a job enqueued outside a span has none.
 
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
@@ -149,6 +152,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from opentelemetry.sdk.trace import TracerProvider
 
 from django_leases import job_handler
 from django_leases.backoff import retry_delay
@@ -226,6 +230,8 @@ LIMITED_KIND, LIMIT = "capped_payout", 2
 SILENT_KIND = "capped_refund"
 GATES_HELD = st.sampled_from([0, 0, 0, 1])
 KINDS = st.sampled_from([RETRY_KIND, REVIEW_KIND, LIMITED_KIND])
+# 21. The spans an enqueue runs in: the SDK's, so that they have valid ids to store.
+TRACER = TracerProvider().get_tracer("tests.state_machine")
 CLAIM_KINDS = st.sampled_from(
     [None, [RETRY_KIND], [REVIEW_KIND], [LIMITED_KIND], [LIMITED_KIND, RETRY_KIND]]
 )
@@ -576,6 +582,8 @@ class LeaseMachine(RuleBasedStateMachine):
         # (job id, token) of the leases whose handler still runs (16): claimed, and neither
         # ended by a write of its holder nor by the acknowledgement of a stop.
         self.running: set[tuple[int, int]] = set()
+        # 21. The trace context each job's enqueue stored (None: enqueued outside a span).
+        self.trace_contexts: dict[int, dict[str, str] | None] = {}
         for owner in OWNERS:
             self.worker_beats(owner)
 
@@ -593,6 +601,19 @@ class LeaseMachine(RuleBasedStateMachine):
         return multiple(
             *(self.enqueue(kind, max_attempts, False, locking) for kind, locking in kinds)
         )
+
+    @rule(target=jobs, kind=KINDS, locking=LOCKING)
+    def enqueue_traced(self, kind: str, locking: tuple[str | None, str | None]) -> int:
+        """21. An enqueue inside a span (a request's, say) stores the span's trace context."""
+        with TRACER.start_as_current_span("request") as span:
+            pk = self.enqueue(kind, 3, False, locking)
+        ids = span.get_span_context()
+        context = job_rows()[pk]["trace_context"]
+        assert context["traceparent"] == (
+            f"00-{ids.trace_id:032x}-{ids.span_id:016x}-{ids.trace_flags:02x}"
+        )
+        self.trace_contexts[pk] = context
+        return pk
 
     @rule(
         target=jobs,
@@ -624,6 +645,7 @@ class LeaseMachine(RuleBasedStateMachine):
             assert (row["status"], row["lock_holder"]) == (PENDING, expected_lock or None)
         assert (row["attempts"], row["lease_token"]) == (0, 0)
         assert row["due"] is not later
+        self.trace_contexts.setdefault(job.pk, None)
         return int(job.pk)
 
     @rule(
@@ -888,6 +910,7 @@ class LeaseMachine(RuleBasedStateMachine):
         "finished_by_holder",
         "requeued_behind",
         "cancelled",
+        "trace_contexts",
     )
 
     @rule()
@@ -1574,6 +1597,12 @@ class LeaseMachine(RuleBasedStateMachine):
         self.recorded_steps_were_held_and_never_change(ledger)
         self.no_attempt_of_a_paused_kind_starts_after_its_pause(jobs, ledger)
         self.a_dependent_starts_after_its_prerequisites_completed(jobs, ledger)
+        self.a_job_keeps_its_trace_context(jobs)
+
+    def a_job_keeps_its_trace_context(self, jobs: dict[int, dict[str, Any]]) -> None:
+        """21: no transition writes `trace_context`."""
+        for pk, row in jobs.items():
+            assert row["trace_context"] == self.trace_contexts.get(pk), pk
 
     def no_attempt_of_a_paused_kind_starts_after_its_pause(
         self, jobs: dict[int, dict[str, Any]], ledger: dict[int, dict[str, Any]]
