@@ -41,6 +41,11 @@ DJANGO_LEASES = {**DJANGO_LEASES, "USE_NOTIFY": os.environ.get("BENCH_USE_NOTIFY
 if "BENCH_ACK_BATCH" in os.environ:
     DJANGO_LEASES["ACK_BATCH_SIZE"] = int(os.environ["BENCH_ACK_BATCH"])
 
+# OpenTelemetry tracing (with the otel extra installed); BENCH_TRACING=0 switches it off, for
+# the before/after measurements of docs/observability.md. Unset: the library's default.
+if "BENCH_TRACING" in os.environ:
+    DJANGO_LEASES["TRACING"] = os.environ["BENCH_TRACING"] != "0"
+
 # App -> the modules that must be importable for it to be installed. The peers are compared on
 # PostgreSQL only (procrastinate's migrations need it), so they are left out on other databases.
 # The django-tasks database backend needs the django_tasks backport on Django 5.2 only (Django 6

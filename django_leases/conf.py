@@ -97,6 +97,9 @@ DEFAULTS: dict[str, Any] = {
     # far above a job's references and amounts, and below what every database takes in one
     # statement (MariaDB's default max_allowed_packet is 16 MiB).
     "MAX_PAYLOAD_BYTES": 1024 * 1024,
+    # With the otel extra installed: store the enqueuer's trace context with each job and
+    # trace each attempt (claim, handler, completion) as its continuation. False: neither.
+    "TRACING": True,
 }
 
 

@@ -147,6 +147,16 @@ class AbstractLeasedJob(models.Model):
             "filled as they end."
         ),
     )
+    # The W3C trace context of the code that enqueued the job (`tracing.py`): the worker's
+    # spans of its attempts continue that trace. NULL when tracing is off or no span was
+    # current: no default called per INSERT.
+    trace_context = models.JSONField(
+        _("trace context"),
+        null=True,
+        blank=True,
+        editable=False,
+        help_text=_("The enqueuer's W3C trace context (traceparent, tracestate)."),
+    )
     created_at = models.DateTimeField(_("created at"), db_default=Now())
     completed_at = models.DateTimeField(
         _("completed at"),

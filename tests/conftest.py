@@ -1,5 +1,6 @@
 """Fixtures shared by the suite: real worker subprocesses against the test database."""
 
+import ast
 import codecs
 import os
 import select
@@ -64,6 +65,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 HORIZON_READS = 0 if connection.vendor == "sqlite" else 1
 """Queries `horizon.oldest_pin()` makes: none on SQLite, which has no vacuum horizon."""
+
+
+def modules_importing(package: str) -> list[str]:
+    """The modules of django_leases that import `package` (or a module of it), anywhere in them."""
+    importers = set()
+    for module in sorted((ROOT / "django_leases").rglob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if any(name.split(".")[0] == package for name in names):
+                importers.add(module.relative_to(ROOT).as_posix())
+    return sorted(importers)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -134,6 +134,11 @@ STATIC_URL = "static/"
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 # Worker and watcher subprocesses of a test get its settings through the environment.
 DJANGO_LEASES: dict[str, object] = env.json("LEASES_TEST_SETTINGS", default={})
+# Worker subprocesses of the tracing tests write their spans to this file, one JSON a line.
+if env("LEASES_TEST_SPANS_FILE", default=""):
+    from tests.spans import export_to_file
+
+    export_to_file(env("LEASES_TEST_SPANS_FILE"))
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -119,6 +119,8 @@ def test_check_settings__retention_backoff_and_booleans() -> None:
     assert ids(USE_NOTIFY="yes") == ["django_leases.E009"]
     assert ids(LOCK_BY_PAYMENT="yes") == ["django_leases.E009"]
     assert ids(LOCK_BY_PAYMENT=False) == []
+    assert ids(TRACING="off") == ["django_leases.E009"]
+    assert ids(TRACING=False) == []
 
 
 def test_check_settings__messages_carry_hints() -> None:

@@ -1,6 +1,5 @@
 """Prometheus metrics: scraped from real `run_lease_worker` and `watch_stuck_jobs` processes."""
 
-import ast
 import json
 import os
 import re
@@ -29,7 +28,16 @@ from django_leases import metrics, stats
 from django_leases.models import JobAttempt, PaymentJob
 
 from . import throttled
-from .conftest import HORIZON_READS, ROOT, Processes, finish, read_until, subprocess_env, wait_for
+from .conftest import (
+    HORIZON_READS,
+    ROOT,
+    Processes,
+    finish,
+    modules_importing,
+    read_until,
+    subprocess_env,
+    wait_for,
+)
 from .testapp.models import PayoutJob
 
 Status = PaymentJob.Status
@@ -87,15 +95,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def test_metrics__only_the_metrics_module_imports_prometheus_client() -> None:
-    importers = []
-    for module in sorted((ROOT / "django_leases").rglob("*.py")):
-        for node in ast.walk(ast.parse(module.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            if any(name.startswith("prometheus_client") for name in names):
-                importers.append(module.relative_to(ROOT).as_posix())
-    assert sorted(set(importers)) == ["django_leases/metrics.py"]
+    assert modules_importing("prometheus_client") == ["django_leases/metrics.py"]
 
 
 # ---- a real worker process ---------------------------------------------------------------

@@ -91,7 +91,6 @@ jobs of the kind processing at once, across every worker" holds:
     attempt was claimed after every one of them completed (the ledger's `claimed_at` against
     their `completed_at`). A failed or cancelled prerequisite holds it; an operator's requeue
     of it, cancelled meanwhile, leaves it waiting for what is left.
-
 21. A group's callback (`enqueue_group()`) runs once every member has ended: until then it
     counts exactly the members not ended, records each ended member as it is (kind, final
     status, last error), holds no lock and has no attempt; it is released in the step that
@@ -104,6 +103,9 @@ jobs of the kind processing at once, across every worker" holds:
     that ended in it (claimed within LONG_RUNNING before it), the due backlog, and the wait and
     run time of the attempt that finished each finished job, bucket by bucket as the rows say,
     whatever locks, limits, cancels, time-outs, pauses, dependencies and rescues did.
+24. A job enqueued under a span keeps the trace context its enqueue stored (the span's W3C
+    `traceparent`), through every claim, ending, lock passed on, rescue, operator action and
+    failover; a job enqueued outside a span has none.
 
 A second machine, `ScheduleMachine`, drives `SCHEDULES` (one schedule that catches up, one that
 does not, and a cron schedule in Berlin's time from the eve of a DST change, whose fire times
@@ -167,6 +169,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from opentelemetry.sdk.trace import TracerProvider
 
 from django_leases import job_handler
 from django_leases.backoff import retry_delay
@@ -247,6 +250,8 @@ LIMITED_KIND, LIMIT = "capped_payout", 2
 SILENT_KIND = "capped_refund"
 GATES_HELD = st.sampled_from([0, 0, 0, 1])
 KINDS = st.sampled_from([RETRY_KIND, REVIEW_KIND, LIMITED_KIND])
+# 21. The spans an enqueue runs in: the SDK's, so that they have valid ids to store.
+TRACER = TracerProvider().get_tracer("tests.state_machine")
 CLAIM_KINDS = st.sampled_from(
     [None, [RETRY_KIND], [REVIEW_KIND], [LIMITED_KIND], [LIMITED_KIND, RETRY_KIND]]
 )
@@ -653,6 +658,8 @@ class LeaseMachine(RuleBasedStateMachine):
         self.running: set[tuple[int, int]] = set()
         # The results of each group's callback, as they were when it was released (21).
         self.released_groups: dict[int, dict[str, Any]] = {}
+        # 24. The trace context each job's enqueue stored (None: enqueued outside a span).
+        self.trace_contexts: dict[int, dict[str, str] | None] = {}
         for owner in OWNERS:
             self.worker_beats(owner)
 
@@ -670,6 +677,19 @@ class LeaseMachine(RuleBasedStateMachine):
         return multiple(
             *(self.enqueue(kind, max_attempts, False, locking) for kind, locking in kinds)
         )
+
+    @rule(target=jobs, kind=KINDS, locking=LOCKING)
+    def enqueue_traced(self, kind: str, locking: tuple[str | None, str | None]) -> int:
+        """24. An enqueue inside a span (a request's, say) stores the span's trace context."""
+        with TRACER.start_as_current_span("request") as span:
+            pk = self.enqueue(kind, 3, False, locking)
+        ids = span.get_span_context()
+        context = job_rows()[pk]["trace_context"]
+        assert context["traceparent"] == (
+            f"00-{ids.trace_id:032x}-{ids.span_id:016x}-{ids.trace_flags:02x}"
+        )
+        self.trace_contexts[pk] = context
+        return pk
 
     @rule(
         target=jobs,
@@ -701,6 +721,7 @@ class LeaseMachine(RuleBasedStateMachine):
             assert (row["status"], row["lock_holder"]) == (PENDING, expected_lock or None)
         assert (row["attempts"], row["lease_token"]) == (0, 0)
         assert row["due"] is not later
+        self.trace_contexts.setdefault(job.pk, None)
         return int(job.pk)
 
     @rule(
@@ -1017,6 +1038,7 @@ class LeaseMachine(RuleBasedStateMachine):
         "requeued_behind",
         "cancelled",
         "released_groups",
+        "trace_contexts",
     )
 
     @rule()
@@ -1771,6 +1793,12 @@ class LeaseMachine(RuleBasedStateMachine):
         self.no_attempt_of_a_paused_kind_starts_after_its_pause(jobs, ledger)
         self.a_dependent_starts_after_its_prerequisites_completed(jobs, ledger)
         self.a_callback_is_released_once_every_member_ended(jobs)
+        self.a_job_keeps_its_trace_context(jobs)
+
+    def a_job_keeps_its_trace_context(self, jobs: dict[int, dict[str, Any]]) -> None:
+        """24: no transition writes `trace_context`."""
+        for pk, row in jobs.items():
+            assert row["trace_context"] == self.trace_contexts.get(pk), pk
 
     def no_attempt_of_a_paused_kind_starts_after_its_pause(
         self, jobs: dict[int, dict[str, Any]], ledger: dict[int, dict[str, Any]]

@@ -39,6 +39,7 @@ from django_leases.querysets.locks import in_lock_rounds, table_jobs
 from django_leases.querysets.notices import announced_by_insert, notify
 from django_leases.querysets.savepoints import enqueue_with_savepoints
 from django_leases.status import PENDING, WAITING
+from django_leases.tracing import current_context
 
 if TYPE_CHECKING:
     from django_leases.models import AbstractLeasedJob
@@ -246,10 +247,14 @@ def job_values(
     lock: str = "",
     **fields: Any,
 ) -> tuple[dict[str, Any], float | None]:
-    """Check the arguments every job of an enqueue shares; return its fields and the delay
-    of its `run_at` from the database clock (None: a datetime given, or now)."""
+    """Check the arguments every job of an enqueue shares; return its fields (with the
+    caller's trace context, if traced) and the delay of its `run_at` from the database clock
+    (None: a datetime given, or now)."""
     values, delay = _job_fields(kind, run_at, priority, max_attempts)
     values["lock"] = check_text(lock, "lock", LOCK_LENGTH, blank=True)
+    trace_context = current_context()
+    if trace_context is not None:
+        values["trace_context"] = trace_context
     return {**values, **_own_fields(qs.model, fields)}, delay
 
 

@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from functools import partial
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 from asgiref.sync import async_to_sync
 from django.db import DatabaseError, connections
 
+from django_leases import tracing
 from django_leases.backoff import retry_delay
 from django_leases.exceptions import (
     Cancelled,
@@ -46,6 +47,8 @@ class Attempts:
     def __init__(self, outcomes: Outcomes, completer: Completer) -> None:
         self.outcomes = outcomes
         self.completer = completer
+        # `run_handler()` itself, no method around it: `TracedAttempts` gives its own.
+        self.run_handler: Callable[..., None] = run_handler
 
     def execute(self, lease: Lease) -> Lease | None:
         """Run `lease`'s attempt, end it and return the slot's next lease, claimed with the
@@ -67,7 +70,7 @@ class Attempts:
                 started = time.monotonic()
                 logger.debug("started job_id=%s attempt=%s", job.pk, lease.attempt)
                 deadline = None if handler.timeout is None else started + handler.timeout
-                run_handler(handler, job, lease, deadline=deadline)
+                self.run_handler(handler, job, lease, deadline=deadline)
         except BaseException as exc:  # noqa: BLE001 - whatever it raises ends this attempt
             error = exc
         outcomes = self.outcomes
@@ -129,6 +132,23 @@ class Attempts:
             logger.info("kind paused kind=%s job_id=%s: not started", lease.job.kind, lease.pk)
             self.outcomes.release_unstarted(lease)
         return paused
+
+
+class TracedAttempts(Attempts):
+    """`Attempts` traced with OpenTelemetry (`tracing.py`): chosen once, as the worker starts,
+    when `tracing.enabled()`; the untraced attempt pays nothing for it."""
+
+    def __init__(self, outcomes: Outcomes, completer: Completer) -> None:
+        super().__init__(outcomes, completer)
+        self.run_handler = self._traced_handler
+
+    def execute(self, lease: Lease) -> Lease | None:
+        with tracing.attempt(lease):
+            return super().execute(lease)
+
+    def _traced_handler(self, *args: Any, **kwargs: Any) -> None:
+        with tracing.handler_running():
+            run_handler(*args, **kwargs)
 
 
 def restore_connections() -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 from django.db import DatabaseError, connections
 
+from django_leases import tracing
 from django_leases.checks.databases import database_clock_problems
 from django_leases.conf import leases_settings, to_seconds
 from django_leases.exceptions import DatabaseMisconfigured
@@ -38,7 +39,7 @@ from django_leases.outages import Outages, check_tables, outage_or_raise
 from django_leases.querysets.claims import failures_of
 from django_leases.schedules import Ticker
 from django_leases.tables import leased_jobs, queue_models
-from django_leases.worker.attempt import Attempts
+from django_leases.worker.attempt import Attempts, TracedAttempts
 from django_leases.worker.completion import AckBuffer, AckWriter, choose
 from django_leases.worker.counters import Recorder, WorkerStats
 from django_leases.worker.heartbeat import Heartbeat, RegistryRow, default_worker_id
@@ -209,7 +210,9 @@ class LeaseWorker:
             counts_claims=self.max_jobs is not None,
             claims_ahead=self._ahead,
         )
-        self._attempts = Attempts(outcomes, completer)
+        # Traced or not, chosen once: an untraced attempt asks nothing about tracing.
+        attempts = TracedAttempts if tracing.enabled() else Attempts
+        self._attempts = attempts(outcomes, completer)
         self._row = RegistryRow(
             using=self.using,
             worker_id=self.worker_id,

@@ -449,3 +449,20 @@ def releases_then_pauses(job, lease):
             LockRun.objects.create(job_ref=job.pk, lock="", token=lease.token)
             if where == "after_commit":
                 transaction.on_commit(lambda: pause(job))
+
+
+@job_handler("traced")
+def traced(job, lease):
+    """Record the span current in the handler (a `LockRun` whose `lock` is its trace and span
+    id), run a span of its own inside it, and raise on as many attempts as the payload's "fail"
+    says."""
+    # Here, not at the top: a worker process of tests/test_tracing.py runs without opentelemetry.
+    from opentelemetry import trace
+
+    ids = trace.get_current_span().get_span_context()
+    LockRun.objects.create(
+        job_ref=job.pk, lock=f"{ids.trace_id:032x}-{ids.span_id:016x}", token=lease.token
+    )
+    with trace.get_tracer("tests").start_as_current_span("charge the card"):
+        if lease.attempt <= job.payload.get("fail", 0):
+            raise ValueError("card declined")
