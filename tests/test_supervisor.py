@@ -404,6 +404,10 @@ def gone(pid: int) -> bool:
         return True
 
 
+# In the serial pass: in the parallel one (six test processes on two cores) the supervisor was
+# seen, twice, still running 30 s after its second SIGTERM; alone it exits at once. Not
+# explained yet.
+@pytest.mark.serial
 def test_supervisor__a_second_signal_stops_every_process_at_once(processes: Processes) -> None:
     job = PaymentJob.objects.enqueue("sleep", {"seconds": 60})
     proc = running(processes, job, "hasty", 2)

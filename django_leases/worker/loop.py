@@ -129,11 +129,8 @@ class LeaseWorker:
         """The shortest lease of the kinds served; the network timeout ("auto") follows it."""
         self.burst = burst
         self.max_jobs = max_jobs
-        self.poll_interval = to_seconds(
-            poll_interval if poll_interval is not None else leases_settings.POLL_INTERVAL,
-            "poll_interval",
-            MIN_POLL_INTERVAL,
-        )
+        poll = leases_settings.POLL_INTERVAL if poll_interval is None else poll_interval
+        self.poll_interval = to_seconds(poll, "poll_interval", MIN_POLL_INTERVAL)
         self.grace_period = leases_settings.GRACE_PERIOD if grace_period is None else grace_period
         self.using = jobs.db
         # One unevaluated queryset for every thread: its methods clone it or write through it,
@@ -210,9 +207,7 @@ class LeaseWorker:
             counts_claims=self.max_jobs is not None,
             claims_ahead=self._ahead,
         )
-        # Traced or not, chosen once: an untraced attempt asks nothing about tracing.
-        attempts = TracedAttempts if tracing.enabled() else Attempts
-        self._attempts = attempts(outcomes, completer)
+        self._attempts = (TracedAttempts if tracing.enabled() else Attempts)(outcomes, completer)
         self._row = RegistryRow(
             using=self.using,
             worker_id=self.worker_id,
