@@ -14,7 +14,15 @@ from django.test import Client
 from django.urls import reverse
 
 from django_leases.admin.display import stamp
-from django_leases.models import GUARDED_ACTIONS, JobAttempt, JobEvent, JobStep, PaymentJob
+from django_leases.models import (
+    GUARDED_ACTIONS,
+    JobAttempt,
+    JobEvent,
+    JobStep,
+    PaymentJob,
+    ScheduleState,
+    Worker,
+)
 
 from .test_admin import CHANGELIST, OPERATOR, REASON, act, change_url, form_data, jobs, snapshot
 
@@ -358,3 +366,21 @@ def test_change_form__every_time_to_the_second(
     # created, run at, lease until, completed; claimed, last heartbeat, ended of the attempt.
     assert len(times) >= 7, times
     assert re.search(r"\d\d:\d\d:\d\d</time> <span class=\"dl-when\">3 min \d+ s ago", html)
+
+
+def test_lists__the_workers_paused_kinds_kind_events_and_schedules_show_times_to_the_second(
+    admin_client: Client,
+) -> None:
+    """The lists that showed a time to the minute (a worker's start, a pause, a kind event, a
+    schedule's last enqueue) show it to the second, with the relative time beside it."""
+    Worker.objects.register(
+        "host-1:1:ab", instance="t", hostname="host-1", pid=1, kinds=["noop"], concurrency=1
+    )
+    PaymentJob.objects.pause_kind("noop", by="oncall", reason="PSP outage")
+    ScheduleState.objects.create(
+        name="nightly", job_model="django_leases.paymentjob", every=3600, last_tick=1
+    )
+    second = r"\d\d:\d\d:\d\d</time> <span class=\"dl-when\">"
+    for model in ("worker", "pausedkind", "kindevent", "schedulestate"):
+        html = admin_client.get(f"/admin/django_leases/{model}/").content.decode()
+        assert re.search(second, html), model

@@ -13,6 +13,7 @@ from django.http import HttpRequest
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from django_leases.admin.display import stamped
 from django_leases.admin.mixins import DatabaseMixin, OfferedFiltersMixin, ReadOnlyMixin
 from django_leases.handlers import registered_kinds
 from django_leases.models import KindEvent, PausedKind
@@ -45,7 +46,7 @@ class PausedKindAdmin(DatabaseMixin, OfferedFiltersMixin, admin.ModelAdmin):
     """The kinds paused now: "Add" pauses one, the action resumes the selected ones."""
 
     form = PauseForm
-    list_display = ("kind", "paused_at", "paused_by", "reason", "job_model")
+    list_display = ("kind", stamped(PausedKind, "paused_at"), "paused_by", "reason", "job_model")
     actions = ["resume"]
 
     def jobs(self) -> LeaseQuerySet[Any]:
@@ -100,6 +101,6 @@ class PausedKindAdmin(DatabaseMixin, OfferedFiltersMixin, admin.ModelAdmin):
 class KindEventAdmin(DatabaseMixin, OfferedFiltersMixin, ReadOnlyMixin, admin.ModelAdmin):
     """Every pause and resume of a kind: who, when, why. Append-only."""
 
-    list_display = ("at", "kind", "action", "by", "reason", "job_model")
+    list_display = (stamped(KindEvent, "at"), "kind", "action", "by", "reason", "job_model")
     list_filter = ("action", "kind")
     search_fields = ("kind", "by")

@@ -13,6 +13,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_leases import schedules
+from django_leases.admin.display import stamped
 from django_leases.admin.mixins import DatabaseMixin, OfferedFiltersMixin, ReadOnlyMixin
 from django_leases.models import ScheduleState
 from django_leases.tables import job_model
@@ -22,7 +23,15 @@ PERMISSION = "django_leases.run_schedule"
 
 @admin.register(ScheduleState)
 class ScheduleStateAdmin(DatabaseMixin, OfferedFiltersMixin, ReadOnlyMixin, admin.ModelAdmin):
-    list_display = ("name", "every", "cron", "tz", "last_tick", "enqueued_at", "job_model")
+    list_display = (
+        "name",
+        "every",
+        "cron",
+        "tz",
+        "last_tick",
+        stamped(ScheduleState, "enqueued_at"),
+        "job_model",
+    )
     search_fields = ("name",)
     actions = ["run_now"]
 

@@ -13,7 +13,7 @@ from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from django_leases import stats
-from django_leases.admin.display import EMPTY, human_duration, last_pass
+from django_leases.admin.display import EMPTY, human_duration, last_pass, stamped
 from django_leases.admin.filters import WorkerStateFilter
 from django_leases.admin.mixins import DatabaseMixin, OfferedFiltersMixin, ReadOnlyMixin
 from django_leases.models import Worker
@@ -33,8 +33,8 @@ class WorkerAdmin(DatabaseMixin, OfferedFiltersMixin, ReadOnlyMixin, admin.Model
         "heartbeat",
         "last_seen",
         "pass_outcome",
-        "started_at",
-        "stopped_at",
+        stamped(Worker, "started_at"),
+        stamped(Worker, "stopped_at"),
     )
     list_filter = (WorkerStateFilter,)
     search_fields = ("worker_id", "hostname")
