@@ -14,6 +14,7 @@ from django.test import Client
 from django.urls import reverse
 
 from django_leases.admin.display import stamp
+from django_leases.exceptions import InvalidArgument
 from django_leases.models import (
     GUARDED_ACTIONS,
     JobAttempt,
@@ -384,3 +385,16 @@ def test_lists__the_workers_paused_kinds_kind_events_and_schedules_show_times_to
     for model in ("worker", "pausedkind", "kindevent", "schedulestate"):
         html = admin_client.get(f"/admin/django_leases/{model}/").content.decode()
         assert re.search(second, html), model
+
+
+def test_edit_pending__checks_the_bounds_an_enqueue_checks(settings: Any) -> None:
+    """An edit is no way around an enqueue's checks: a priority out of range, a payload that is
+    not JSON or over MAX_PAYLOAD_BYTES is refused and nothing is written."""
+    settings.DJANGO_LEASES = {"MAX_PAYLOAD_BYTES": 64}
+    job = PaymentJob.objects.enqueue("noop", {"amount": 1}, priority=2)
+    for edits in ({"priority": 2**40}, {"payload": {"x": "y" * 100}}, {"payload": {1, 2}}):
+        with pytest.raises(InvalidArgument):
+            PaymentJob.objects.edit_pending(job.pk, edits, by="op", reason="fix")
+    kept = PaymentJob.objects.values_list("priority", "payload").get(pk=job.pk)
+    assert kept == (2, {"amount": 1})
+    assert not JobEvent.objects.filter(job_ref=job.pk).exists()

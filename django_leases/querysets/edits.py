@@ -13,7 +13,10 @@ from typing import Any
 from django.db import transaction
 from django.db.models import F
 
+from django_leases.exceptions import InvalidArgument
+from django_leases.limits import PRIORITY, check_int
 from django_leases.querysets.base import retry_deadlocks
+from django_leases.querysets.enqueue import job_row
 from django_leases.querysets.ledger import J
 from django_leases.querysets.operators import record_events
 from django_leases.querysets.reads import LeaseReads
@@ -35,7 +38,13 @@ def edit_pending(
     """
     unknown = sorted(set(edits) - set(EDITABLE_FIELDS))
     if unknown:
-        raise ValueError(f"only {', '.join(EDITABLE_FIELDS)} can be edited, not {unknown}")
+        raise InvalidArgument(f"only {', '.join(EDITABLE_FIELDS)} can be edited, not {unknown}")
+    # The bounds an enqueue checks (`enqueue.job_row()`, the priority's range): an edit is no
+    # way around them.
+    if "priority" in edits:
+        check_int(edits["priority"], "priority", PRIORITY)
+    if "payload" in edits:
+        job_row(edits["payload"], None)
     # One transaction, the row locked first: the old values recorded are the ones the UPDATE
     # replaced, and the event commits with it or not at all (SQLite: the IMMEDIATE transaction
     # holds the write lock; tested on the three databases).
