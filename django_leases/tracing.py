@@ -145,7 +145,11 @@ class AttemptTrace:
             {
                 "exception.type": f"{type(exc).__module__}.{type(exc).__qualname__}",
                 "exception.message": error_text(exc),
-                "exception.stacktrace": "".join(traceback.format_tb(exc.__traceback__)),
+                # The innermost frames only: a RecursionError's thousand frames would be
+                # formatted on the slot's thread, and sent, for nothing more.
+                "exception.stacktrace": "".join(
+                    traceback.format_tb(exc.__traceback__, limit=-STACK_FRAMES)
+                ),
             },
         )
         self.span.set_status(trace.StatusCode.ERROR, type(exc).__qualname__)
@@ -160,6 +164,10 @@ class AttemptTrace:
         self.span.add_event("django_leases.attempt.ended", ended, timestamp=now)
         self.span.set_attributes(ended)
         self.span.end(end_time=now)
+
+
+STACK_FRAMES = 30
+"""The frames of a handler's traceback an exception event keeps (the innermost)."""
 
 
 @contextmanager

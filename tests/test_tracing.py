@@ -13,9 +13,11 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode, Tracer
 
-from django_leases import tracing
+from django_leases import job_handler, tracing
 from django_leases.exceptions import InvalidArgument
+from django_leases.handlers import unregister
 from django_leases.models import JobAttempt, PaymentJob
+from django_leases.tracing import STACK_FRAMES
 from django_leases.worker import LeaseWorker
 from django_leases.worker.attempt import Attempts, TracedAttempts
 from tests.testapp.models import LockRun
@@ -265,3 +267,30 @@ def test_run_lease_worker__without_opentelemetry_runs_a_traced_job(
 
 def test_tracing__only_the_tracing_module_imports_opentelemetry() -> None:
     assert modules_importing("opentelemetry") == ["django_leases/tracing.py"]
+
+
+def test_worker__an_exception_event_keeps_the_innermost_frames_only(
+    spans: tuple[Tracer, InMemorySpanExporter],
+) -> None:
+    """A handler's RecursionError (a thousand frames) is recorded with its innermost
+    `STACK_FRAMES` frames: no traceback of unbounded size formatted on the slot's thread."""
+    _, exporter = spans
+
+    # Two functions in turn: Python folds a run of one repeated frame, not these.
+    def ping(n: int) -> int:
+        return pong(n + 1) + 1
+
+    def pong(n: int) -> int:
+        return ping(n + 1) + 1
+
+    job_handler("traced_deep")(lambda job, lease: ping(0))
+    try:
+        PaymentJob.objects.enqueue("traced_deep", max_attempts=1)
+        drain("traced_deep")
+    finally:
+        unregister("traced_deep")
+    [process] = named(exporter, "process traced_deep")
+    [event] = [event for event in process.events if event.name == "exception"]
+    assert event.attributes["exception.type"] == "builtins.RecursionError"
+    frames = str(event.attributes["exception.stacktrace"]).count('  File "')
+    assert frames == STACK_FRAMES
